@@ -1,0 +1,307 @@
+"""The expert store: one aligned, checksummed record per (layer, expert) plus the dense weights.
+
+Layout of a store directory (docs/STORE.md is the normative description):
+  manifest.json          format version, config, quantization, tokenizer files, expert records
+  experts-LLL.bin        records of MoE layer LLL, each starting on a 16 KiB boundary
+  dense.safetensors      every tensor that is not a routed expert
+  tokenizer/             tokenizer files copied from the source checkpoint
+Writers build in OUT.partial-<pid> and rename at the end, so a store that exists is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from deltafin.runtime import archinfo
+from deltafin.runtime.directio import DirectFile, aligned_buffer, round_up
+from deltafin.runtime.tensorfile import NAME_TO_NP, SafetensorsSpool
+
+FORMAT = "deltafin-store"
+VERSION = 1
+ALIGN = 16384          # record start alignment: Apple SSD page, also fine for Linux O_DIRECT
+TENSOR_ALIGN = 64      # tensors inside a record start on 64 bytes for aligned numpy/MLX views
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "tokenizer.model")
+RECORD_TENSORS = tuple(f"{p}.{k}" for p in archinfo.PROJS for k in ("weight", "scales", "biases"))
+
+
+class StoreError(Exception):
+    """A store that is missing, corrupt, truncated or of an unknown version."""
+
+
+def checksum(data) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+@dataclass(frozen=True)
+class ExpertRecord:
+    layer: int
+    expert: int
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+    layout: str
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes a direct read fetches: the record rounded up to the store alignment."""
+        return round_up(self.nbytes, ALIGN)
+
+
+def record_layout(tensors: dict[str, np.ndarray], quant: dict) -> dict:
+    """Byte layout of one record: canonical tensor order, each on a 64-byte boundary."""
+    entries, pos = [], 0
+    for name in RECORD_TENSORS:
+        arr = tensors[name]
+        dtype = arr.dtype.name if arr.dtype != np.uint16 or name.endswith("weight") else "bfloat16"
+        entries.append({"name": name, "dtype": dtype, "shape": list(arr.shape),
+                        "offset": pos, "nbytes": arr.nbytes})
+        pos = round_up(pos + arr.nbytes, TENSOR_ALIGN)
+    return {"tensors": entries, "quant": quant, "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"]}
+
+
+def views_from_buffer(buf, layout: dict) -> dict[str, np.ndarray]:
+    """numpy views of a record's tensors inside buf (no copy). bfloat16 comes back as uint16."""
+    out = {}
+    for t in layout["tensors"]:
+        arr = np.frombuffer(buf, dtype=NAME_TO_NP[t["dtype"]], count=int(np.prod(t["shape"])),
+                            offset=t["offset"])
+        out[t["name"]] = arr.reshape(t["shape"])
+    return out
+
+
+class StoreWriter:
+    """Builds a store; the caller adds every expert record, dense tensor and tokenizer file."""
+
+    def __init__(self, out_dir, config: dict, bits: int, group_size: int,
+                 dense_quantization: dict | None = None, force: bool = False, extra: dict | None = None):
+        self.out = Path(out_dir)
+        if self.out.exists() and any(self.out.iterdir()) and not force:
+            raise StoreError(f"{self.out} exists and is not empty (use --force to replace it)")
+        self.info = archinfo.arch_for(config)
+        self.config = config
+        self.tmp = self.out.parent / f"{self.out.name}.partial-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        (self.tmp / "tokenizer").mkdir()
+        self.quantization = {"bits": bits, "group_size": group_size, "mode": "affine"}
+        self.dense_quantization = dense_quantization
+        self.extra = extra or {}
+        self._files: dict[int, object] = {}
+        self._pos: dict[int, int] = {}
+        self._layouts: dict[str, dict] = {}
+        self._layout_ids: dict[str, str] = {}
+        self._records: list[dict] = []
+        self._tokenizer: list[str] = []
+        self._dense = SafetensorsSpool(self.tmp / "dense.safetensors")
+        self._dense_names: set[str] = set()
+
+    def _layer_file(self, layer: int):
+        if layer not in self._files:
+            self._files[layer] = open(self.tmp / f"experts-{layer:03d}.bin", "wb")
+            self._pos[layer] = 0
+        return self._files[layer]
+
+    def add_expert(self, layer: int, expert: int, tensors: dict[str, np.ndarray],
+                   quant: dict | None = None) -> None:
+        """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw)."""
+        missing = [n for n in RECORD_TENSORS if n not in tensors]
+        if missing:
+            raise StoreError(f"layer {layer} expert {expert}: record lacks {missing}")
+        quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
+        layout = record_layout(tensors, quant)
+        key = json.dumps(layout, sort_keys=True)
+        if key not in self._layout_ids:
+            self._layout_ids[key] = f"L{len(self._layout_ids)}"
+            self._layouts[self._layout_ids[key]] = layout
+        record = bytearray(round_up(layout["nbytes"], ALIGN))
+        for t in layout["tensors"]:
+            raw = np.ascontiguousarray(tensors[t["name"]]).view(np.uint8).reshape(-1)
+            record[t["offset"]:t["offset"] + t["nbytes"]] = raw.data
+        f = self._layer_file(layer)
+        offset = self._pos[layer]
+        f.write(record)
+        self._pos[layer] += len(record)
+        self._records.append({"layer": layer, "expert": expert, "file": f"experts-{layer:03d}.bin",
+                              "offset": offset, "nbytes": layout["nbytes"],
+                              "checksum": checksum(memoryview(record)[:layout["nbytes"]]),
+                              "layout": self._layout_ids[key]})
+
+    def add_dense(self, name: str, dtype: str, shape, data) -> None:
+        self._dense.add(name, dtype, shape, data)
+        self._dense_names.add(name)
+
+    def add_tokenizer_file(self, path) -> None:
+        path = Path(path)
+        shutil.copyfile(path, self.tmp / "tokenizer" / path.name)
+        self._tokenizer.append(path.name)
+
+    def finish(self) -> Path:
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self._dense.finish()
+        self._records.sort(key=lambda r: (r["layer"], r["expert"]))
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "architecture": self.info.model_type,
+            "config": self.config,
+            "quantization": self.quantization,
+            "dense_quantization": self.dense_quantization,
+            "dense_files": ["dense.safetensors"],
+            "tokenizer": {"dir": "tokenizer", "files": sorted(self._tokenizer)},
+            "alignment": ALIGN,
+            "checksum": "crc32",
+            "model": {"num_hidden_layers": int(self.config["num_hidden_layers"]),
+                      "moe_layers": archinfo.moe_layers(self.config),
+                      "n_experts": archinfo.n_experts(self.config),
+                      "top_k": archinfo.top_k(self.config)},
+            **self.extra,
+            "layouts": self._layouts,
+            "experts": self._records,
+        }
+        with open(self.tmp / "manifest.json", "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.rename(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Store:
+    """A store opened for reading: manifest, record table, direct reads, verification."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        mpath = self.path / "manifest.json"
+        if not mpath.exists():
+            raise StoreError(f"{self.path}: not a deltafin store (no manifest.json)")
+        try:
+            m = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{mpath}: corrupt manifest: {e}") from None
+        if m.get("format") != FORMAT:
+            raise StoreError(f"{mpath}: not a deltafin store manifest")
+        if m.get("version") != VERSION:
+            raise StoreError(f"{mpath}: store format version {m.get('version')} is not supported "
+                             f"(this deltafin reads version {VERSION}); re-run deltafin-convert")
+        self.manifest = m
+        self.config = m["config"]
+        self.layouts = m["layouts"]
+        self.records = {(r["layer"], r["expert"]): ExpertRecord(**r) for r in m["experts"]}
+        self.moe_layers = list(m["model"]["moe_layers"])
+        self.n_experts = int(m["model"]["n_experts"])
+        self.top_k = int(m["model"]["top_k"])
+        self.bits = int(m["quantization"]["bits"])
+        self.group_size = int(m["quantization"]["group_size"])
+        for layer in self.moe_layers:
+            for e in range(self.n_experts):
+                if (layer, e) not in self.records:
+                    raise StoreError(f"{mpath}: no record for layer {layer} expert {e}")
+
+    def record(self, layer: int, expert: int) -> ExpertRecord:
+        return self.records[(layer, expert)]
+
+    def layout(self, layer: int, expert: int = 0) -> dict:
+        return self.layouts[self.records[(layer, expert)].layout]
+
+    @property
+    def max_record_bytes(self) -> int:
+        return max(r.read_nbytes for r in self.records.values())
+
+    @property
+    def expert_bytes_total(self) -> int:
+        return sum(r.nbytes for r in self.records.values())
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / self.manifest["tokenizer"]["dir"]
+
+    def read_record(self, rec: ExpertRecord, buf=None, files: dict | None = None,
+                    verify: bool = True) -> memoryview:
+        """Direct read of one record into buf (aligned, >= rec.read_nbytes)."""
+        buf = buf if buf is not None else aligned_buffer(rec.read_nbytes)
+        own = files is None
+        files = {} if own else files
+        try:
+            f = files.get(rec.file)
+            if f is None:
+                f = files[rec.file] = DirectFile(self.path / rec.file)
+            got = f.read_into(memoryview(buf), rec.offset, rec.nbytes)
+        finally:
+            if own:
+                for f in files.values():
+                    f.close()
+        if got < rec.nbytes:
+            raise StoreError(f"layer {rec.layer} expert {rec.expert}: {rec.file} is truncated "
+                             f"(record at {rec.offset} needs {rec.nbytes} bytes, {got} present)")
+        view = memoryview(buf)[:rec.nbytes]
+        if verify and checksum(view) != rec.checksum:
+            raise StoreError(f"layer {rec.layer} expert {rec.expert}: checksum mismatch in "
+                             f"{rec.file} at offset {rec.offset}")
+        return view
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        rec = self.record(layer, expert)
+        view = self.read_record(rec)
+        return {k: v.copy() for k, v in views_from_buffer(view, self.layouts[rec.layout]).items()}
+
+    def dense_weights(self) -> dict:
+        import mlx.core as mx
+        weights = {}
+        for name in self.manifest["dense_files"]:
+            path = self.path / name
+            if not path.exists():
+                raise StoreError(f"{self.path}: dense weight file {name} is missing")
+            try:
+                weights.update(mx.load(str(path)))
+            except Exception as e:  # mlx raises plain exceptions for corrupt files
+                raise StoreError(f"{path}: cannot load dense weights: {e}") from None
+        return weights
+
+    def verify(self, progress=None):
+        """Yields (record or None, message) for every problem found; reads every byte once."""
+        from deltafin.runtime.tensorfile import TensorFileError, read_header
+        for name in self.manifest["dense_files"]:
+            try:
+                read_header(self.path / name)
+            except (OSError, TensorFileError) as e:
+                yield None, f"dense weights: {e}"
+        for fname in self.manifest["tokenizer"]["files"]:
+            if not (self.tokenizer_dir / fname).exists():
+                yield None, f"tokenizer file {fname} is missing"
+        buf = aligned_buffer(self.max_record_bytes)
+        files: dict = {}
+        try:
+            for rec in sorted(self.records.values(), key=lambda r: (r.file, r.offset)):
+                if rec.offset % ALIGN:
+                    yield rec, (f"layer {rec.layer} expert {rec.expert}: offset {rec.offset} "
+                                f"is not {ALIGN}-byte aligned")
+                    continue
+                try:
+                    self.read_record(rec, buf, files)
+                except (StoreError, OSError) as e:
+                    yield rec, str(e)
+                if progress:
+                    progress(rec.nbytes)
+        finally:
+            for f in files.values():
+                f.close()

@@ -1,0 +1,278 @@
+"""deltafin-convert: Hugging Face or mlx-lm checkpoints -> deltafin expert store; --verify a store.
+
+Streams one expert at a time (or one expert's slice of a stacked tensor), so peak memory does
+not grow with the model. Float experts are quantized with mx.quantize itself, so the bytes are
+exactly what MLX would produce; mlx-lm quantized experts are copied untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from deltafin.runtime import archinfo
+from deltafin.runtime.store import TOKENIZER_FILES, Store, StoreError, StoreWriter
+from deltafin.runtime.tensorfile import FLOAT_DTYPES, TensorFileError, TensorRef, index_checkpoint
+
+EXTRA_TOKENIZER_FILES = ("vocab.json", "merges.txt", "added_tokens.json")
+
+
+class ConvertError(Exception):
+    pass
+
+
+@dataclass
+class ExpertSource:
+    """Where the three projections of one (layer, expert) come from."""
+    kind: str                       # "per_expert" | "stacked" | "stacked_quantized" | "fused"
+    refs: dict = field(default_factory=dict)
+    index: int = 0                  # position along the stacked axis
+
+
+def to_mx(arr: np.ndarray, dtype: str):
+    import mlx.core as mx
+    a = mx.array(arr)
+    return a.view(mx.bfloat16) if dtype == "bfloat16" else a
+
+
+def to_np(a) -> np.ndarray:
+    import mlx.core as mx
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def quantize(w: np.ndarray, dtype: str, bits: int, group_size: int) -> tuple:
+    import mlx.core as mx
+    wq, scales, biases = mx.quantize(to_mx(w, dtype), group_size=group_size, bits=bits)
+    return to_np(wq), to_np(scales), to_np(biases)
+
+
+def mlx_quant_params(qconfig: dict, path: str) -> dict | None:
+    """bits/group_size mlx-lm used for module `path` (per-path overrides win)."""
+    override = qconfig.get(path)
+    if override is False:
+        return None
+    if isinstance(override, dict):
+        return {"bits": int(override["bits"]), "group_size": int(override["group_size"])}
+    return {"bits": int(qconfig["bits"]), "group_size": int(qconfig["group_size"])}
+
+
+class Converter:
+    def __init__(self, src, out, bits: int = 4, group_size: int = 64, force: bool = False,
+                 progress: bool = True):
+        self.src, self.out = Path(src), Path(out)
+        self.bits, self.group_size, self.force, self.progress = bits, group_size, force, progress
+        cfg_path = self.src / "config.json"
+        if not cfg_path.exists():
+            raise ConvertError(f"{self.src}: no config.json (is this a Hugging Face or mlx-lm checkpoint?)")
+        self.config = json.loads(cfg_path.read_text())
+        try:
+            self.info = archinfo.arch_for(self.config)
+        except archinfo.UnsupportedArchitecture as e:
+            raise ConvertError(str(e)) from None
+        self.n_layers = int(self.config["num_hidden_layers"])
+        self.moe_layers = archinfo.moe_layers(self.config)
+        self.n_experts = archinfo.n_experts(self.config)
+        qc = self.config.get("quantization")
+        self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
+        try:
+            self.refs = index_checkpoint(self.src)
+        except TensorFileError as e:
+            raise ConvertError(str(e)) from None
+
+    # -- planning: find every expert and check shapes before a byte is written --------------
+    def plan(self) -> tuple[dict, list[str]]:
+        per = archinfo.expert_pattern(self.info)
+        stacked = archinfo.stacked_pattern(self.info)
+        fused = archinfo.fused_pattern(self.info)
+        sources: dict[tuple, ExpertSource] = {}
+        dense = []
+        for name, ref in self.refs.items():
+            if m := per.match(name):
+                layer, e, proj = int(m[1]), int(m[2]), self.info.proj_names[m[3]]
+                src = sources.setdefault((layer, e), ExpertSource("per_expert", index=e))
+                src.refs[proj] = ref
+            elif m := stacked.match(name):
+                layer, proj, part = int(m[1]), m[2], m[3]
+                for e in range(ref.shape[0]):
+                    src = sources.setdefault((layer, e), ExpertSource("stacked", index=e))
+                    if part != "weight":  # scales/biases beside it: mlx-lm quantized experts
+                        src.kind = "stacked_quantized"
+                    src.refs[f"{proj}.{part}"] = ref
+            elif m := fused.match(name):
+                layer = int(m[1])
+                for e in range(ref.shape[0]):
+                    src = sources.setdefault((layer, e), ExpertSource("fused", index=e))
+                    src.refs[m[2]] = ref
+            else:
+                dense.append(name)
+        # Multi-token-prediction layers (DeepSeek-V3 layer 61) are not part of the decoder.
+        dense = [n for n in dense if _layer_of(n) is None or _layer_of(n) < self.n_layers]
+        sources = {k: v for k, v in sources.items() if k[0] < self.n_layers}
+        problems = []
+        for layer in self.moe_layers:
+            for e in range(self.n_experts):
+                src = sources.get((layer, e))
+                if src is None:
+                    problems.append(f"layer {layer} expert {e}: no expert tensors found")
+                    continue
+                problems += self._check(layer, e, src)
+        extra = sorted(set(sources) - {(l, e) for l in self.moe_layers for e in range(self.n_experts)})
+        if extra:
+            problems.append(f"expert tensors for (layer, expert) {extra[:4]} that the config does "
+                            f"not route to (moe layers {self.moe_layers}, {self.n_experts} experts)")
+        if problems:
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            raise ConvertError("cannot convert:\n  " + "\n  ".join(problems[:10]) + more)
+        return sources, dense
+
+    def _check(self, layer: int, e: int, src: ExpertSource) -> list[str]:
+        where = f"layer {layer} expert {e}"
+        need = {"per_expert": archinfo.PROJS, "stacked": [f"{p}.weight" for p in archinfo.PROJS],
+                "stacked_quantized": [f"{p}.{k}" for p in archinfo.PROJS
+                                      for k in ("weight", "scales", "biases")],
+                "fused": ["gate_up_proj", "down_proj"]}[src.kind]
+        missing = [n for n in need if n not in src.refs]
+        if missing:
+            return [f"{where}: missing tensors {missing}"]
+        if src.kind == "stacked_quantized":
+            return []
+        for name, ref in src.refs.items():
+            if ref.dtype not in FLOAT_DTYPES:
+                return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"]
+            in_dim = ref.shape[-1]
+            if in_dim % self.group_size:
+                return [f"{where}: {ref.name} shape {list(ref.shape)} does not fit group size "
+                        f"{self.group_size} (input dimension {in_dim} is not a multiple)"]
+        return []
+
+    # -- one record ------------------------------------------------------------------------
+    def record(self, layer: int, src: ExpertSource) -> tuple[dict, dict]:
+        bits, gs = self.bits, self.group_size
+        tensors: dict[str, np.ndarray] = {}
+        quant = {}
+        if src.kind == "stacked_quantized":
+            block = self.info.block
+            for proj in archinfo.PROJS:
+                for part in ("weight", "scales", "biases"):
+                    tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
+                q = mlx_quant_params(self.mlx_quant, f"model.layers.{layer}.{block}.switch_mlp.{proj}")
+                quant[proj] = q or {"bits": self.mlx_quant["bits"], "group_size": self.mlx_quant["group_size"]}
+            return tensors, quant
+        floats = self._float_projs(src)
+        for proj, (w, dtype) in floats.items():
+            wq, s, b = quantize(w, dtype, bits, gs)
+            tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"] = wq, s, b
+            quant[proj] = {"bits": bits, "group_size": gs}
+        return tensors, quant
+
+    def _float_projs(self, src: ExpertSource) -> dict:
+        if src.kind == "per_expert":
+            return {p: (src.refs[p].read(), src.refs[p].dtype) for p in archinfo.PROJS}
+        if src.kind == "stacked":
+            return {p: (src.refs[f"{p}.weight"].read_slice0(src.index), src.refs[f"{p}.weight"].dtype)
+                    for p in archinfo.PROJS}
+        gu_ref, down_ref = src.refs["gate_up_proj"], src.refs["down_proj"]
+        gu = gu_ref.read_slice0(src.index)
+        half = gu.shape[0] // 2
+        return {"gate_proj": (np.ascontiguousarray(gu[:half]), gu_ref.dtype),
+                "up_proj": (np.ascontiguousarray(gu[half:]), gu_ref.dtype),
+                "down_proj": (down_ref.read_slice0(src.index), down_ref.dtype)}
+
+    # -- the whole run -----------------------------------------------------------------------
+    def run(self) -> Path:
+        sources, dense = self.plan()
+        bits = self.mlx_quant["bits"] if self.mlx_quant else self.bits
+        gs = self.mlx_quant["group_size"] if self.mlx_quant else self.group_size
+        try:
+            writer = StoreWriter(self.out, self.config, bits, gs, dense_quantization=self.mlx_quant,
+                                 force=self.force)
+        except StoreError as e:
+            raise ConvertError(str(e)) from None
+        bar = _progress(len(sources) + len(dense), "convert", self.progress)
+        try:
+            for (layer, e) in sorted(sources):
+                tensors, quant = self.record(layer, sources[(layer, e)])
+                writer.add_expert(layer, e, tensors, quant)
+                bar.update(1)
+            for name in sorted(dense):
+                ref: TensorRef = self.refs[name]
+                writer.add_dense(name, ref.dtype, ref.shape, ref.read())
+                bar.update(1)
+            for fname in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
+                if (self.src / fname).exists():
+                    writer.add_tokenizer_file(self.src / fname)
+            out = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            bar.close()
+        return out
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "tensor", **kw):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True, **kw)
+
+
+def verify(path, progress: bool = True) -> list[str]:
+    store = Store(path)
+    bar = _progress(store.expert_bytes_total, "verify", progress, unit="B", unit_scale=True)
+    try:
+        return [msg for _, msg in store.verify(progress=bar.update)]
+    finally:
+        bar.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-convert",
+                                description="Convert a Hugging Face or mlx-lm MoE checkpoint into a "
+                                            "deltafin expert store, or verify a store.")
+    p.add_argument("paths", nargs="+", metavar="SRC OUT", help="SRC OUT to convert; OUT with --verify")
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
+    p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    p.add_argument("--verify", action="store_true", help="re-read every record and check checksums")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        if a.verify:
+            if len(a.paths) != 1:
+                p.error("--verify takes one store path")
+            problems = verify(a.paths[0], progress=not a.no_progress)
+            for msg in problems:
+                print(f"BAD {msg}", file=sys.stderr)
+            if problems:
+                print(f"{a.paths[0]}: {len(problems)} problem(s)", file=sys.stderr)
+                return 1
+            store = Store(a.paths[0])
+            print(f"OK {a.paths[0]}: {len(store.records)} expert records, "
+                  f"{store.expert_bytes_total / 2**20:.1f} MiB, checksums match")
+            return 0
+        if len(a.paths) != 2:
+            p.error("convert takes SRC and OUT")
+        out = Converter(a.paths[0], a.paths[1], a.bits, a.group_size, a.force,
+                        progress=not a.no_progress).run()
+        store = Store(out)
+        print(f"wrote {out}: {store.manifest['architecture']}, {len(store.records)} expert records "
+              f"({store.expert_bytes_total / 2**20:.1f} MiB), {store.bits}-bit group {store.group_size}")
+        return 0
+    except (ConvertError, StoreError, TensorFileError, archinfo.UnsupportedArchitecture) as e:
+        print(f"deltafin-convert: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
