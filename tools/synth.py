@@ -1,0 +1,594 @@
+"""Synthetic models for tests and benchmarks (no downloads, no torch).
+
+  deltafin-synth tiny ARCH OUT    tiny random Hugging Face checkpoint (config, safetensors, tokenizer)
+  deltafin-synth bench PRESET OUT full-size random deltafin store written at disk speed
+  deltafin-synth demo ...         added by tools/demo_model.py when that module exists
+
+All tensor names and shapes come from tensor_shapes(config): one small function per
+architecture, shared by both subcommands, checked against transformers in tests/test_synth.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from deltafin.runtime import archinfo
+
+TINY_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+INIT_STD = 0.02  # transformers' initializer_range, used for 1-D biases
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names and shapes per architecture ([out, in] for linear weights, as torch stores them)
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear(name: str, out: int, inp: int, bias: bool = False) -> dict:
+    t = {f"{name}.weight": (out, inp)}
+    if bias:
+        t[f"{name}.bias"] = (out,)
+    return t
+
+
+def _glu(prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    gate, up, down = names
+    return {**_linear(f"{prefix}.{gate}", inter, hidden), **_linear(f"{prefix}.{up}", inter, hidden),
+            **_linear(f"{prefix}.{down}", hidden, inter)}
+
+
+def _routed(c: dict, p: str, inter: int) -> dict:
+    """Router plus per-expert weights, named the way archinfo says the checkpoint names them."""
+    info = archinfo.arch_for(c)
+    canon = {v: k for k, v in info.proj_names.items()}  # canonical -> checkpoint name (w1, ...)
+    names = (canon["gate_proj"], canon["up_proj"], canon["down_proj"])
+    n, hidden = archinfo.n_experts(c), c["hidden_size"]
+    t = _linear(f"{p}.{info.block}.gate", n, hidden)
+    for e in range(n):
+        t.update(_glu(f"{p}.{info.block}.experts.{e}", hidden, inter, names))
+    return t
+
+
+def _gqa(c: dict, p: str, bias: bool = False, qk_norm: str | None = None) -> dict:
+    """Grouped-query attention; qk_norm "head" = per-head RMSNorm (qwen3), "full" = whole width (olmoe)."""
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads") or nh
+    hd = c.get("head_dim") or h // nh
+    t = {**_linear(f"{p}.self_attn.q_proj", nh * hd, h, bias), **_linear(f"{p}.self_attn.k_proj", nkv * hd, h, bias),
+         **_linear(f"{p}.self_attn.v_proj", nkv * hd, h, bias), **_linear(f"{p}.self_attn.o_proj", h, nh * hd)}
+    if qk_norm == "head":
+        t.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+    elif qk_norm == "full":
+        t.update({f"{p}.self_attn.q_norm.weight": (nh * hd,), f"{p}.self_attn.k_norm.weight": (nkv * hd,)})
+    return t
+
+
+def _mla(c: dict, p: str) -> dict:
+    """DeepSeek multi-head latent attention (q_lora_rank None means a plain q_proj)."""
+    h, nh, a = c["hidden_size"], c["num_attention_heads"], f"{p}.self_attn"
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    kv_r, q_r = c["kv_lora_rank"], c.get("q_lora_rank")
+    if q_r:
+        t = {**_linear(f"{a}.q_a_proj", q_r, h), f"{a}.q_a_layernorm.weight": (q_r,),
+             **_linear(f"{a}.q_b_proj", nh * (nope + rope), q_r)}
+    else:
+        t = _linear(f"{a}.q_proj", nh * (nope + rope), h)
+    t.update({**_linear(f"{a}.kv_a_proj_with_mqa", kv_r + rope, h), f"{a}.kv_a_layernorm.weight": (kv_r,),
+              **_linear(f"{a}.kv_b_proj", nh * (nope + vd), kv_r), **_linear(f"{a}.o_proj", h, nh * vd)})
+    return t
+
+
+def _decoder(c: dict, layer) -> dict:
+    """Embedding, final norm, head and per-layer norms around layer(i, prefix, is_moe) -> dict."""
+    h, v = c["hidden_size"], c["vocab_size"]
+    moe = set(archinfo.moe_layers(c))
+    t = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not c.get("tie_word_embeddings"):
+        t["lm_head.weight"] = (v, h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)})
+        t.update(layer(i, p, i in moe))
+    return t
+
+
+def _mixtral(c):
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p), **_routed(c, p, c["intermediate_size"])})
+
+
+def _olmoe(c):
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, qk_norm="full"), **_routed(c, p, c["intermediate_size"])})
+
+
+def _qwen_mlp(c, p, moe, shared: bool):
+    if not moe:
+        return _glu(f"{p}.mlp", c["hidden_size"], c["intermediate_size"])
+    t = _routed(c, p, c["moe_intermediate_size"])
+    if shared:  # qwen2_moe: one wide shared expert behind a sigmoid gate
+        t.update(_glu(f"{p}.mlp.shared_expert", c["hidden_size"], c["shared_expert_intermediate_size"]))
+        t.update(_linear(f"{p}.mlp.shared_expert_gate", 1, c["hidden_size"]))
+    return t
+
+
+def _qwen2_moe(c):
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, bias=True), **_qwen_mlp(c, p, moe, shared=True)})
+
+
+def _qwen3_moe(c):
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, qk_norm="head"), **_qwen_mlp(c, p, moe, shared=False)})
+
+
+def _deepseek(c):
+    def layer(i, p, moe):
+        t = _mla(c, p)
+        if not moe:
+            return {**t, **_glu(f"{p}.mlp", c["hidden_size"], c["intermediate_size"])}
+        t.update(_routed(c, p, c["moe_intermediate_size"]))
+        if c.get("n_shared_experts"):
+            t.update(_glu(f"{p}.mlp.shared_experts", c["hidden_size"],
+                          c["moe_intermediate_size"] * c["n_shared_experts"]))
+        if c.get("topk_method") == "noaux_tc":
+            t[f"{p}.mlp.gate.e_score_correction_bias"] = (archinfo.n_experts(c),)
+        return t
+    return _decoder(c, layer)
+
+
+SHAPES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
+          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple]:
+    """Every tensor of an HF checkpoint with this config: {name: shape}, experts unstacked."""
+    return SHAPES[archinfo.arch_for(config).model_type](config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face configs (hub style: what the published config.json files contain)
+# ---------------------------------------------------------------------------------------------
+
+def _round64(x: float) -> int:
+    return max(64, int(round(x / 64)) * 64)
+
+
+def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, moe_intermediate: int,
+               vocab: int, dtype: str = "float32", heads: int | None = None, q_lora_rank: int | None = None,
+               bos: int = 0, eos: int = 2) -> dict:
+    """A config.json that both transformers and mlx-lm read, with dims fit for group-64 quantization."""
+    heads = heads or max(1, hidden // 32)
+    arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
+                 "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}[arch]
+    theta = {"mixtral": 1e6, "qwen2_moe": 1e6, "qwen3_moe": 1e6}.get(arch, 10000.0)
+    c = {"architectures": [f"{arch_name}ForCausalLM"], "model_type": arch, "vocab_size": vocab,
+         "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+         "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+         "num_experts_per_tok": top_k, "hidden_act": "silu", "max_position_embeddings": 4096,
+         "rms_norm_eps": 1e-6, "initializer_range": INIT_STD, "tie_word_embeddings": False,
+         "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "use_cache": True,
+         "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+         # old and new spellings: mlx-lm reads rope_theta/torch_dtype, transformers 5 rope_parameters/dtype
+         "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+         "torch_dtype": dtype, "dtype": dtype}
+    if arch in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
+        c["intermediate_size"] = moe_intermediate
+        c["num_local_experts" if arch == "mixtral" else "num_experts"] = experts
+        if arch == "olmoe":
+            c.update(norm_topk_prob=False, attention_bias=False, clip_qkv=None)
+        else:
+            c["sliding_window"] = None
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        c.update(num_experts=experts, moe_intermediate_size=moe_intermediate, decoder_sparse_step=1,
+                 mlp_only_layers=[], use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+        if arch == "qwen2_moe":
+            c.update(shared_expert_intermediate_size=2 * moe_intermediate, qkv_bias=True, norm_topk_prob=False)
+        else:  # transformers 5 calls it num_local_experts, mlx-lm and the hub num_experts
+            c.update(num_local_experts=experts, head_dim=hidden // heads, norm_topk_prob=True,
+                     attention_bias=False)
+    else:
+        v3 = arch == "deepseek_v3"
+        n_group = 4 if v3 and experts % 4 == 0 and experts >= 8 else 1
+        c.update(num_key_value_heads=heads, n_routed_experts=experts, moe_intermediate_size=moe_intermediate,
+                 n_shared_experts=1 if v3 else 2, first_k_dense_replace=1, moe_layer_freq=1,
+                 kv_lora_rank=_round64(hidden / 2), q_lora_rank=q_lora_rank if not v3 else
+                 (q_lora_rank or _round64(hidden / 2)),
+                 qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                 n_group=n_group, topk_group=max(1, n_group // 2), attention_bias=False,
+                 topk_method="noaux_tc" if v3 else "greedy", scoring_func="sigmoid" if v3 else "softmax",
+                 norm_topk_prob=v3, routed_scaling_factor=2.5 if v3 else 1.0, aux_loss_alpha=0.001,
+                 seq_aux=True)
+        # published DeepSeek configs use yarn, and mlx-lm's deepseek_v2 requires it; a real factor
+        # (not 1) so the runtime's yarn frequencies and attention mscale get compared to references
+        yarn = {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 0.707, "mscale_all_dim": 0.707}
+        c["rope_scaling"] = {"type": "yarn", **yarn}
+        c["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta, **yarn}
+        if v3:
+            c.update(num_nextn_predict_layers=0, rope_interleave=True)
+    return c
+
+
+# Real model shapes for `bench` (values from the published config.json files).
+_DS = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+           moe_layer_freq=1, first_k_dense_replace=1, qk_nope_head_dim=128, qk_rope_head_dim=64,
+           v_head_dim=128, kv_lora_rank=512, initializer_range=INIT_STD, aux_loss_alpha=0.001, seq_aux=True)
+PRESETS = {
+    "dsv2-lite": dict(_DS, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                      vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                      num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                      n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.0, q_lora_rank=None,
+                      topk_method="greedy", n_group=1, topk_group=1, scoring_func="softmax",
+                      norm_topk_prob=False, max_position_embeddings=163840, rope_theta=10000.0,
+                      rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                          tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+                          use_sliding_window=False, sliding_window=None, initializer_range=INIT_STD),
+    # Kimi-K2 publishes model_type "kimi_k2"; it is deepseek_v3 underneath, so say that directly.
+    "kimi-k2": dict(_DS, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840,
+                    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+                    num_experts_per_tok=8, routed_scaling_factor=2.827, q_lora_rank=1536, topk_method="noaux_tc",
+                    n_group=1, topk_group=1, scoring_func="sigmoid", norm_topk_prob=True,
+                    max_position_embeddings=131072, rope_theta=50000.0, num_nextn_predict_layers=0,
+                    rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Random values
+# ---------------------------------------------------------------------------------------------
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _is_router(name: str) -> bool:
+    return name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+
+
+def init_std(name: str, shape) -> float:
+    """Unit-scale init: std 1/sqrt(fan_in) for matrices (transformers' 0.02 at real widths) and 1 for
+    embeddings. Plain 0.02 on a 128-wide model lets attention swamp the token signal: routing piles
+    onto a few experts and the experts hardly move the logits, which makes weak test references."""
+    if "embed_tokens" in name:
+        return 1.0
+    if len(shape) == 2:
+        return 1.0 / math.sqrt(shape[1])
+    if name.endswith("e_score_correction_bias"):
+        return 0.1  # transformers uses zeros; nonzero exercises the selection-only bias path
+    return INIT_STD  # linear biases (transformers: zeros) so a dropped bias shows in the outputs
+
+
+def init_tensor(name: str, shape, seed: int) -> np.ndarray:
+    """float32 values for one tensor; RMSNorm weights are 1."""
+    if _is_norm(name):
+        return np.ones(shape, np.float32)
+    # per-tensor stream: the values do not depend on the writing order or the sharding
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.normal(0.0, init_std(name, shape), size=shape).astype(np.float32)
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    return to_bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
+
+
+_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> int:
+    """Minimal safetensors writer (numpy has no bfloat16): {name: (dtype_name, array)}; returns data bytes."""
+    header, pos = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dt, arr) in tensors.items():
+        header[name] = {"dtype": _ST_CODE[dt], "shape": list(arr.shape), "data_offsets": [pos, pos + arr.nbytes]}
+        pos += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).data)
+    return pos
+
+
+def _natural(name: str):
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: byte-level BPE trained on a few sentences, padded with reserved tokens to the vocab
+# ---------------------------------------------------------------------------------------------
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 = bos, chat start, eos
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = """The quick brown fox jumps over the lazy dog. A mixture of experts routes every token to a few
+experts out of many. Experts are streamed from the solid state drive into shared memory when they are needed.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris is the capital.
+Once upon a time there was a small model that learned to count: one, two, three, four, five, six, seven.
+def main():\n    print("hello")\n    return 0\nThe weather is nice and the sky is blue; the sea is calm.
+Numbers 0123456789 and symbols (+-*/=<>[]{}) appear in code, in maths and in tables of results.""".splitlines()
+
+
+def write_tokenizer(out: Path, vocab: int) -> list[Path]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if vocab < 256 + len(SPECIALS):
+        raise SystemExit(f"--vocab must be at least {256 + len(SPECIALS)} for a byte-level tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    n = tok.get_vocab_size()
+    if n < vocab:  # the corpus ran out of merges: fill the rest so ids cover the embedding exactly
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab - n)])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    bos, _, eos = SPECIALS
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": bos,
+        "unk_token": None, "add_bos_token": False, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE}, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos, "pad_token": bos}, indent=1))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 2, "do_sample": False}, indent=1))
+    return [out / f for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                              "generation_config.json")]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) tiny checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1) -> Path:
+    """config.json + model.safetensors (or N shards with an index) + tokenizer files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = tensor_shapes(config)
+    names = sorted(shapes, key=_natural)
+    shards = max(1, min(shards, len(names)))
+    itemsize = 4 if dtype == "float32" else 2
+    sizes = [int(np.prod(shapes[n])) * itemsize for n in names]
+    total, groups, acc = sum(sizes), [[] for _ in range(shards)], 0
+    for n, s in zip(names, sizes):  # contiguous runs of about total/shards bytes each
+        groups[min(shards - 1, acc * shards // total)].append(n)
+        acc += s
+    groups = [g for g in groups if g]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        # e_score_correction_bias stays float32 as in the published DeepSeek-V3 checkpoints
+        tensors = {n: ("float32", init_tensor(n, shapes[n], seed))
+                   if n.endswith("e_score_correction_bias") else
+                   (dtype, _cast(init_tensor(n, shapes[n], seed), dtype)) for n in group}
+        write_safetensors(out / fname, tensors)
+        weight_map.update({n: fname for n in group})
+    if len(groups) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_tokenizer(out, config["vocab_size"])
+    return out
+
+
+def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: int = 2, hidden: int = 128,
+         moe_intermediate: int = 128, vocab: int = 512, dtype: str = "float32", seed: int = 0, shards: int = 1,
+         q_lora_rank: int | None = None) -> Path:
+    if arch not in TINY_ARCHS:
+        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(TINY_ARCHS)}")
+    if layers is None:  # deepseek's first layer is dense: keep two MoE layers everywhere
+        layers = 3 if arch.startswith("deepseek") else 2
+    config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
+                        moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
+    return write_checkpoint(Path(out), config, dtype, seed, shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) benchmark stores: random packed 4-bit data, no float weights ever materialized
+# ---------------------------------------------------------------------------------------------
+
+class _RandomQuant:
+    """Random MLX-affine quantized tensors cut from pre-generated pools, so output runs at disk speed.
+
+    Codes are uniform random; scales/biases centre each group on zero with about the given std.
+    """
+
+    POOL_BYTES = 64 << 20
+    POOL_GROUPS = 1 << 20
+
+    def __init__(self, seed: int, bits: int, group_size: int, dtype: str):
+        self.rng = np.random.default_rng(seed)
+        self.bits, self.group_size, self.dtype = bits, group_size, dtype
+        self.codes = np.frombuffer(self.rng.bytes(self.POOL_BYTES), np.uint32)
+        self.jitter = self.rng.uniform(0.8, 1.25, self.POOL_GROUPS).astype(np.float32)
+        self._groups: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _group_pool(self, std: float):
+        if std not in self._groups:  # uniform codes 0..L have std ~ L/sqrt(12)
+            levels = (1 << self.bits) - 1
+            scale = std * math.sqrt(12) / levels * self.jitter
+            self._groups[std] = (_cast(scale, self.dtype), _cast(-0.5 * levels * scale, self.dtype))
+        return self._groups[std]
+
+    def _start(self, pool_len: int, n: int) -> int | None:
+        """A random window of n items in a pool, or None when the pool is too small to vary it."""
+        return int(self.rng.integers(0, pool_len - n)) if 2 * n <= pool_len else None
+
+    def tensor(self, out: int, inp: int, std: float) -> dict[str, np.ndarray]:
+        words, groups = inp * self.bits // 32, inp // self.group_size
+        nw, ng = out * words, out * groups
+        i = self._start(len(self.codes), nw)
+        # only embeddings and lm_head outgrow the pools: generate those directly
+        w = self.codes[i:i + nw] if i is not None else np.frombuffer(self.rng.bytes(nw * 4), np.uint32)
+        scales, biases = self._group_pool(std)
+        i = self._start(len(scales), ng)
+        sel = slice(i, i + ng) if i is not None else self.rng.integers(0, len(scales), ng)
+        s, b = scales[sel], biases[sel]
+        return {"weight": w.reshape(out, words), "scales": s.reshape(out, groups),
+                "biases": b.reshape(out, groups)}
+
+
+def _quantize_dense(name: str, shape, group_size: int, config: dict) -> bool:
+    """mlx-lm quantizes every Linear/Embedding whose input width fits the groups; routers stay float, and so
+    does deepseek_v3's kv_b_proj, which mlx-lm re-splits per head (float keeps that conversion exact)."""
+    return (len(shape) == 2 and name.endswith(".weight") and not _is_norm(name) and not _is_router(name)
+            and shape[1] % group_size == 0 and shape[0] > 1
+            and not (config["model_type"] == "deepseek_v3" and name.endswith("kv_b_proj.weight")))
+
+
+def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_size: int = 64, seed: int = 0,
+          dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> Path:
+    from deltafin.runtime.store import StoreWriter
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise SystemExit(f"unsupported bits {bits} (mlx affine quantization: 2, 3, 4, 5, 6 or 8)")
+    config = dict(PRESETS[preset], torch_dtype=dtype, dtype=dtype, bos_token_id=0, eos_token_id=2,
+                  pad_token_id=None)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        if "max_window_layers" in config:
+            config["max_window_layers"] = layers
+    shapes = tensor_shapes(config)
+    info = archinfo.arch_for(config)
+    pattern = archinfo.expert_pattern(info)
+    experts: dict[tuple[int, int], dict[str, tuple]] = {}
+    dense = {}
+    for name, shape in shapes.items():
+        m = pattern.match(name)
+        if m:
+            experts.setdefault((int(m[1]), int(m[2])), {})[info.proj_names[m[3]]] = shape
+        else:
+            dense[name] = shape
+    q = _RandomQuant(seed, bits, group_size, dtype)
+    quant = {"bits": bits, "group_size": group_size}
+    writer = StoreWriter(out, config, bits, group_size, dense_quantization=dict(quant), force=force,
+                         extra={"synthetic": {"preset": preset, "seed": seed}})
+    try:
+        for name in sorted(dense, key=_natural):
+            shape = dense[name]
+            if _quantize_dense(name, shape, group_size, config):
+                base = name[: -len(".weight")]
+                for k, arr in q.tensor(*shape, init_std(name, shape)).items():
+                    writer.add_dense(f"{base}.{k}", "uint32" if k == "weight" else dtype, arr.shape, arr)
+            else:
+                x = init_tensor(name, shape, seed)
+                if name.endswith("e_score_correction_bias"):
+                    writer.add_dense(name, "float32", shape, x)
+                else:
+                    writer.add_dense(name, dtype, shape, _cast(x, dtype))
+        keys = sorted(experts)
+        bar = _progress(len(keys), f"{preset}: experts") if progress else None
+        for layer, e in keys:
+            rec = {}
+            for proj, (o, i) in experts[(layer, e)].items():
+                rec.update({f"{proj}.{k}": v for k, v in q.tensor(o, i, 1.0 / math.sqrt(i)).items()})
+            writer.add_expert(layer, e, rec)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        with tempfile.TemporaryDirectory() as td:
+            for f in write_tokenizer(Path(td), 512):
+                writer.add_tokenizer_file(f)
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="expert", disable=not sys.stderr.isatty())
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def _cmd_tiny(a) -> int:
+    out = tiny(a.arch, a.out, layers=a.layers, experts=a.experts, top_k=a.top_k, hidden=a.hidden,
+               moe_intermediate=a.moe_intermediate, vocab=a.vocab, dtype=a.dtype, seed=a.seed,
+               shards=a.shards, q_lora_rank=a.q_lora_rank)
+    print(f"wrote {a.arch} checkpoint to {out}")
+    return 0
+
+
+def _cmd_bench(a) -> int:
+    out = bench(a.preset, a.out, layers=a.layers, bits=a.bits, group_size=a.group_size, seed=a.seed,
+                dtype=a.dtype, force=a.force)
+    print(f"wrote {a.preset} store to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="deltafin-synth", description="Synthetic MoE checkpoints and stores.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tiny", help="tiny random Hugging Face checkpoint")
+    t.add_argument("arch", choices=TINY_ARCHS)
+    t.add_argument("out")
+    t.add_argument("--layers", type=int, default=None, help="default 2 (3 for deepseek: first is dense)")
+    t.add_argument("--experts", type=int, default=8)
+    t.add_argument("--top-k", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=128)
+    t.add_argument("--moe-intermediate", type=int, default=128)
+    t.add_argument("--vocab", type=int, default=512)
+    t.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shards", type=int, default=1)
+    t.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2: use q_a/q_b projections")
+    t.set_defaults(func=_cmd_tiny)
+
+    b = sub.add_parser("bench", help="full-size random store in deltafin's format")
+    b.add_argument("preset", choices=tuple(PRESETS))
+    b.add_argument("out")
+    b.add_argument("--layers", type=int, default=None, help="override the layer count")
+    b.add_argument("--bits", type=int, default=4)
+    b.add_argument("--group-size", type=int, default=64)
+    b.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16",
+                   help="dtype of scales, norms and unquantized dense weights")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    b.set_defaults(func=_cmd_bench)
+
+    # `demo` belongs to tools/demo_model.py: it provides add_demo_parser(subparsers), which registers
+    # the subcommand and sets func. Checked with find_spec so real import errors there still surface.
+    if importlib.util.find_spec("deltafin.tools.demo_model") is not None:
+        from deltafin.tools.demo_model import add_demo_parser
+        add_demo_parser(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
