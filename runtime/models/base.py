@@ -50,12 +50,12 @@ def resolve_dtype(dtype, weights: dict):
 
 
 def cast_weights(weights: dict, dtype) -> dict:
-    out = {}
+    out, cast = dict(weights), {}
     for k, v in weights.items():
         if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not k.endswith(_KEEP_DTYPE):
-            v = v.astype(dtype)
-        out[k] = v
-    mx.eval(out)
+            cast[k] = v.astype(dtype)
+    mx.eval(cast)  # materialise once instead of re-casting on every forward
+    out.update(cast)
     return out
 
 
@@ -87,6 +87,12 @@ class Linear:
         self.biases = weights.get(f"{path}.biases")
         if self.scales is not None:
             self.group_size, self.bits, self.mode = qspec.params(path)
+            packed_in, groups = self.weight.shape[-1] * 32, self.scales.shape[-1] * self.group_size
+            if packed_in != groups * self.bits:
+                # No override recorded for this path: infer bits from the shapes, as mlx-lm does.
+                if packed_in % groups or packed_in // groups not in (2, 3, 4, 5, 6, 8):
+                    raise ValueError(f"{path}: quantized shapes do not fit group_size={self.group_size}")
+                self.bits = packed_in // groups
 
     @property
     def quantized(self):
@@ -191,7 +197,7 @@ class Rope:
                             scale=self.scale, offset=offset, freqs=self.freqs)
 
 
-# ---------------------------------------------------------------- KV cache and attention
+# ---------------------------------------------------------------- KV cache
 
 class KVCache:
     """Per-layer key/value buffer grown in steps, shape [B, heads, positions, dim]."""
@@ -222,40 +228,6 @@ class KVCache:
         n = min(n, self.offset)
         self.offset -= n
         return n
-
-
-class Attention:
-    """Grouped-query attention with optional q/k RMSNorm, per head ("head") or over the whole
-    projection ("full")."""
-
-    def __init__(self, weights, prefix, qspec, n_heads, n_kv_heads, head_dim, rope, qk_norm=None,
-                 eps=1e-6):
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            Linear(weights, f"{prefix}.{n}", qspec) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.n_heads, self.n_kv_heads, self.rope = n_heads, n_kv_heads, rope
-        self.scale = head_dim ** -0.5
-        self.qk_norm, self.eps = qk_norm, eps
-        if qk_norm:
-            self.q_norm = weights[f"{prefix}.q_norm.weight"]
-            self.k_norm = weights[f"{prefix}.k_norm.weight"]
-
-    def __call__(self, x, mask, cache):
-        B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q = q.reshape(B, L, self.n_heads, -1)
-        k = k.reshape(B, L, self.n_kv_heads, -1)
-        if self.qk_norm == "head":
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 # ---------------------------------------------------------------- routed experts
@@ -298,109 +270,3 @@ class ResidentExperts:
 
     def __call__(self, layer, x, inds):
         return switch_glu(x, inds, self.layers[layer], self.bits, self.group_size)
-
-
-class SparseMoE:
-    """Routed experts (through the provider) weighted by the router, plus optional shared experts."""
-
-    def __init__(self, layer, gate: Linear, route, shared=None, shared_gate: Linear | None = None):
-        self.layer, self.gate, self.route = layer, gate, route
-        self.shared, self.shared_gate = shared, shared_gate
-
-    def __call__(self, x, experts):
-        x2 = x.reshape(-1, x.shape[-1])
-        inds, scores = self.route(self.gate(x2))
-        y = experts(self.layer, x2, inds)
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        if self.shared is not None:
-            s = self.shared(x2)
-            y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x2)) * s)
-        return y.reshape(x.shape)
-
-
-def softmax_topk(logits, k, norm=False):
-    """Softmax over all experts, keep the k best (optionally renormalised)."""
-    probs = mx.softmax(logits, axis=-1, precise=True)
-    inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
-    scores = mx.take_along_axis(probs, inds, axis=-1)
-    return inds, (scores / scores.sum(axis=-1, keepdims=True) if norm else scores)
-
-
-# ---------------------------------------------------------------- the decoder skeleton
-
-class MoETransformer:
-    """Embedding -> layers of (pre-norm attention, pre-norm MLP or MoE) -> norm -> LM head.
-
-    Subclasses set n_experts/top_k in `configure` and build per-layer blocks in
-    `make_attention(i, prefix)` and `make_mlp(i, prefix)` (an MoE block or a dense GLU)."""
-
-    default_rope_theta = 10000.0
-
-    def __init__(self, config: dict, weights: dict, dense_quantization: dict | None, dtype="auto"):
-        self.config = config
-        self.dtype = resolve_dtype(dtype, weights)
-        self.w = cast_weights(weights, self.dtype)
-        self.qspec = QuantSpec(dense_quantization)
-        self.n_layers = config["num_hidden_layers"]
-        self.eps = config.get("rms_norm_eps", 1e-6)
-        self.rope_theta, self.rope_scaling = rope_settings(config, self.default_rope_theta)
-        self.configure(config)
-        self.embed = Embedding(self.w, "model.embed_tokens", self.qspec)
-        tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in self.w
-        self.head = self.embed if tied else Linear(self.w, "lm_head", self.qspec)
-        self.final_norm = self.w["model.norm.weight"]
-        self.layers, self.moe_layers = [], []
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}"
-            mlp = self.make_mlp(i, f"{p}.mlp")
-            if isinstance(mlp, SparseMoE):
-                self.moe_layers.append(i)
-            self.layers.append((self.w[f"{p}.input_layernorm.weight"], self.make_attention(i, f"{p}.self_attn"),
-                                self.w[f"{p}.post_attention_layernorm.weight"], mlp))
-
-    def configure(self, config):
-        raise NotImplementedError
-
-    def make_attention(self, i, prefix):
-        raise NotImplementedError
-
-    def make_mlp(self, i, prefix):
-        raise NotImplementedError
-
-    def make_cache(self):
-        return [KVCache() for _ in range(self.n_layers)]
-
-    def __call__(self, tokens, cache=None, experts=None):
-        """tokens int32 [T] -> float32 logits [T, vocab]; `cache` (from make_cache) is advanced by T."""
-        if self.moe_layers and experts is None:
-            raise ValueError("this model has routed experts: pass an ExpertProvider")
-        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
-        h = self.embed.lookup(tokens.reshape(1, -1))
-        mask = "causal" if h.shape[1] > 1 else None
-        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
-            h = h + attn(rms_norm(h, in_norm, self.eps), mask, None if cache is None else cache[i])
-            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
-        h = rms_norm(h, self.final_norm, self.eps)
-        return self.head(h)[0].astype(mx.float32)
-
-
-class GQAModel(MoETransformer):
-    """Skeleton with grouped-query attention (Mixtral, Qwen-MoE, OLMoE); subclasses set the MoE."""
-
-    qk_norm = None  # None, "head" or "full" (see Attention)
-    scaled_rope = True  # False where mlx-lm, our numerics reference, ignores rope_scaling
-
-    def configure(self, c):
-        self.n_heads = c["num_attention_heads"]
-        self.n_kv_heads = c.get("num_key_value_heads") or self.n_heads
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.n_heads
-        self.rope = Rope(self.head_dim, self.rope_theta, c.get("rope_traditional", False),
-                         self.rope_scaling if self.scaled_rope else None)
-        self.configure_moe(c)
-
-    def configure_moe(self, c):
-        raise NotImplementedError
-
-    def make_attention(self, i, prefix):
-        return Attention(self.w, prefix, self.qspec, self.n_heads, self.n_kv_heads, self.head_dim,
-                         self.rope, qk_norm=self.qk_norm, eps=self.eps)

@@ -3,7 +3,8 @@ layers, shared experts. The two differ only in routing (see deepseek_v2.py / dee
 
 import mlx.core as mx
 
-from .base import GLU, Linear, MoETransformer, QuantSpec, Rope, SparseMoE, rms_norm, yarn_attention_scale
+from .base import GLU, Linear, QuantSpec, Rope, rms_norm, yarn_attention_scale
+from .decoder import MoETransformer, SparseMoE
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a layernorms use a fixed eps, not rms_norm_eps
 

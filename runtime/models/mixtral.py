@@ -2,7 +2,8 @@
 
 import mlx.core as mx
 
-from .base import GQAModel, Linear, SparseMoE
+from .base import Linear
+from .decoder import GQAModel, SparseMoE
 
 
 class Mixtral(GQAModel):

@@ -1,6 +1,7 @@
 """OLMoE: GQA attention with RMSNorm over the whole q and k projections, softmax top-k routing."""
 
-from .base import GQAModel, Linear, SparseMoE, softmax_topk
+from .base import Linear
+from .decoder import GQAModel, SparseMoE, softmax_topk
 
 
 class Olmoe(GQAModel):

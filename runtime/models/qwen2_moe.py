@@ -1,7 +1,8 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): biased q/k/v, softmax top-k routing, and a shared expert
 scaled by a sigmoid gate."""
 
-from .base import GLU, GQAModel, Linear, SparseMoE, softmax_topk
+from .base import GLU, Linear
+from .decoder import GQAModel, SparseMoE, softmax_topk
 from .qwen3_moe import is_sparse_layer
 
 

@@ -3,7 +3,8 @@ renormalised), no shared expert."""
 
 import mlx.core as mx
 
-from .base import GLU, GQAModel, Linear, SparseMoE
+from .base import GLU, Linear
+from .decoder import GQAModel, SparseMoE
 
 
 def is_sparse_layer(config, n_experts, i):

@@ -1,0 +1,290 @@
+"""Every message deltafin processes and clients exchange: msgpack maps, validated on decode.
+
+A message is a msgpack map with "type" (a name below) and the fields of that type. Decoding
+checks the type, every required field and every field's kind; anything else raises
+ProtocolError, which receivers answer with an `error` message instead of crashing.
+No pickle, and no expert bytes: messages carry slot references, never weights.
+docs/PROTOCOL.md documents the client-facing types for peers in any language.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded or does not match its schema."""
+
+
+_KINDS = {int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
+          list: (list, tuple), dict: (dict,), Any: (object,)}
+REGISTRY: dict[str, type] = {}
+
+
+def message(name: str):
+    """Registers a dataclass as message type `name`."""
+    def wrap(cls):
+        cls = dataclass(cls)
+        cls.TYPE = name
+        REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def _check(cls, data: dict):
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+            continue
+        value = data[f.name]
+        kind, optional = _kind(f.type)
+        if value is None and optional:
+            kwargs[f.name] = None
+            continue
+        ok = isinstance(value, _KINDS[kind]) and not (kind in (int, float) and isinstance(value, bool))
+        if not ok:
+            raise ProtocolError(f"{cls.TYPE}: field {f.name!r} must be {kind.__name__}, "
+                                f"got {type(value).__name__}")
+        kwargs[f.name] = value
+    unknown = set(data) - {f.name for f in fields(cls)} - {"type"}
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {sorted(unknown)}")
+    return cls(**kwargs)
+
+
+_TYPE_NAMES = {"int": int, "float": float, "str": str, "bytes": bytes, "bool": bool,
+               "list": list, "dict": dict, "Any": Any}
+
+
+def _kind(annotation) -> tuple[type, bool]:
+    text = str(annotation).replace(" ", "")
+    optional = text.endswith("|None")
+    base = text.removesuffix("|None").split("[")[0]
+    return _TYPE_NAMES[base], optional
+
+
+def encode(msg) -> bytes:
+    data = {"type": msg.TYPE}
+    for f in fields(msg):
+        data[f.name] = getattr(msg, f.name)
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def decode(raw: bytes):
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"not a msgpack message: {e}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a message must be a msgpack map")
+    name = data.get("type")
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    return _check(cls, data)
+
+
+# --------------------------------------------------------------------------------------------
+# Client <-> supervisor (documented in docs/PROTOCOL.md)
+# --------------------------------------------------------------------------------------------
+@message("hello")
+class Hello:
+    id: int
+    version: int
+    client: str = ""
+
+
+@message("welcome")
+class Welcome:
+    id: int
+    version: int
+    model: str
+    architecture: str
+    vocab_size: int
+    max_context: int
+
+
+@message("generate")
+class Generate:
+    id: int
+    prompt: str | None = None
+    token_ids: list | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list | None = None
+    chat: bool = False
+    stream: bool = True
+
+
+@message("token")
+class Token:
+    id: int
+    index: int
+    token_id: int
+    text: str
+
+
+@message("done")
+class Done:
+    id: int
+    text: str
+    token_ids: list
+    finish_reason: str
+    stats: dict
+
+
+@message("logits")
+class Logits:
+    id: int
+    token_ids: list
+
+
+@message("logits_result")
+class LogitsResult:
+    id: int
+    shape: list
+    dtype: str
+    data: bytes
+
+
+@message("stats")
+class Stats:
+    id: int
+
+
+@message("stats_result")
+class StatsResult:
+    id: int
+    stats: dict
+
+
+@message("health")
+class Health:
+    id: int
+
+
+@message("health_result")
+class HealthResult:
+    id: int
+    ok: bool
+    workers: dict
+
+
+@message("error")
+class Error:
+    id: int | None
+    code: str
+    message: str
+
+
+# --------------------------------------------------------------------------------------------
+# Supervisor <-> workers (control channel)
+# --------------------------------------------------------------------------------------------
+@message("worker_ready")
+class WorkerReady:
+    role: str
+    pid: int
+    info: dict = field(default_factory=dict)
+
+
+@message("attach_pool")
+class AttachPool:
+    segment: str
+    n_slots: int
+    slot_bytes: int
+
+
+@message("pool_attached")
+class PoolAttached:
+    role: str
+
+
+@message("shutdown")
+class Shutdown:
+    reason: str = ""
+
+
+@message("forward")
+class Forward:
+    """A client request or reply relayed between supervisor and compute; `client` is the envelope."""
+    client: bytes
+    payload: bytes
+
+
+@message("worker_stats")
+class WorkerStats:
+    id: int
+
+
+@message("worker_stats_result")
+class WorkerStatsResult:
+    id: int
+    role: str
+    stats: dict
+
+
+# --------------------------------------------------------------------------------------------
+# Data plane: compute <-> router <-> loader
+# --------------------------------------------------------------------------------------------
+@message("need")
+class Need:
+    """compute -> router: experts of one layer needed now; releases earlier pins."""
+    req: int
+    layer: int
+    experts: list
+
+
+@message("slots")
+class Slots:
+    """router -> compute: where each needed expert is, all loaded. [[expert, slot, generation]]"""
+    req: int
+    layer: int
+    slots: list
+    hits: int
+    wait_us: int
+
+
+@message("read")
+class Read:
+    """router -> loader: read the record of (layer, expert) into slot; generation names this fill."""
+    slot: int
+    generation: int
+    layer: int
+    expert: int
+
+
+@message("loaded")
+class Loaded:
+    """loader -> router: the slot holds the record now (checksum verified)."""
+    slot: int
+    generation: int
+    layer: int
+    expert: int
+    read_us: int
+    nbytes: int
+
+
+@message("load_failed")
+class LoadFailed:
+    slot: int
+    generation: int
+    layer: int
+    expert: int
+    error: str
+
+
+@message("release")
+class Release:
+    """compute -> router: the pins of the last `need` can go (end of a forward pass)."""
+    req: int

@@ -1,0 +1,134 @@
+"""The configuration tree: configs/default.toml, an optional user file, then command-line flags.
+
+Loaded and validated once, then passed explicitly; workers receive it as a plain dict.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+import psutil
+
+
+class ConfigError(ValueError):
+    pass
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
+          "tib": 1024**4}
+
+
+def parse_size(text) -> int:
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in _UNITS:
+        raise ConfigError(f"cannot read size {text!r} (examples: 512MiB, 8GiB, 6GB)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class RuntimeConfig:
+    memory_budget: str = "auto"
+    endpoint: str = ""
+    allow_remote: bool = False
+    startup_timeout_s: float = 180
+    control_timeout_s: float = 30
+
+    @property
+    def budget_bytes(self) -> int:
+        if self.memory_budget == "auto":
+            return psutil.virtual_memory().total // 2
+        return parse_size(self.memory_budget)
+
+
+@dataclass
+class ComputeConfig:
+    dtype: str = "auto"
+    max_context: int = 2048
+    prefill_chunk: int = 256
+    expert_timeout_s: float = 60
+
+
+@dataclass
+class CacheConfig:
+    policy: str = "lru"
+
+
+@dataclass
+class LoaderConfig:
+    threads: int = 4
+    verify_checksums: bool = True
+
+
+@dataclass
+class Config:
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config") -> "Config":
+        cfg = cls()
+        for section, values in data.items():
+            target = getattr(cfg, section, None)
+            if target is None or not isinstance(values, dict):
+                raise ConfigError(f"{where}: unknown section [{section}]")
+            known = {f.name: f for f in fields(target)}
+            for key, value in values.items():
+                if key not in known:
+                    raise ConfigError(f"{where}: unknown key {section}.{key}")
+                want = type(getattr(target, key))
+                if want is float and isinstance(value, int):
+                    value = float(value)
+                if not isinstance(value, want):
+                    raise ConfigError(f"{where}: {section}.{key} must be {want.__name__}")
+                setattr(target, key, value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.runtime.memory_budget != "auto":
+            parse_size(self.runtime.memory_budget)
+        if self.cache.policy not in ("lru",):
+            raise ConfigError(f"cache.policy {self.cache.policy!r} is not one of: lru")
+        if self.compute.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"compute.dtype {self.compute.dtype!r}: use auto, float32, float16, bfloat16")
+        if self.compute.max_context < 16 or self.compute.prefill_chunk < 1:
+            raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
+        if not 1 <= self.loader.threads <= 64:
+            raise ConfigError("loader.threads must be within 1..64")
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
+    """defaults.toml, then the user's file, then overrides {"section.key": value} (flags)."""
+    data = tomllib.loads(resources.files("deltafin.configs").joinpath("default.toml").read_text())
+    if path:
+        try:
+            user = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        for section, values in user.items():
+            data.setdefault(section, {}).update(values if isinstance(values, dict) else {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: {section} must be a [section]")
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            section, key = dotted.split(".")
+            data.setdefault(section, {})[key] = value
+    return Config.from_dict(data, str(path or "defaults"))

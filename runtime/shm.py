@@ -1,0 +1,133 @@
+"""POSIX shared memory for the expert slot pool, and the run directories that record it.
+
+multiprocessing.shared_memory registers every attach with the resource tracker, which unlinks
+segments it believes it owns when a worker exits (before Python 3.13 that cannot be turned off).
+So segments are opened with shm_open directly: only the supervisor creates and unlinks them.
+Each run records its segments in RUNS/<run-id>/run.json; a later start sweeps runs whose
+supervisor is dead (SIGKILL skips every cleanup path).
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+import _posixshmem
+
+SEGMENT_PREFIX = "dfn"  # macOS allows 30 characters per segment name
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("DELTAFIN_RUN_ROOT") or tempfile.gettempdir()) / f"deltafin-{os.getuid()}"
+
+
+class Segment:
+    """A named shared-memory segment mapped into this process."""
+
+    def __init__(self, name: str, size: int, create: bool):
+        self.name, self.size = name, size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.map)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        return cls(name, size, create=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> "Segment":
+        return cls(name, size, create=False)
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.buf.release()
+            try:
+                self.map.close()
+            except BufferError:  # a numpy view still points into it; the OS unmaps at exit
+                pass
+            self.map = None
+
+
+def unlink(name: str) -> bool:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunDir:
+    """A private (0700) directory per run: sockets, run.json with the pid and segment names."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = root or runs_root()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+        self.run_id = secrets.token_hex(4)
+        self.path = self.root / self.run_id
+        self.path.mkdir(mode=0o700)
+        self.segments: list[str] = []
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path / "run.json.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": self.segments}))
+        os.replace(tmp, self.path / "run.json")
+
+    def segment_name(self, what: str) -> str:
+        return f"{SEGMENT_PREFIX}{self.run_id}{what}"[:30]
+
+    def create_segment(self, what: str, size: int) -> Segment:
+        name = self.segment_name(what)
+        self.segments.append(name)
+        self._write()  # recorded before it exists, so a crash in between still gets swept
+        return Segment.create(name, size)
+
+    def endpoint(self, what: str) -> str:
+        return f"ipc://{self.path / what}.ipc"
+
+    def cleanup(self) -> None:
+        for name in self.segments:
+            unlink(name)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def sweep_stale_runs(root: Path | None = None) -> list[str]:
+    """Unlinks the segments and removes the directories of runs whose supervisor is gone."""
+    root = root or runs_root()
+    swept = []
+    if not root.exists():
+        return swept
+    for run in root.iterdir():
+        meta = run / "run.json"
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            info = None
+        if info is not None and pid_alive(int(info.get("pid", 0))):
+            continue
+        for name in (info or {}).get("segments", []):
+            if unlink(name):
+                swept.append(name)
+        shutil.rmtree(run, ignore_errors=True)
+    return swept

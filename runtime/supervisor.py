@@ -1,0 +1,328 @@
+"""deltafin-supervisor: launches router, loader and compute, owns endpoints and shared memory.
+
+Start-up: sweep stale runs, check the budget estimate, start the three workers as separate OS
+processes, wait for each one's ready message while watching that none died, measure the tree,
+size and create the slot pool, hand it to the workers, bind the client endpoint, print
+`READY <endpoint>`. Serving: relay client requests to compute and its replies back, answer
+hello/health/stats itself, watch the workers. Any worker death ends the run non-zero with the
+role and exit code; SIGINT/SIGTERM end it with 0. One idempotent shutdown serves every path.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
+from deltafin.runtime.config import ConfigError, format_size, load_config
+from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
+from deltafin.runtime.sockets import make_socket, recv, send
+from deltafin.runtime.store import Store, StoreError
+
+ROLES = ("router", "loader", "compute")
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class WorkerDied(SupervisorError):
+    def __init__(self, role: str, pid: int, code: int):
+        super().__init__(f"worker {role} (pid {pid}) exited with code {code}")
+        self.role, self.code = role, code
+
+
+def check_endpoint(endpoint: str, allow_remote: bool) -> None:
+    if endpoint.startswith("tcp://"):
+        host = endpoint[6:].rsplit(":", 1)[0]
+        if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not allow_remote:
+            raise SupervisorError(f"{endpoint} is not a loopback address; pass --allow-remote to "
+                                  f"expose the runtime to other machines")
+    elif not endpoint.startswith("ipc://"):
+        raise SupervisorError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
+
+
+class Supervisor:
+    def __init__(self, store_path: str, config, endpoint: str | None = None, log=None):
+        self.config = config
+        self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
+        self.store = Store(store_path)
+        self.plan: BudgetPlan = plan_budget(self.store, config)
+        self.plan.check()
+        self.endpoint_arg = endpoint or config.runtime.endpoint
+        if self.endpoint_arg:
+            check_endpoint(self.endpoint_arg, config.runtime.allow_remote)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.segment: Segment | None = None
+        self.ctx = zmq.Context()
+        self.rundir: RunDir | None = None
+        self.closed = False
+        self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
+        self.pending_stats: dict[int, dict] = {}
+        self.stats_ids = itertools.count(1)
+        self.peak_tree_bytes = 0
+        self.ready_info: dict[str, dict] = {}
+        atexit.register(self.shutdown)  # error paths and normal exit share one shutdown
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def start(self) -> str:
+        swept = sweep_stale_runs()
+        if swept:
+            self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
+        self.rundir = RunDir()
+        self.control = make_socket(self.ctx, zmq.ROUTER)
+        self.control.bind(self.rundir.endpoint("control"))
+        run = {"store": str(self.store.path), "config": self.config.to_dict(),
+               "supervisor_pid": os.getpid(),
+               "endpoints": {"control": self.rundir.endpoint("control"),
+                             "data": self.rundir.endpoint("data")},
+               "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.staging}}
+        (self.rundir.path / "run-config.json").write_text(json.dumps(run))
+        # router first: it binds the data endpoint the others connect to
+        for role in ROLES:
+            self.procs[role] = subprocess.Popen(
+                [sys.executable, "-m", f"deltafin.workers.{role}", str(self.rundir.path)],
+                stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=False)
+        self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
+        measured = tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
+        try:
+            n_slots = self.plan.size_pool(measured)
+        except BudgetError as e:
+            raise BudgetError(f"{e}; measured processes with dense weights loaded: "
+                              f"{format_size(measured)}") from None
+        n_slots = min(n_slots, len(self.store.records))
+        self.plan.n_slots = n_slots
+        self.segment = self.rundir.create_segment("pool", n_slots * self.plan.slot_bytes)
+        attach = M.AttachPool(segment=self.segment.name, n_slots=n_slots, slot_bytes=self.plan.slot_bytes)
+        for role in ROLES:
+            send(self.control, attach, to=role.encode())
+        self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
+        self.client = make_socket(self.ctx, zmq.ROUTER)
+        endpoint = self.endpoint_arg or self.rundir.endpoint("client")
+        try:
+            self.client.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
+        self.endpoint = self.client.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.log(f"{n_slots} expert slots of {format_size(self.plan.slot_bytes)} "
+                 f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
+                 f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(measured)}")
+        return self.endpoint
+
+    def _await(self, match, what: str, timeout_s: float) -> None:
+        waiting = set(ROLES)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            self._check_workers()
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"timed out after {timeout_s:.0f} s waiting for {what} from "
+                                      f"{', '.join(sorted(waiting))}")
+            if self.control.poll(100):
+                sender, msg = recv(self.control, routed=True)
+                role = sender.decode()
+                if match(msg):
+                    waiting.discard(role)
+                    if isinstance(msg, M.WorkerReady):
+                        self.ready_info[role] = {"pid": msg.pid, **msg.info}
+
+    def _check_workers(self) -> None:
+        for role, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                raise WorkerDied(role, p.pid, code)
+
+    # -- serving ------------------------------------------------------------------------------------
+    def serve_forever(self, stop_flag) -> None:
+        poller = zmq.Poller()
+        poller.register(self.client, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        last_mem = 0.0
+        while not stop_flag():
+            events = dict(poller.poll(100))
+            if self.client in events:
+                self._on_client()
+            if self.control in events:
+                self._on_control()
+            self._expire_stats()
+            try:
+                self._check_workers()
+            except WorkerDied as e:
+                for (ident, rid) in list(self.inflight):
+                    self._reply(ident, M.Error(id=rid, code="worker_died", message=str(e)))
+                raise
+            if time.monotonic() - last_mem > 1.0:
+                last_mem = time.monotonic()
+                self.peak_tree_bytes = max(self.peak_tree_bytes, self.tree_bytes())
+
+    def tree_bytes(self) -> int:
+        return tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
+
+    def _reply(self, ident: bytes, msg) -> None:
+        try:
+            send(self.client, msg, to=ident)
+        except zmq.ZMQError:  # the client went away; nothing to deliver to
+            pass
+
+    def _on_client(self) -> None:
+        frames = self.client.recv_multipart()
+        ident, raw = frames[0], frames[-1]
+        try:
+            msg = M.decode(raw)
+        except M.ProtocolError as e:
+            return self._reply(ident, M.Error(id=None, code="bad_message", message=str(e)))
+        if isinstance(msg, M.Hello):
+            if msg.version != M.PROTOCOL_VERSION:
+                return self._reply(ident, M.Error(id=msg.id, code="version_mismatch",
+                                                  message=f"runtime speaks protocol {M.PROTOCOL_VERSION}, "
+                                                          f"client {msg.version}"))
+            cfg = self.store.config
+            return self._reply(ident, M.Welcome(id=msg.id, version=M.PROTOCOL_VERSION,
+                                                model=str(self.store.path), architecture=self.store.manifest["architecture"],
+                                                vocab_size=int(cfg["vocab_size"]),
+                                                max_context=self.config.compute.max_context))
+        if isinstance(msg, M.Health):
+            workers = {r: {"pid": p.pid, "alive": p.poll() is None} for r, p in self.procs.items()}
+            return self._reply(ident, M.HealthResult(id=msg.id, ok=all(w["alive"] for w in workers.values()),
+                                                     workers=workers))
+        if isinstance(msg, M.Stats):
+            sid = next(self.stats_ids)
+            self.pending_stats[sid] = {"ident": ident, "id": msg.id, "parts": {},
+                                       "deadline": time.monotonic() + 2.0}
+            for role in ROLES:
+                send(self.control, M.WorkerStats(id=sid), to=role.encode())
+            return
+        if isinstance(msg, (M.Generate, M.Logits)):
+            self.inflight[(ident, msg.id)] = time.monotonic()
+            return send(self.control, M.Forward(client=ident, payload=raw), to=b"compute")
+        self._reply(ident, M.Error(id=getattr(msg, "id", None), code="bad_message",
+                                   message=f"{msg.TYPE} is not a request"))
+
+    def _on_control(self) -> None:
+        sender, msg = recv(self.control, routed=True)
+        if isinstance(msg, M.Forward):
+            reply = M.decode(msg.payload)
+            if isinstance(reply, (M.Done, M.LogitsResult, M.Error)):
+                self.inflight.pop((msg.client, reply.id), None)
+            self._reply(msg.client, reply)
+        elif isinstance(msg, M.WorkerStatsResult):
+            p = self.pending_stats.get(msg.id)
+            if p is not None:
+                p["parts"][msg.role] = msg.stats
+                if len(p["parts"]) == len(ROLES):
+                    self._finish_stats(msg.id)
+
+    def _expire_stats(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, p in self.pending_stats.items() if p["deadline"] < now]:
+            self._finish_stats(sid)
+
+    def _finish_stats(self, sid: int) -> None:
+        p = self.pending_stats.pop(sid)
+        parts = p["parts"]
+        tree = self.tree_bytes()
+        self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
+        router, loader, compute = (parts.get(r, {}) for r in ROLES)
+        stats = {
+            "decode_tok_s": compute.get("decode_tok_s"), "prefill_tok_s": compute.get("prefill_tok_s"),
+            "hit_rate": router.get("hit_rate", compute.get("hit_rate")),
+            "stall_share": compute.get("stall_share"),
+            "stage_latency": {"read": loader.get("read"), "prepare": compute.get("prepare"),
+                              "compute": compute.get("forward")},
+            "bytes_read": loader.get("bytes", 0),
+            "bytes_read_per_token": (loader.get("bytes", 0) /
+                                     max(1, compute.get("prompt_tokens", 0) + compute.get("generated_tokens", 0))),
+            "ssd_gbps": loader.get("ssd_gbps"),
+            "prefetch_precision": None, "prefetch_recall": None,  # no prefetcher yet
+            "memory": {"budget": self.plan.budget, "tree_bytes": tree, "peak_tree_bytes": self.peak_tree_bytes,
+                       "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes},
+            "workers": parts, "missing": [r for r in ROLES if r not in parts],
+        }
+        self._reply(p["ident"], M.StatsResult(id=p["id"], stats=stats))
+
+    # -- shutdown -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Polite message, then SIGTERM, then SIGKILL, under one shared deadline; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for role, p in self.procs.items():
+            if p.poll() is None and hasattr(self, "control"):
+                try:
+                    send(self.control, M.Shutdown(reason="supervisor stopping"), to=role.encode())
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5.0)
+        self.ctx.destroy(linger=0)
+        if self.segment is not None:
+            self.segment.close()
+        if self.rundir is not None:
+            self.rundir.cleanup()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-supervisor",
+                                description="Run a deltafin model: router, loader and compute workers "
+                                            "over shared memory, serving clients on a ZeroMQ endpoint.")
+    p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
+    p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config)")
+    p.add_argument("--endpoint", help="client endpoint, ipc://PATH or tcp://127.0.0.1:PORT "
+                                      "(default: ipc socket in a private run directory)")
+    p.add_argument("--allow-remote", action="store_true", help="allow tcp:// on non-loopback addresses")
+    p.add_argument("--config", help="TOML file overriding configs/default.toml")
+    p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    a = p.parse_args(argv)
+    log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
+    stop = {"flag": False}
+
+    def on_signal(signum, _frame):
+        stop["flag"] = True
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    sup = None
+    try:
+        config = load_config(a.config, {"runtime.memory_budget": a.memory_budget,
+                                        "runtime.allow_remote": True if a.allow_remote else None,
+                                        "compute.max_context": a.max_context, "compute.dtype": a.dtype})
+        sup = Supervisor(a.model, config, a.endpoint, log=log)
+        endpoint = sup.start()
+        if stop["flag"]:
+            return 0
+        print(f"READY {endpoint}", flush=True)
+        sup.serve_forever(lambda: stop["flag"])
+        log("shutting down")
+        return 0
+    except WorkerDied as e:
+        log(str(e))
+        return 1
+    except (ConfigError, StoreError, BudgetError, SupervisorError) as e:
+        log(f"error: {e}")
+        return 2
+    finally:
+        if sup is not None:
+            sup.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

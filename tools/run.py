@@ -1,0 +1,133 @@
+"""deltafin-run: one-shot generation. Starts the runtime, streams the answer, prints stage latencies.
+
+The runtime is the same `deltafin-supervisor` a user would start (a child process); this
+command is just its first client.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+from deltafin.client import Client, DeltafinError
+
+
+class StartError(RuntimeError):
+    pass
+
+
+@contextmanager
+def running_supervisor(model: str, memory_budget: str | None = None, extra: list[str] | None = None,
+                       timeout: float = 300.0, stderr=None):
+    """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after."""
+    cmd = [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(model)]
+    if memory_budget:
+        cmd += ["--memory-budget", str(memory_budget)]
+    cmd += extra or []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        endpoint = _await_ready(proc, timeout)
+        yield endpoint, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def _await_ready(proc: subprocess.Popen, timeout: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.5):
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                return line.split(None, 1)[1].strip()
+            if not line and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    if proc.poll() is None:
+        raise StartError(f"the runtime did not become ready within {timeout:.0f} s")
+    raise StartError(f"the runtime exited with code {proc.returncode} before it was ready")
+
+
+def format_latencies(stats: dict) -> str:
+    lines = ["stage latencies (p50 / p99):"]
+    for stage, unit in (("read", "per expert"), ("prepare", "per expert"), ("compute", "per forward pass")):
+        s = (stats.get("stage_latency") or {}).get(stage) or {}
+        if s.get("count"):
+            lines.append(f"  {stage:8s} {s['p50_ms']:8.2f} ms / {s['p99_ms']:8.2f} ms  "
+                         f"({unit}, n={s['count']})")
+        else:
+            lines.append(f"  {stage:8s}        -   (no samples)")
+    fmt = lambda v, f: (f.format(v) if v is not None else "-")
+    mem = stats.get("memory") or {}
+    lines.append(f"decode {fmt(stats.get('decode_tok_s'), '{:.2f}')} tok/s, prefill "
+                 f"{fmt(stats.get('prefill_tok_s'), '{:.2f}')} tok/s, hit rate "
+                 f"{fmt(stats.get('hit_rate'), '{:.1%}')}, stall share {fmt(stats.get('stall_share'), '{:.1%}')}, "
+                 f"SSD {fmt(stats.get('ssd_gbps'), '{:.2f}')} GB/s, "
+                 f"{fmt(stats.get('bytes_read_per_token'), '{:,.0f}')} B read/token")
+    if mem:
+        lines.append(f"memory: peak tree {mem.get('peak_tree_bytes', 0) / 2**20:.0f} MiB of a "
+                     f"{mem.get('budget', 0) / 2**20:.0f} MiB budget; {mem.get('n_slots')} expert slots")
+    return "\n".join(lines)
+
+
+def format_split(gen_stats: dict) -> str:
+    total = gen_stats.get("total_s") or 0
+    if not total:
+        return ""
+    parts = [(k, gen_stats.get(f"{k}_s", 0)) for k in ("compute", "ipc", "wait", "prepare")]
+    names = {"compute": "compute", "ipc": "IPC", "wait": "waiting for experts", "prepare": "prepare"}
+    return "time split: " + ", ".join(f"{names[k]} {v / total:.1%}" for k, v in parts) + f" of {total:.2f} s"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-run", description="Generate once: start the runtime, "
+                                "stream the answer, print stage latencies, shut down.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--memory-budget")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--config")
+    a = p.parse_args(argv)
+    extra = ["--config", a.config] if a.config else []
+    try:
+        with running_supervisor(a.model, a.memory_budget, extra) as (endpoint, _proc):
+            with Client(endpoint, timeout=600) as c:
+                stream = c.stream(a.prompt, max_tokens=a.max_tokens, chat=a.chat,
+                                  temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                gen = c.last
+                stats = c.stats()
+        print(format_latencies(stats), file=sys.stderr)
+        print(format_split(gen.stats), file=sys.stderr)
+        return 0
+    except (StartError, DeltafinError) as e:
+        print(f"deltafin-run: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The process shell every worker shares: control channel, ready handshake, liveness, signals.
+
+A role's wrapper subclasses WorkerProcess and adds its own sockets; the role's logic stays in
+its plain class (Router, Loader, Compute).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import zmq
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.shm import Segment
+from deltafin.runtime.sockets import make_socket, recv, send
+
+RUN_CONFIG = "run-config.json"
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM when the supervisor dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+class WorkerProcess:
+    role = "worker"
+
+    def __init__(self, run_dir: str):
+        self.run_dir = Path(run_dir)
+        self.run = json.loads((self.run_dir / RUN_CONFIG).read_text())
+        self.config = self.run["config"]
+        self.supervisor_pid = int(self.run["supervisor_pid"])
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        self.ctx = zmq.Context()
+        self.control = make_socket(self.ctx, zmq.DEALER, identity=self.role)
+        self.control.connect(self.run["endpoints"]["control"])
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.pool: Segment | None = None
+        self.running = True
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def setup(self) -> None: ...
+    def ready_info(self) -> dict: return {}
+    def on_pool(self, msg: M.AttachPool) -> None: ...
+    def on_socket(self, sock) -> None: ...
+    def on_forward(self, msg: M.Forward) -> None: ...
+    def idle(self) -> None: ...
+    def stats(self) -> dict: return {}
+    def teardown(self) -> None: ...
+
+    # -- loop -------------------------------------------------------------------------------------
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.supervisor_pid
+
+    def serve(self) -> None:
+        code = 0
+        try:
+            self.setup()
+            send(self.control, M.WorkerReady(role=self.role, pid=os.getpid(), info=self.ready_info()))
+            while self.running:
+                events = dict(self.poller.poll(200))
+                if not self.parent_alive():
+                    break
+                for sock in events:
+                    try:
+                        if sock is self.control:
+                            self.handle_control()
+                        else:
+                            self.on_socket(sock)
+                    except M.ProtocolError as e:
+                        print(f"deltafin {self.role}: dropped a bad message: {e}", file=sys.stderr)
+                self.idle()
+        except SystemExit:
+            pass
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            self.teardown()
+            if self.pool is not None:
+                self.pool.close()
+            self.ctx.destroy(linger=0)
+        sys.exit(code)
+
+    def handle_control(self) -> None:
+        msg = recv(self.control)
+        if isinstance(msg, M.Shutdown):
+            self.running = False
+        elif isinstance(msg, M.AttachPool):
+            self.pool = Segment.attach(msg.segment, msg.n_slots * msg.slot_bytes)
+            self.on_pool(msg)
+            send(self.control, M.PoolAttached(role=self.role))
+        elif isinstance(msg, M.WorkerStats):
+            send(self.control, M.WorkerStatsResult(id=msg.id, role=self.role, stats=self.stats()))
+        elif isinstance(msg, M.Forward):
+            self.on_forward(msg)
+
+    def poll_control(self) -> None:
+        """For long work (a generation): answers the supervisor between steps."""
+        while self.running and self.control.poll(0):
+            self.handle_control()
+        if not self.parent_alive():
+            raise SystemExit(0)

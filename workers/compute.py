@@ -1,0 +1,353 @@
+"""Compute: owns MLX, the dense weights, the KV cache and sampling; runs the forward pass.
+
+At every MoE layer the model computes the real routing; `SlotExperts` then asks the expert
+source (the router, over a socket, or in-process) for the chosen experts' slots, wraps the slot
+bytes as MLX arrays (the prepare stage) and runs each expert with mx.quantized_matmul on the
+tokens routed to it. Each expert's result depends only on its own tokens, so the output is the
+same whatever the memory budget, the slot assignment or the order experts arrive in.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.metrics import Counter, Latency
+from deltafin.runtime.models import build_model
+from deltafin.runtime.models.base import swiglu
+from deltafin.runtime.store import Store, views_from_buffer
+from deltafin.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (empty prompt, too long, bad token id)."""
+
+    code = "bad_request"
+
+
+class ExpertUnavailable(RuntimeError):
+    code = "expert_unavailable"
+
+
+@dataclass
+class Granted:
+    slots: list          # [(expert, slot)]
+    hits: int
+    wait_s: float
+
+
+class LocalExpertSource:
+    """Router and loader called directly: the in-process wiring used by tests and tools."""
+
+    def __init__(self, router, loader):
+        self.router, self.loader, self.req = router, loader, 0
+
+    def need(self, layer: int, experts: list[int]) -> Granted:
+        self.req += 1
+        t0 = time.perf_counter()
+        reads, reply = self.router.need(self.req, layer, experts)
+        for order in reads:
+            result = self.loader.read(order)
+            if isinstance(result, M.LoadFailed):
+                self.router.load_failed(result)
+                raise ExpertUnavailable(result.error)
+            reply = self.router.loaded(result) or reply
+        wait = time.perf_counter() - t0 if reads else 0.0
+        return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
+
+    def release(self) -> None:
+        self.router.release()
+
+
+class SlotExperts:
+    """The ExpertProvider the model calls: experts come from shared-memory slots."""
+
+    def __init__(self, store: Store, pool_buf, slot_bytes: int, source, dtype, max_chunk: int):
+        self.store, self.pool, self.slot_bytes = store, pool_buf, slot_bytes
+        self.source, self.dtype, self.max_chunk = source, dtype, max_chunk
+        self.prepare = Latency()
+        self.counters = Counter()
+        self.t_ipc = self.t_wait = self.t_prepare = 0.0
+
+    def weights(self, layer: int, slot: int) -> dict:
+        layout = self.store.layout(layer)
+        start = slot * self.slot_bytes
+        views = views_from_buffer(self.pool[start:start + layout["nbytes"]], layout)
+        out = {}
+        for t in layout["tensors"]:
+            a = mx.array(views[t["name"]])  # copies out of shared memory
+            if t["dtype"] == "bfloat16":
+                a = a.view(mx.bfloat16)
+            if not t["name"].endswith(".weight") and a.dtype != self.dtype:
+                a = a.astype(self.dtype)
+            out[t["name"]] = a
+        return out
+
+    def run_expert(self, w: dict, quant: dict, x):
+        def mm(name, inp):
+            q = quant[name]
+            return mx.quantized_matmul(inp, w[f"{name}.weight"], w[f"{name}.scales"], w[f"{name}.biases"],
+                                       transpose=True, group_size=q["group_size"], bits=q["bits"])
+        return mm("down_proj", swiglu(mm("gate_proj", x), mm("up_proj", x)))
+
+    def __call__(self, layer: int, x, inds):
+        lead, k, d = inds.shape[:-1], inds.shape[-1], x.shape[-1]
+        x2 = x.reshape(-1, d)
+        ids = np.array(inds.reshape(-1, k))  # the routing decision, read back to the CPU
+        flat = ids.reshape(-1)
+        experts = np.unique(flat).tolist()
+        quant = self.store.layout(layer)["quant"]
+        pieces, order = [], []
+        for i in range(0, len(experts), self.max_chunk):
+            chunk = experts[i:i + self.max_chunk]
+            t0 = time.perf_counter()
+            granted = self.source.need(layer, chunk)
+            t1 = time.perf_counter()
+            self.t_wait += granted.wait_s
+            self.t_ipc += max(0.0, (t1 - t0) - granted.wait_s)
+            self.counters.add("uses", len(chunk))
+            self.counters.add("hits", granted.hits)
+            for e, slot in granted.slots:
+                tp = time.perf_counter()
+                w = self.weights(layer, slot)
+                mx.eval(w)
+                dt = time.perf_counter() - tp
+                self.prepare.add(dt)
+                self.t_prepare += dt
+                pairs = np.nonzero(flat == e)[0]
+                rows = mx.array(pairs // k)
+                pieces.append(self.run_expert(w, quant, x2[rows]))
+                order.append(pairs)
+            # The slot bytes were copied into MLX arrays above; the pins can go.
+        y = mx.concatenate(pieces, axis=0)
+        inverse = np.empty(len(flat), dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(flat))
+        return y[mx.array(inverse)].reshape(*lead, k, d)
+
+
+class Compute:
+    def __init__(self, store: Store, config: dict, source, pool_buf, slot_bytes: int):
+        self.store, self.config = store, config
+        dense = store.dense_weights()
+        cc = config["compute"]
+        self.model = build_model(store.config, dense, store.manifest.get("dense_quantization"),
+                                 cc["dtype"])
+        self.dtype = self.model.dtype
+        self.tokenizer = Tokenizer(store.tokenizer_dir, store.config)
+        self.max_context = int(cc["max_context"])
+        self.prefill_chunk = int(cc["prefill_chunk"])
+        self.experts = SlotExperts(store, pool_buf, slot_bytes, source, self.dtype,
+                                   max_chunk=store.top_k)
+        self.source = source
+        self.counters = Counter()
+        self.forward_latency = Latency()
+        self.vocab = int(store.config.get("vocab_size") or self.tokenizer.vocab_size)
+
+    # -- passes --------------------------------------------------------------------------------
+    def forward(self, ids: list[int], cache):
+        t0 = time.perf_counter()
+        logits = self.model(mx.array(ids, dtype=mx.int32), cache, self.experts)
+        mx.eval(logits)
+        self.source.release()
+        self.forward_latency.add(time.perf_counter() - t0)
+        return logits
+
+    def _check_ids(self, ids, extra: int = 0) -> None:
+        if not ids:
+            raise RequestError("empty prompt")
+        if any((not isinstance(i, int)) or i < 0 or i >= self.vocab for i in ids):
+            raise RequestError(f"token ids must be integers in [0, {self.vocab})")
+        if len(ids) + extra > self.max_context:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({extra}) exceeds "
+                               f"compute.max_context={self.max_context}")
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        self._check_ids(token_ids)
+        cache = self.model.make_cache()
+        out = []
+        for i in range(0, len(token_ids), self.prefill_chunk):
+            out.append(np.array(self.forward(token_ids[i:i + self.prefill_chunk], cache).astype(mx.float32)))
+        return np.concatenate(out, axis=0).reshape(len(token_ids), -1)
+
+    def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:
+        if req.token_ids is not None:
+            ids = list(req.token_ids)
+        elif req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt, chat=req.chat)
+        else:
+            raise RequestError("generate needs prompt or token_ids")
+        if req.max_tokens < 0 or req.temperature < 0 or not 0 < req.top_p <= 1:
+            raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
+        self._check_ids(ids, req.max_tokens)
+        rng = np.random.default_rng(req.seed)
+        split0 = self._split()
+        cache = self.model.make_cache()
+        t0 = time.perf_counter()
+        for i in range(0, len(ids), self.prefill_chunk):
+            logits = self.forward(ids[i:i + self.prefill_chunk], cache)
+        t_prefill = time.perf_counter() - t0
+        decoder = StreamDecoder(self.tokenizer)
+        out_ids: list[int] = []
+        text, finish = "", "length"
+        t1 = time.perf_counter()
+        stops = [s for s in (req.stop or []) if s]
+        while len(out_ids) < req.max_tokens:
+            tok = self.sample(np.array(logits[-1].astype(mx.float32)), req.temperature, req.top_p, rng)
+            if tok in self.tokenizer.eos_ids:
+                finish = "stop"
+                break
+            out_ids.append(tok)
+            piece = decoder.add(tok)
+            text += piece
+            hit = next((s for s in stops if s in text), None)
+            if hit:
+                cut = text.index(hit)
+                piece = piece[:max(0, len(piece) - (len(text) - cut))]
+                text, finish = text[:cut], "stop"
+            if emit and piece:
+                emit(M.Token(id=req.id, index=len(out_ids) - 1, token_id=tok, text=piece))
+            if finish == "stop":
+                break
+            if between_tokens:
+                between_tokens()
+            if len(out_ids) < req.max_tokens:
+                logits = self.forward([tok], cache)
+        t_decode = time.perf_counter() - t1
+        n_decode = max(0, len(out_ids) - 1)  # the first token comes from the prefill pass
+        stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
+                 "prefill_s": t_prefill, "decode_s": t_decode,
+                 "prefill_tok_s": len(ids) / t_prefill if t_prefill else None,
+                 "decode_tok_s": n_decode / t_decode if n_decode and t_decode else None,
+                 **{f"{k}_s": v - split0[k] for k, v in self._split().items()}}
+        stats["total_s"] = t_prefill + t_decode
+        stats["compute_s"] = max(0.0, stats["total_s"] - stats["ipc_s"] - stats["wait_s"] - stats["prepare_s"])
+        self.counters.add("requests")
+        self.counters.add("prompt_tokens", len(ids))
+        self.counters.add("generated_tokens", len(out_ids))
+        self.counters.add("prefill_s", t_prefill)
+        self.counters.add("decode_s", t_decode)
+        self.counters.add("decode_tokens", n_decode)
+        return M.Done(id=req.id, text=text, token_ids=out_ids, finish_reason=finish, stats=stats)
+
+    def _split(self) -> dict:
+        e = self.experts
+        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare}
+
+    @staticmethod
+    def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
+        if temperature == 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if top_p < 1:
+            order = np.argsort(-p)
+            keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+            q = np.zeros_like(p)
+            q[keep] = p[keep]
+            p = q / q.sum()
+        return int(rng.choice(len(p), p=p))
+
+    def stats(self) -> dict:
+        c = self.counters.snapshot()
+        e = self.experts
+        uses = e.counters.get("uses")
+        busy = c.get("prefill_s", 0) + c.get("decode_s", 0)
+        return {**c, "forward": self.forward_latency.summary(), "prepare": e.prepare.summary(),
+                "hit_rate": e.counters.get("hits") / uses if uses else None,
+                "ipc_s": e.t_ipc, "wait_s": e.t_wait, "prepare_s": e.t_prepare,
+                "stall_share": e.t_wait / busy if busy else None,
+                "decode_tok_s": c.get("decode_tokens", 0) / c["decode_s"] if c.get("decode_s") else None,
+                "prefill_tok_s": c.get("prompt_tokens", 0) / c["prefill_s"] if c.get("prefill_s") else None,
+                "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
+
+
+class RouterClient:
+    """compute's side of the data plane: one `need` out, its `slots` back, with a deadline."""
+
+    def __init__(self, sock, timeout_s: float, alive):
+        self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
+
+    def need(self, layer: int, experts: list[int]) -> Granted:
+        from deltafin.runtime.sockets import recv, send, wait_readable
+        self.req += 1
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts))
+        while True:
+            try:
+                wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
+            except (TimeoutError, ConnectionError) as e:
+                raise ExpertUnavailable(str(e)) from None
+            msg = recv(self.sock)
+            if isinstance(msg, M.Error):
+                raise ExpertUnavailable(f"{msg.code}: {msg.message}")
+            if isinstance(msg, M.Slots) and msg.req == self.req:
+                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
+
+    def release(self) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Release(req=self.req))
+
+
+def run_compute_process(run_dir: str) -> None:
+    import zmq
+
+    from deltafin.runtime.sockets import make_socket, send
+    from deltafin.workers.common import WorkerProcess
+
+    class ComputeProcess(WorkerProcess):
+        role = "compute"
+
+        def setup(self):
+            mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
+            self.store = Store(self.run["store"])
+            self.data = make_socket(self.ctx, zmq.DEALER, identity="compute")
+            self.data.connect(self.run["endpoints"]["data"])
+            self.source = RouterClient(self.data, self.config["compute"]["expert_timeout_s"],
+                                       self.parent_alive)
+            # Dense weights load before "ready", so the supervisor's measurement includes them.
+            self.compute = Compute(self.store, self.config, self.source, None, 0)
+
+        def ready_info(self):
+            return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab}
+
+        def on_pool(self, msg):
+            self.compute.experts.pool = self.pool.buf
+            self.compute.experts.slot_bytes = msg.slot_bytes
+
+        def on_forward(self, fwd: M.Forward):
+            def reply(m):
+                send(self.control, M.Forward(client=fwd.client, payload=M.encode(m)))
+            try:
+                req = M.decode(fwd.payload)
+            except M.ProtocolError as e:
+                return reply(M.Error(id=None, code="bad_message", message=str(e)))
+            try:
+                if isinstance(req, M.Generate):
+                    reply(self.compute.generate(req, emit=reply if req.stream else None,
+                                                between_tokens=self.poll_control))
+                elif isinstance(req, M.Logits):
+                    arr = self.compute.logits(list(req.token_ids))
+                    reply(M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
+                                         data=arr.astype(np.float32).tobytes()))
+                else:
+                    reply(M.Error(id=getattr(req, "id", None), code="bad_message",
+                                  message=f"compute does not take {req.TYPE}"))
+            except (RequestError, ExpertUnavailable) as e:
+                self.source.release()
+                reply(M.Error(id=req.id, code=e.code, message=str(e)))
+            except Exception as e:  # the model raised: report it and keep serving
+                self.source.release()
+                reply(M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
+
+        def stats(self):
+            return self.compute.stats()
+
+    ComputeProcess(run_dir).serve()
+
+
+if __name__ == "__main__":
+    import sys
+    run_compute_process(sys.argv[1])
