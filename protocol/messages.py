@@ -237,6 +237,12 @@ class WorkerStatsResult:
 # --------------------------------------------------------------------------------------------
 # Data plane: compute <-> router <-> loader
 # --------------------------------------------------------------------------------------------
+@message("peer_hello")
+class PeerHello:
+    """loader/compute -> router on connect, echoed back: both ends know the route exists."""
+    role: str
+
+
 @message("need")
 class Need:
     """compute -> router: experts of one layer needed now; releases earlier pins."""

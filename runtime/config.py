@@ -43,8 +43,8 @@ class RuntimeConfig:
     memory_budget: str = "auto"
     endpoint: str = ""
     allow_remote: bool = False
-    startup_timeout_s: float = 180
-    control_timeout_s: float = 30
+    startup_timeout_s: float = 180.0
+    control_timeout_s: float = 30.0
 
     @property
     def budget_bytes(self) -> int:
@@ -58,12 +58,13 @@ class ComputeConfig:
     dtype: str = "auto"
     max_context: int = 2048
     prefill_chunk: int = 256
-    expert_timeout_s: float = 60
+    expert_timeout_s: float = 60.0
 
 
 @dataclass
 class CacheConfig:
     policy: str = "lru"
+    max_slots: int = 0
 
 
 @dataclass
@@ -111,6 +112,8 @@ class Config:
             raise ConfigError(f"compute.dtype {self.compute.dtype!r}: use auto, float32, float16, bfloat16")
         if self.compute.max_context < 16 or self.compute.prefill_chunk < 1:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
+        if self.cache.max_slots < 0:
+            raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
 

@@ -101,6 +101,11 @@ class Supervisor:
             raise BudgetError(f"{e}; measured processes with dense weights loaded: "
                               f"{format_size(measured)}") from None
         n_slots = min(n_slots, len(self.store.records))
+        if self.config.cache.max_slots:
+            n_slots = min(n_slots, self.config.cache.max_slots)
+        if n_slots < self.plan.min_slots:
+            raise BudgetError(f"{n_slots} expert slots cannot hold one token's {self.plan.min_slots} "
+                              f"experts of a layer; raise cache.max_slots or the memory budget")
         self.plan.n_slots = n_slots
         self.segment = self.rundir.create_segment("pool", n_slots * self.plan.slot_bytes)
         attach = M.AttachPool(segment=self.segment.name, n_slots=n_slots, slot_bytes=self.plan.slot_bytes)

@@ -164,8 +164,9 @@ class GGUFModel:
     def hf_config(self, model_type: str = "llama", **extra) -> dict:
         m = self.meta
         hidden = int(m["llama.embedding_length"])
+        vocab = int(m.get("llama.vocab_size") or len(m["tokenizer.ggml.tokens"]))
         return {"architectures": ["MixtralForCausalLM" if model_type == "mixtral" else "LlamaForCausalLM"],
-                "model_type": model_type, "vocab_size": int(m.get("llama.vocab_size") or len(m["tokenizer.ggml.tokens"])),
+                "model_type": model_type, "vocab_size": vocab,
                 "hidden_size": hidden, "intermediate_size": int(m["llama.feed_forward_length"]),
                 "num_hidden_layers": int(m["llama.block_count"]), "num_attention_heads": self.n_head,
                 "num_key_value_heads": self.n_kv, "head_dim": hidden // self.n_head, "hidden_act": "silu",
@@ -201,14 +202,14 @@ def write_tokenizer(g: GGUFModel, out: Path) -> list[Path]:
                             for i, t in enumerate(types) if t == 3])  # 3: CONTROL
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    name = lambda key: tokens[int(m[key])]  # noqa: E731
-    cfg = {"tokenizer_class": "GPT2Tokenizer", "bos_token": name("tokenizer.ggml.bos_token_id"),
-           "eos_token": name("tokenizer.ggml.eos_token_id"), "unk_token": name("tokenizer.ggml.unknown_token_id"),
-           "pad_token": name("tokenizer.ggml.padding_token_id"), "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token")),
-           "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-           "model_max_length": int(m["llama.context_length"]), "chat_template": m["tokenizer.chat_template"]}
+    ids = {k: int(m[f"tokenizer.ggml.{k}_token_id"]) for k in ("bos", "eos", "unknown", "padding")}
+    cfg = {"tokenizer_class": "GPT2Tokenizer", "bos_token": tokens[ids["bos"]], "eos_token": tokens[ids["eos"]],
+           "unk_token": tokens[ids["unknown"]], "pad_token": tokens[ids["padding"]],
+           "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token")), "add_prefix_space": False,
+           "clean_up_tokenization_spaces": False, "model_max_length": int(m["llama.context_length"]),
+           "chat_template": m["tokenizer.chat_template"]}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-    gen = {"bos_token_id": int(m["tokenizer.ggml.bos_token_id"]), "eos_token_id": int(m["tokenizer.ggml.eos_token_id"])}
+    gen = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
     return [out / "tokenizer.json", out / "tokenizer_config.json", out / "generation_config.json"]
 
@@ -227,14 +228,15 @@ def ffn_inputs(w: dict, cfg: dict, tokens) -> list:
     import mlx.core as mx
     import mlx.nn as nn
     w = {k: mx.array(v) for k, v in w.items()}
-    nh, nkv, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
     x, T, outs = w["model.embed_tokens.weight"][mx.array(tokens)], len(tokens), []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = mx.fast.rms_norm(x, w[p + "input_layernorm.weight"], eps)
         q, k, v = ((h @ w[f"{p}self_attn.{n}_proj.weight"].T).reshape(T, heads, hd).transpose(1, 0, 2)
                    for n, heads in (("q", nh), ("k", nkv), ("v", nkv)))
-        q, k = (mx.fast.rope(t, hd, traditional=False, base=cfg["rope_theta"], scale=1.0, offset=0) for t in (q, k))
+        q, k = (mx.fast.rope(t, hd, traditional=False, base=theta, scale=1.0, offset=0) for t in (q, k))
         a = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=hd ** -0.5, mask="causal")
         x = x + a[0].transpose(1, 0, 2).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
         h = mx.fast.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -268,8 +270,12 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
     embedding (tied LM head) Q8_0 as MLX 8-bit; norms and router float32."""
     from tokenizers import Tokenizer
 
-    from deltafin.runtime.store import StoreWriter
+    from deltafin.runtime.store import StoreError, StoreWriter
     t0 = time.time()
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+    if Path(out_dir).exists() and any(Path(out_dir).iterdir()) and not force:  # fail before the work
+        raise StoreError(f"{out_dir} exists and is not empty (use --force to replace it)")
     g = GGUFModel(gguf_path or fetch_gguf())
     cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
                       output_router_logits=False, router_aux_loss_coef=0.0)
@@ -287,6 +293,9 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
         log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
             f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
         qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
+        for name, (qtype, _) in g.raw.items():  # per-module override for the Q8_0 embedding
+            if REPACK.get(qtype.name, (4,))[0] != 4:
+                qdense[name] = {"bits": REPACK[qtype.name][0], "group_size": GROUP, "mode": "affine"}
         extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, "seed": seed,
                           "upcycled": "identical experts", "calibration_routing": routing}}
         writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense,
@@ -300,13 +309,11 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                     a = g.float32(name)
                     writer.add_dense(f"{name}.weight", "float32", a.shape, a)
                     continue
-                bits, wq, scales, biases = q
-                if bits != qdense["bits"]:
-                    qdense[name] = {"bits": bits, "group_size": GROUP, "mode": "affine"}
-                for suffix, a in (("weight", wq), ("scales", scales), ("biases", biases)):
+                for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
                     writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
             for layer, gate in enumerate(gates):
-                writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
+                gate_name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+                writer.add_dense(gate_name, "float32", gate.shape, gate)
                 record = {}
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
@@ -340,11 +347,12 @@ def write_dense_checkpoint(out_dir, gguf_path=None) -> Path:
 # ---------------------------------------------------------------- CLI (deltafin-synth demo)
 
 def _cmd_demo(a) -> int:
+    from deltafin.runtime.store import StoreError
     try:
         build_demo_store(a.out, n_experts=a.experts, top_k=a.top_k, seed=a.seed, force=a.force)
         if a.dense_checkpoint:
             print(f"wrote dense reference checkpoint to {write_dense_checkpoint(a.dense_checkpoint)}")
-    except DemoModelError as e:
+    except (DemoModelError, StoreError) as e:
         print(f"deltafin-synth demo: {e}", file=sys.stderr)
         return 1
     return 0

@@ -107,6 +107,19 @@ class WorkerProcess:
         elif isinstance(msg, M.Forward):
             self.on_forward(msg)
 
+    def connect_data_plane(self) -> zmq.Socket:
+        """DEALER to the router; returns once the router has answered our hello, so the
+        router can address us by identity from then on (ROUTER_MANDATORY would fail before)."""
+        from deltafin.runtime.sockets import wait_readable
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.role)
+        sock.connect(self.run["endpoints"]["data"])
+        send(sock, M.PeerHello(role=self.role))
+        wait_readable(sock, self.config["runtime"]["startup_timeout_s"], self.parent_alive,
+                      what="the router's hello")
+        if not isinstance(recv(sock), M.PeerHello):
+            raise RuntimeError("the router answered the hello with something else")
+        return sock
+
     def poll_control(self) -> None:
         """For long work (a generation): answers the supervisor between steps."""
         while self.running and self.control.poll(0):

@@ -292,9 +292,7 @@ class RouterClient:
 
 
 def run_compute_process(run_dir: str) -> None:
-    import zmq
-
-    from deltafin.runtime.sockets import make_socket, send
+    from deltafin.runtime.sockets import send
     from deltafin.workers.common import WorkerProcess
 
     class ComputeProcess(WorkerProcess):
@@ -303,8 +301,7 @@ def run_compute_process(run_dir: str) -> None:
         def setup(self):
             mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
             self.store = Store(self.run["store"])
-            self.data = make_socket(self.ctx, zmq.DEALER, identity="compute")
-            self.data.connect(self.run["endpoints"]["data"])
+            self.data = self.connect_data_plane()
             self.source = RouterClient(self.data, self.config["compute"]["expert_timeout_s"],
                                        self.parent_alive)
             # Dense weights load before "ready", so the supervisor's measurement includes them.

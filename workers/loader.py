@@ -71,7 +71,7 @@ def run_loader_process(run_dir: str) -> None:
 
     import zmq
 
-    from deltafin.runtime.sockets import make_socket, recv, send
+    from deltafin.runtime.sockets import make_socket, recv
     from deltafin.workers.common import WorkerProcess
 
     class LoaderProcess(WorkerProcess):
@@ -79,8 +79,7 @@ def run_loader_process(run_dir: str) -> None:
 
         def setup(self):
             self.store = Store(self.run["store"])
-            self.data = make_socket(self.ctx, zmq.DEALER, identity="loader")
-            self.data.connect(self.run["endpoints"]["data"])
+            self.data = self.connect_data_plane()
             self.poller.register(self.data, zmq.POLLIN)
             # Finished reads come back through an inproc socket so only this thread sends.
             self.done_pull = make_socket(self.ctx, zmq.PULL)

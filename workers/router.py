@@ -157,7 +157,9 @@ def run_router_process(run_dir: str) -> None:
         def on_socket(self, sock):
             sender, msg = recv(self.data, routed=True)
             out: list[tuple[bytes, object]] = []
-            if isinstance(msg, M.Need):
+            if isinstance(msg, M.PeerHello):
+                out.append((sender, M.PeerHello(role="router")))
+            elif isinstance(msg, M.Need):
                 try:
                     reads, reply = self.router.need(msg.req, msg.layer, msg.experts)
                 except RouterError as e:

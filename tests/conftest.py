@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny stores per architecture, and the no-leftovers check after every test."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deltafin.runtime import shm
+
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_run_root(tmp_path_factory):
+    """Runs of the test session live in their own root, so the sweep never touches a user's runs."""
+    root = tmp_path_factory.mktemp("runs")
+    os.environ["DELTAFIN_RUN_ROOT"] = str(root)
+    yield root
+
+
+def deltafin_segments() -> list[str]:
+    if not Path("/dev/shm").exists():
+        return []
+    return [n for n in os.listdir("/dev/shm") if n.startswith(shm.SEGMENT_PREFIX)]
+
+
+def deltafin_processes() -> list[psutil.Process]:
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["pid"] != me and ("deltafin.workers." in cmd or "deltafin.runtime.supervisor" in cmd):
+            found.append(p)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(request):
+    """After every test: no deltafin process and no shared-memory segment remain."""
+    before = set(deltafin_segments())
+    yield
+    deadline = time.monotonic() + 10
+    while (deltafin_processes() or set(deltafin_segments()) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    procs = deltafin_processes()
+    segs = set(deltafin_segments()) - before
+    for p in procs:
+        p.kill()
+    assert not procs, f"processes left after {request.node.name}: {[p.info['cmdline'] for p in procs]}"
+    assert not segs, f"shared-memory segments left after {request.node.name}: {segs}"
+
+
+@pytest.fixture(scope="session")
+def tiny_stores(tmp_path_factory):
+    """{arch: store path} of tiny float checkpoints converted by deltafin-convert (built lazily)."""
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            src = tiny(arch, root / f"{arch}-hf", seed=11)
+            out = root / f"{arch}-store"
+            assert convert.main([str(src), str(out), "--no-progress"]) == 0
+            cache[arch] = out
+        return cache[arch]
+    return get
+
+
+@pytest.fixture(scope="session")
+def mlx_lm_stores(tmp_path_factory):
+    """{arch: (mlx-lm quantized checkpoint, store converted from it)}, built lazily."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm import convert as mlx_convert
+
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("mlxlm")
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            src = tiny(arch, root / f"{arch}-hf", seed=12, dtype="bfloat16")
+            q = root / f"{arch}-q4"
+            mlx_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=64)
+            out = root / f"{arch}-store"
+            assert convert.main([str(q), str(out), "--no-progress"]) == 0
+            cache[arch] = (q, out)
+        return cache[arch]
+    return get

@@ -1,0 +1,211 @@
+"""The runtime as users run it: real supervisor, router, loader and compute processes, ipc sockets,
+POSIX shared memory. After every test the conftest asserts nothing is left behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from conftest import ARCHS, deltafin_processes, deltafin_segments
+from deltafin.client import Client, RequestError, RuntimeDeadError, RuntimeUnavailable
+from deltafin.protocol import messages as M
+from deltafin.runtime.store import Store
+from deltafin.tools.run import StartError, running_supervisor
+
+BIG = "4GiB"
+
+
+def _config(tmp_path, **sections) -> list[str]:
+    text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
+                   for s, kv in sections.items())
+    path = tmp_path / "deltafin.toml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_on_every_architecture(tiny_stores, arch):
+    store = tiny_stores(arch)
+    with running_supervisor(store, BIG) as (endpoint, proc):
+        with Client(endpoint, timeout=60) as c:
+            assert c.info.architecture == arch
+            pieces = list(c.stream("hello there", max_tokens=6))
+            gen = c.last
+            assert gen.finish_reason in ("length", "stop")
+            assert len(gen.token_ids) == 6 or gen.finish_reason == "stop"
+            assert "".join(pieces) == gen.text
+            # supervisor + router + loader + compute, all separate processes
+            kids = psutil.Process(proc.pid).children()
+            roles = sorted(" ".join(k.cmdline()).split("deltafin.workers.")[1].split()[0] for k in kids)
+            assert roles == ["compute", "loader", "router"]
+            stats = c.stats()
+            assert stats["missing"] == []
+            assert stats["hit_rate"] is not None
+            assert stats["stage_latency"]["read"]["count"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_mlx_lm(mlx_lm_stores, arch):
+    from mlx_lm.utils import load
+    import mlx.core as mx
+    qpath, store = mlx_lm_stores(arch)
+    model, _ = load(str(qpath))
+    ids = [1, 17, 42, 99, 3, 250, 7, 301, 64, 12, 5, 400]
+    ref = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    with running_supervisor(store, BIG) as (endpoint, _):
+        with Client(endpoint, timeout=120) as c:
+            got = c.logits(ids)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 1e-3 * scale
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    sure = (top2[:, 1] - top2[:, 0]) > 1e-3
+    assert (got.argmax(-1)[sure] == ref.argmax(-1)[sure]).all()
+
+
+def test_greedy_tokens_identical_across_budgets(tiny_stores, tmp_path):
+    store_path = tiny_stores("deepseek_v3")
+    store = Store(store_path)
+    two_layers = 2 * store.n_experts
+    assert two_layers < len(store.records) or len(store.moe_layers) <= 2
+    prompt = "the quick brown fox jumps over the lazy dog"
+    results = {}
+    for name, slots in (("all", 0), ("two_layers", two_layers), ("one_token", store.top_k)):
+        with running_supervisor(store_path, BIG, _config(tmp_path, cache={"max_slots": slots})) as (ep, _):
+            with Client(ep, timeout=60) as c:
+                results[name] = (c.generate(prompt, max_tokens=16).token_ids, c.stats())
+    assert results["all"][0] == results["two_layers"][0] == results["one_token"][0]
+    # the small pools really did evict and re-read
+    assert results["one_token"][1]["memory"]["n_slots"] == store.top_k
+    assert results["one_token"][1]["workers"]["router"].get("evictions", 0) > 0
+    assert results["all"][1]["workers"]["router"].get("evictions", 0) == 0
+
+
+def test_greedy_tokens_identical_across_budgets_many_layers(tmp_path):
+    """A deeper model where two layers' worth of slots is far less than the store."""
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    src = tiny("qwen3_moe", tmp_path / "hf", layers=6, experts=16, top_k=4, seed=3)
+    out = tmp_path / "store"
+    assert convert.main([str(src), str(out), "--no-progress"]) == 0
+    logits = {}
+    for slots in (0, 32):
+        with running_supervisor(out, BIG, _config(tmp_path, cache={"max_slots": slots})) as (ep, _):
+            with Client(ep, timeout=60) as c:
+                toks = c.generate([5, 9, 200, 31, 77], max_tokens=12).token_ids
+                logits[slots] = (toks, c.logits([5, 9, 200, 31, 77] + toks))
+    assert logits[0][0] == logits[32][0]
+    np.testing.assert_array_equal(logits[0][1], logits[32][1])
+
+
+def test_budget_below_minimum_is_refused(tiny_stores):
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model",
+                        str(tiny_stores("mixtral")), "--memory-budget", "64MiB"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "memory budget 64.00 MiB is below the minimum" in r.stderr
+    assert "READY" not in r.stdout
+
+
+def test_unknown_store_and_bad_flags_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a deltafin store" in r.stderr
+    with pytest.raises(StartError):
+        with running_supervisor(tmp_path, BIG, stderr=subprocess.DEVNULL):
+            pass
+
+
+def test_remote_tcp_needs_allow_remote(tiny_stores):
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model",
+                        str(tiny_stores("mixtral")), "--memory-budget", BIG, "--endpoint", "tcp://0.0.0.0:5999"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allow-remote" in r.stderr
+
+
+def test_tcp_loopback_and_bad_messages(tiny_stores):
+    with running_supervisor(tiny_stores("olmoe"), BIG, ["--endpoint", "tcp://127.0.0.1:0"]) as (ep, _):
+        assert ep.startswith("tcp://127.0.0.1:")
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep)
+        try:
+            for bad in (b"\xc1garbage", M.encode(M.Hello(id=1, version=99)),
+                        b"\x81\xa4type\xa8generate"):
+                s.send(bad)
+                assert s.poll(10000)
+                reply = M.decode(s.recv())
+                assert isinstance(reply, M.Error)
+                assert reply.code in ("bad_message", "version_mismatch")
+        finally:
+            s.close(0)
+            ctx.term()
+        with Client(ep, timeout=60) as c:  # still serving
+            with pytest.raises(RequestError, match="max_context"):
+                c.generate([1] * 10, max_tokens=100000)
+            with pytest.raises(RequestError, match="token ids"):
+                c.logits([10**9])
+            assert len(c.generate("ok", max_tokens=3).token_ids) == 3
+            assert c.health()["ok"]
+
+
+def test_dead_worker_is_an_error_not_a_hang(tiny_stores):
+    with running_supervisor(tiny_stores("mixtral"), BIG, stderr=subprocess.PIPE) as (ep, proc):
+        compute = next(k for k in psutil.Process(proc.pid).children() if "workers.compute" in " ".join(k.cmdline()))
+        with Client(ep, timeout=20) as c:
+            c.generate("warm up", max_tokens=2)
+            compute.send_signal(signal.SIGKILL)
+            with pytest.raises((RuntimeDeadError, RuntimeUnavailable)):
+                c.generate("are you there", max_tokens=4)
+        assert proc.wait(timeout=30) == 1
+        err = proc.stderr.read()
+    assert "compute" in err and "exited with code -9" in err
+
+
+def test_sigkill_of_the_supervisor_leaves_nothing(tiny_stores):
+    with running_supervisor(tiny_stores("qwen2_moe"), BIG) as (ep, proc):
+        kids = psutil.Process(proc.pid).children()
+        assert len(kids) == 3 and deltafin_segments()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive
+    # the segment of the killed run is swept by the next start
+    leftover = deltafin_segments()
+    assert leftover
+    with running_supervisor(tiny_stores("qwen2_moe"), BIG) as (ep, proc):
+        assert not set(leftover) & set(deltafin_segments())
+    assert not deltafin_processes()
+
+
+def test_sigterm_exits_zero(tiny_stores):
+    with running_supervisor(tiny_stores("mixtral"), BIG) as (ep, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_memory_budget_holds_for_the_tree(tiny_stores):
+    with running_supervisor(tiny_stores("deepseek_v2"), "600MiB") as (ep, proc):
+        with Client(ep, timeout=60) as c:
+            c.generate("measure me " * 20, max_tokens=20)
+            s = c.stats()
+    assert s["memory"]["budget"] == 600 * 2**20
+    assert 0 < s["memory"]["peak_tree_bytes"] <= s["memory"]["budget"]
+
+
+def test_run_command_streams_and_reports(tiny_stores):
+    r = subprocess.run([sys.executable, "-m", "deltafin.tools.run", "--model", str(tiny_stores("qwen3_moe")),
+                        "--prompt", "hello", "--max-tokens", "5", "--memory-budget", BIG, "--chat"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "stage latencies" in r.stderr and "read" in r.stderr and "time split" in r.stderr
+    assert r.stdout.strip()
