@@ -57,7 +57,7 @@ class RuntimeConfig:
 class ComputeConfig:
     dtype: str = "auto"
     max_context: int = 2048
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
     expert_timeout_s: float = 60.0
 
 

