@@ -57,11 +57,15 @@ class ExpertRecord:
 
 
 def record_layout(tensors: dict[str, np.ndarray], quant: dict) -> dict:
-    """Byte layout of one record: canonical tensor order, each on a 64-byte boundary."""
+    """Byte layout of one record: canonical tensor order, each on a 64-byte boundary.
+    A projection whose quant entry is None is stored as a float weight alone (mlx-lm leaves
+    projections unquantized when their input dimension does not fit the group size)."""
     entries, pos = [], 0
     for name in RECORD_TENSORS:
+        if name not in tensors:
+            continue
         arr = tensors[name]
-        dtype = arr.dtype.name if arr.dtype != np.uint16 or name.endswith("weight") else "bfloat16"
+        dtype = "bfloat16" if arr.dtype == np.uint16 else arr.dtype.name  # bf16 travels as raw uint16
         entries.append({"name": name, "dtype": dtype, "shape": list(arr.shape),
                         "offset": pos, "nbytes": arr.nbytes})
         pos = round_up(pos + arr.nbytes, TENSOR_ALIGN)
@@ -113,10 +117,12 @@ class StoreWriter:
     def add_expert(self, layer: int, expert: int, tensors: dict[str, np.ndarray],
                    quant: dict | None = None) -> None:
         """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw)."""
-        missing = [n for n in RECORD_TENSORS if n not in tensors]
+        quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
+        missing = [f"{p}.{k}" for p in archinfo.PROJS
+                   for k in (("weight", "scales", "biases") if quant.get(p) else ("weight",))
+                   if f"{p}.{k}" not in tensors]
         if missing:
             raise StoreError(f"layer {layer} expert {expert}: record lacks {missing}")
-        quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
         layout = record_layout(tensors, quant)
         key = json.dumps(layout, sort_keys=True)
         if key not in self._layout_ids:

@@ -209,3 +209,26 @@ def test_run_command_streams_and_reports(tiny_stores):
     assert r.returncode == 0, r.stderr
     assert "stage latencies" in r.stderr and "read" in r.stderr and "time split" in r.stderr
     assert r.stdout.strip()
+
+
+def test_logits_match_mlx_lm_when_a_projection_stays_float(tmp_path):
+    """mlx-lm leaves a projection float when its input dimension does not fit the group size
+    (here down_proj with moe_intermediate 32); the store keeps it float, exactly."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm import convert as mlx_convert
+    from mlx_lm.utils import load
+
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    src = tiny("qwen2_moe", tmp_path / "hf", moe_intermediate=32, seed=3)
+    mlx_convert(str(src), str(tmp_path / "q"), quantize=True, q_bits=4, q_group_size=64)
+    assert convert.main([str(tmp_path / "q"), str(tmp_path / "store"), "--no-progress"]) == 0
+    assert Store(tmp_path / "store").layout(0)["quant"]["down_proj"] is None
+    model, _ = load(str(tmp_path / "q"))
+    ids = [1, 17, 42, 99, 3, 250, 7, 301]
+    ref = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    with running_supervisor(tmp_path / "store", BIG) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            got = c.logits(ids)
+    assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()

@@ -132,14 +132,14 @@ class Converter:
     def _check(self, layer: int, e: int, src: ExpertSource) -> list[str]:
         where = f"layer {layer} expert {e}"
         need = {"per_expert": archinfo.PROJS, "stacked": [f"{p}.weight" for p in archinfo.PROJS],
-                "stacked_quantized": [f"{p}.{k}" for p in archinfo.PROJS
-                                      for k in ("weight", "scales", "biases")],
+                "stacked_quantized": [f"{p}.weight" for p in archinfo.PROJS],
                 "fused": ["gate_up_proj", "down_proj"]}[src.kind]
         missing = [n for n in need if n not in src.refs]
         if missing:
             return [f"{where}: missing tensors {missing}"]
         if src.kind == "stacked_quantized":
-            return []
+            half = [p for p in archinfo.PROJS if (f"{p}.scales" in src.refs) != (f"{p}.biases" in src.refs)]
+            return [f"{where}: {p} has scales or biases but not both" for p in half]
         for name, ref in src.refs.items():
             if ref.dtype not in FLOAT_DTYPES:
                 return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"]
@@ -157,6 +157,10 @@ class Converter:
         if src.kind == "stacked_quantized":
             block = self.info.block
             for proj in archinfo.PROJS:
+                if f"{proj}.scales" not in src.refs:  # mlx-lm left it float: keep it exact
+                    tensors[f"{proj}.weight"] = src.refs[f"{proj}.weight"].read_slice0(src.index)
+                    quant[proj] = None
+                    continue
                 for part in ("weight", "scales", "biases"):
                     tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
                 q = mlx_quant_params(self.mlx_quant, f"model.layers.{layer}.{block}.switch_mlp.{proj}")

@@ -81,7 +81,7 @@ class SlotExperts:
             a = mx.array(views[t["name"]])  # copies out of shared memory
             if t["dtype"] == "bfloat16":
                 a = a.view(mx.bfloat16)
-            if not t["name"].endswith(".weight") and a.dtype != self.dtype:
+            if mx.issubdtype(a.dtype, mx.floating) and a.dtype != self.dtype:
                 a = a.astype(self.dtype)
             out[t["name"]] = a
         return out
@@ -89,6 +89,8 @@ class SlotExperts:
     def run_expert(self, w: dict, quant: dict, x):
         def mm(name, inp):
             q = quant[name]
+            if q is None:  # a projection the checkpoint keeps in float
+                return inp @ w[f"{name}.weight"].astype(inp.dtype).T
             return mx.quantized_matmul(inp, w[f"{name}.weight"], w[f"{name}.scales"], w[f"{name}.biases"],
                                        transpose=True, group_size=q["group_size"], bits=q["bits"])
         return mm("down_proj", swiglu(mm("gate_proj", x), mm("up_proj", x)))
