@@ -1,0 +1,31 @@
+"""The installed package lives under `deltafin.` only; no bare runtime/tools/protocol/workers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_holds_only_the_deltafin_namespace(tmp_path):
+    pytest.importorskip("setuptools")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    wheel = next(tmp_path.glob("deltafin-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"deltafin"}
+    for module in ("deltafin/runtime/store.py", "deltafin/workers/router.py", "deltafin/workers/loader.py",
+                   "deltafin/workers/compute.py", "deltafin/protocol/messages.py", "deltafin/client/__init__.py",
+                   "deltafin/tools/convert.py", "deltafin/runtime/models/mixtral.py",
+                   "deltafin/configs/default.toml"):
+        assert module in names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    scripts = zipfile.ZipFile(wheel).read(entry).decode()
+    for script in ("deltafin-convert", "deltafin-synth", "deltafin-supervisor", "deltafin-run", "deltafin-demo"):
+        assert f"{script} = deltafin." in scripts
