@@ -232,3 +232,21 @@ def test_logits_match_mlx_lm_when_a_projection_stays_float(tmp_path):
         with Client(ep, timeout=60) as c:
             got = c.logits(ids)
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_corrupt_record_is_a_clear_error_and_the_runtime_keeps_serving(tiny_stores, tmp_path):
+    import shutil
+
+    from deltafin.client import ExpertUnavailableError
+    shutil.copytree(tiny_stores("mixtral"), tmp_path / "s")
+    store = Store(tmp_path / "s")
+    for e in range(store.n_experts):  # every expert of the last layer is damaged
+        rec = store.record(store.moe_layers[-1], e)
+        with open(store.path / rec.file, "r+b") as f:
+            f.seek(rec.offset + 3)
+            f.write(b"\x00\xff\x00")
+    with running_supervisor(tmp_path / "s", BIG) as (ep, proc):
+        with Client(ep, timeout=60) as c:
+            with pytest.raises(ExpertUnavailableError, match="checksum mismatch"):
+                c.generate("hello", max_tokens=3)
+            assert c.health()["ok"] and proc.poll() is None
