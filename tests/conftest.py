@@ -21,32 +21,47 @@ def private_run_root(tmp_path_factory):
     yield root
 
 
+def _root() -> str:
+    return os.environ.get("DELTAFIN_RUN_ROOT", "")
+
+
 def deltafin_segments() -> list[str]:
-    if not Path("/dev/shm").exists():
-        return []
-    return [n for n in os.listdir("/dev/shm") if n.startswith(shm.SEGMENT_PREFIX)]
+    """Segments recorded by runs of this test session that still exist."""
+    import json
+    names = []
+    for meta in Path(_root()).glob("*/run.json"):
+        try:
+            names += json.loads(meta.read_text()).get("segments", [])
+        except (OSError, ValueError):
+            pass
+    return [n for n in names if Path("/dev/shm", n).exists()] if Path("/dev/shm").exists() else names
 
 
 def deltafin_processes() -> list[psutil.Process]:
-    me = os.getpid()
+    """Processes started by this test session (they inherit its DELTAFIN_RUN_ROOT); other
+    deltafin runs on the machine are not ours to judge or kill."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] != me and ("deltafin.workers." in cmd or "deltafin.runtime.supervisor" in cmd):
-            found.append(p)
+        if p.info["pid"] == os.getpid() or not ("deltafin.workers." in cmd or "deltafin.runtime.supervisor" in cmd):
+            continue
+        try:
+            if p.environ().get("DELTAFIN_RUN_ROOT") == _root():
+                found.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
     return found
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind(request):
     """After every test: no deltafin process and no shared-memory segment remain."""
-    before = set(deltafin_segments())
     yield
     deadline = time.monotonic() + 10
-    while (deltafin_processes() or set(deltafin_segments()) - before) and time.monotonic() < deadline:
+    while (deltafin_processes() or deltafin_segments()) and time.monotonic() < deadline:
         time.sleep(0.1)
     procs = deltafin_processes()
-    segs = set(deltafin_segments()) - before
+    segs = set(deltafin_segments())
     for p in procs:
         p.kill()
     assert not procs, f"processes left after {request.node.name}: {[p.info['cmdline'] for p in procs]}"

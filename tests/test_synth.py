@@ -19,7 +19,7 @@ def tiny_dir(tmp_path_factory):
     made = {}
 
     def get(arch, **kw):
-        key = (arch, tuple(sorted(kw.items())))
+        key = (arch, json.dumps(kw, sort_keys=True))
         if key not in made:
             made[key] = synth.tiny(arch, root / f"{arch}-{len(made)}", **kw)
         return made[key]
@@ -59,9 +59,12 @@ def _mlx_logits(path):
 
 @pytest.mark.parametrize("arch,kw", CASES, ids=IDS)
 def test_keys_match_transformers(arch, kw, tiny_dir, tmp_path):
+    _check_keys_against_transformers(tiny_dir(arch, **kw), tmp_path)
+
+
+def _check_keys_against_transformers(path, tmp_path):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    path = tiny_dir(arch, **kw)
     # transformers writing the same config itself is the ground truth for names and shapes
     cfg = transformers.AutoConfig.from_pretrained(path)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ref")
@@ -80,6 +83,78 @@ def test_loads_in_mlx_lm_and_transformers_alike(arch, kw, tiny_dir):
     # both libraries read the config the same way (rope, yarn, routing, scaling, norms)
     np.testing.assert_allclose(mlx_out, hf_out, atol=2e-4, rtol=0)
     assert hf_out.std() > 0.3  # unit-scale init: logits are not flat
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+# config overrides that change tensor names or shapes (the first ones also load in mlx-lm)
+OVERRIDES = [
+    ("qwen3_moe", {"tie_word_embeddings": True, "mlp_only_layers": [0], "head_dim": 64}),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 64, "num_key_value_heads": 4}),
+    ("deepseek_v2", {"q_lora_rank": 64, "n_shared_experts": 1, "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+                     "v_head_dim": 32, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+                     "rope_parameters": YARN}),
+    ("deepseek_v3", {"q_lora_rank": None, "first_k_dense_replace": 2, "n_group": 2, "topk_group": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+]
+BIAS_OVERRIDES = [  # transformers reads these; mlx-lm hard-codes some of them
+    ("qwen2_moe", {"qkv_bias": False}), ("qwen3_moe", {"attention_bias": True}),
+    ("olmoe", {"attention_bias": True}), ("deepseek_v3", {"attention_bias": True}),
+]
+OVERRIDE_IDS = [f"{a}-{'-'.join(kw)}"[:60] for a, kw in OVERRIDES + BIAS_OVERRIDES]
+
+
+@pytest.mark.parametrize("arch,overrides", OVERRIDES + BIAS_OVERRIDES, ids=OVERRIDE_IDS)
+def test_overrides_keys_match_transformers(arch, overrides, tiny_dir, tmp_path):
+    _check_keys_against_transformers(tiny_dir(arch, overrides=overrides), tmp_path)
+
+
+@pytest.mark.parametrize("arch,overrides", OVERRIDES, ids=OVERRIDE_IDS[:len(OVERRIDES)])
+def test_overrides_load_in_mlx_lm(arch, overrides, tiny_dir):
+    pytest.importorskip("mlx_lm")
+    path = tiny_dir(arch, overrides=overrides)
+    c = json.loads((path / "config.json").read_text())
+    assert {k: c[k] for k in overrides if k != "rope_parameters"} == {
+        k: v for k, v in overrides.items() if k != "rope_parameters"}
+    assert synth.tensor_shapes(c) == _st_keys(path)
+    _, logits = _mlx_logits(path)  # strict: every tensor mlx-lm expects, and no other
+    assert np.isfinite(logits).all() and logits.std() > 0.3
+
+
+def test_overrides_keep_both_spellings_in_step(tiny_dir):
+    c = json.loads((tiny_dir("deepseek_v2", overrides={"rope_parameters": YARN}) / "config.json").read_text())
+    assert c["rope_parameters"] == YARN and c["rope_theta"] == 10000.0
+    assert c["rope_scaling"] == {"type": "yarn", **{k: v for k, v in YARN.items()
+                                                    if k not in ("rope_type", "rope_theta")}}
+    hub = synth.hub_config("deepseek_v3", layers=3, experts=8, top_k=2, hidden=128, moe_intermediate=128,
+                           vocab=512)
+    plain = synth.with_overrides(hub, {"rope_parameters": {"rope_type": "default"}})
+    assert "rope_scaling" not in plain and plain["rope_parameters"] == {"rope_type": "default",
+                                                                        "rope_theta": hub["rope_theta"]}
+    old = synth.with_overrides(hub, {"rope_theta": 5e4, "rope_scaling": None})
+    assert old["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e4}
+    qwen = synth.hub_config("qwen3_moe", layers=2, experts=8, top_k=2, hidden=128, moe_intermediate=128,
+                            vocab=512)
+    qwen = synth.with_overrides(qwen, {"num_experts": 4, "num_hidden_layers": 3})
+    assert qwen["num_local_experts"] == 4 and qwen["max_window_layers"] == 3
+    assert synth.with_overrides(hub, None) == hub
+    with pytest.raises(ValueError, match="dtype="):
+        synth.with_overrides(hub, {"dtype": "bfloat16"})
+
+
+def test_cli_set(tmp_path, capsys):
+    out = tmp_path / "q"
+    assert synth.main(["tiny", "qwen3_moe", str(out), "--set", "tie_word_embeddings=true",
+                       "--set", "mlp_only_layers=[0]", "--set", 'rope_parameters={"rope_type": "default"}']) == 0
+    c = json.loads((out / "config.json").read_text())
+    assert c["tie_word_embeddings"] is True and c["mlp_only_layers"] == [0]
+    assert c["rope_parameters"] == {"rope_type": "default", "rope_theta": c["rope_theta"]}
+    keys = _st_keys(out)
+    assert "lm_head.weight" not in keys and "model.layers.0.mlp.gate_proj.weight" in keys
+    for bad, why in (("n_group", "expected KEY=JSON"), ("n_group=two", "value is not JSON")):
+        with pytest.raises(SystemExit):
+            synth.main(["tiny", "qwen3_moe", str(out), "--set", bad])
+        assert why in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", synth.TINY_ARCHS)

@@ -1,6 +1,7 @@
 """Synthetic models for tests and benchmarks (no downloads, no torch).
 
-  deltafin-synth tiny ARCH OUT    tiny random Hugging Face checkpoint (config, safetensors, tokenizer)
+  deltafin-synth tiny ARCH OUT    tiny random Hugging Face checkpoint (config, safetensors, tokenizer);
+                                  --set KEY=JSON (repeatable) overrides a config key before the shapes follow
   deltafin-synth bench PRESET OUT full-size random deltafin store written at disk speed
   deltafin-synth demo ...         added by tools/demo_model.py when that module exists
 
@@ -57,13 +58,13 @@ def _routed(c: dict, p: str, inter: int) -> dict:
     return t
 
 
-def _gqa(c: dict, p: str, bias: bool = False, qk_norm: str | None = None) -> dict:
+def _gqa(c: dict, p: str, bias: bool = False, o_bias: bool = False, qk_norm: str | None = None) -> dict:
     """Grouped-query attention; qk_norm "head" = per-head RMSNorm (qwen3), "full" = whole width (olmoe)."""
     h, nh = c["hidden_size"], c["num_attention_heads"]
     nkv = c.get("num_key_value_heads") or nh
     hd = c.get("head_dim") or h // nh
     t = {**_linear(f"{p}.self_attn.q_proj", nh * hd, h, bias), **_linear(f"{p}.self_attn.k_proj", nkv * hd, h, bias),
-         **_linear(f"{p}.self_attn.v_proj", nkv * hd, h, bias), **_linear(f"{p}.self_attn.o_proj", h, nh * hd)}
+         **_linear(f"{p}.self_attn.v_proj", nkv * hd, h, bias), **_linear(f"{p}.self_attn.o_proj", h, nh * hd, o_bias)}
     if qk_norm == "head":
         t.update({f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
     elif qk_norm == "full":
@@ -75,14 +76,14 @@ def _mla(c: dict, p: str) -> dict:
     """DeepSeek multi-head latent attention (q_lora_rank None means a plain q_proj)."""
     h, nh, a = c["hidden_size"], c["num_attention_heads"], f"{p}.self_attn"
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    kv_r, q_r = c["kv_lora_rank"], c.get("q_lora_rank")
+    kv_r, q_r, bias = c["kv_lora_rank"], c.get("q_lora_rank"), bool(c.get("attention_bias"))
     if q_r:
-        t = {**_linear(f"{a}.q_a_proj", q_r, h), f"{a}.q_a_layernorm.weight": (q_r,),
+        t = {**_linear(f"{a}.q_a_proj", q_r, h, bias), f"{a}.q_a_layernorm.weight": (q_r,),
              **_linear(f"{a}.q_b_proj", nh * (nope + rope), q_r)}
     else:
         t = _linear(f"{a}.q_proj", nh * (nope + rope), h)
-    t.update({**_linear(f"{a}.kv_a_proj_with_mqa", kv_r + rope, h), f"{a}.kv_a_layernorm.weight": (kv_r,),
-              **_linear(f"{a}.kv_b_proj", nh * (nope + vd), kv_r), **_linear(f"{a}.o_proj", h, nh * vd)})
+    t.update({**_linear(f"{a}.kv_a_proj_with_mqa", kv_r + rope, h, bias), f"{a}.kv_a_layernorm.weight": (kv_r,),
+              **_linear(f"{a}.kv_b_proj", nh * (nope + vd), kv_r), **_linear(f"{a}.o_proj", h, nh * vd, bias)})
     return t
 
 
@@ -105,7 +106,8 @@ def _mixtral(c):
 
 
 def _olmoe(c):
-    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, qk_norm="full"), **_routed(c, p, c["intermediate_size"])})
+    b = bool(c.get("attention_bias"))
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, b, b, qk_norm="full"), **_routed(c, p, c["intermediate_size"])})
 
 
 def _qwen_mlp(c, p, moe, shared: bool):
@@ -119,11 +121,13 @@ def _qwen_mlp(c, p, moe, shared: bool):
 
 
 def _qwen2_moe(c):
-    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, bias=True), **_qwen_mlp(c, p, moe, shared=True)})
+    b = c.get("qkv_bias", True)
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, b), **_qwen_mlp(c, p, moe, shared=True)})
 
 
 def _qwen3_moe(c):
-    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, qk_norm="head"), **_qwen_mlp(c, p, moe, shared=False)})
+    b = bool(c.get("attention_bias"))
+    return _decoder(c, lambda i, p, moe: {**_gqa(c, p, b, b, qk_norm="head"), **_qwen_mlp(c, p, moe, shared=False)})
 
 
 def _deepseek(c):
@@ -407,9 +411,43 @@ def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int
     return out
 
 
+def with_overrides(config: dict, overrides: dict | None) -> dict:
+    """config updated with overrides, keeping the paired spellings in step: rope_parameters (transformers 5)
+    with rope_theta + rope_scaling (mlx-lm), num_experts with num_local_experts (qwen3_moe), and
+    num_hidden_layers with max_window_layers (qwen). An override given for both spellings is kept as given."""
+    if not overrides:
+        return dict(config)
+    if {"dtype", "torch_dtype"} & overrides.keys():
+        raise ValueError("set the checkpoint dtype with dtype=, not overrides (it decides the tensors' dtype)")
+    c = {**config, **overrides}
+    if "rope_parameters" in overrides:
+        rp = dict(overrides["rope_parameters"] or {})
+        rp.setdefault("rope_theta", c["rope_theta"])
+        c["rope_parameters"] = rp
+        if "rope_theta" not in overrides:
+            c["rope_theta"] = rp["rope_theta"]
+        if "rope_scaling" not in overrides:
+            kind = rp.get("rope_type") or rp.get("type") or "default"
+            c.pop("rope_scaling", None)
+            if kind != "default":
+                c["rope_scaling"] = {"type": kind, **{k: v for k, v in rp.items()
+                                                      if k not in ("rope_type", "type", "rope_theta")}}
+    elif {"rope_scaling", "rope_theta"} & overrides.keys():
+        c["rope_parameters"] = _rope_parameters(c["rope_theta"], c.get("rope_scaling"))
+    if c["model_type"] == "qwen3_moe":
+        for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
+            if a in overrides and b not in overrides:
+                c[b] = overrides[a]
+    if "num_hidden_layers" in overrides and "max_window_layers" in c and "max_window_layers" not in overrides:
+        c["max_window_layers"] = overrides["num_hidden_layers"]
+    return c
+
+
 def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: int = 2, hidden: int = 128,
          moe_intermediate: int = 128, vocab: int = 512, dtype: str = "float32", seed: int = 0, shards: int = 1,
-         q_lora_rank: int | None = None) -> Path:
+         q_lora_rank: int | None = None, overrides: dict | None = None) -> Path:
+    """A tiny random checkpoint. overrides update the hub config before the tensor shapes are derived from it
+    (any config key: head_dim, tie_word_embeddings, mlp_only_layers, rope_parameters, n_group, ...)."""
     if arch not in TINY_ARCHS:
         raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(TINY_ARCHS)}")
     if not 1 <= top_k <= experts:
@@ -421,7 +459,7 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
         layers = 3 if arch.startswith("deepseek") else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
-    return write_checkpoint(Path(out), config, dtype, seed, shards)
+    return write_checkpoint(Path(out), with_overrides(config, overrides), dtype, seed, shards)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,10 +586,20 @@ def _progress(total: int, desc: str):
 # CLI
 # ---------------------------------------------------------------------------------------------
 
+def _key_json(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{key}: value is not JSON ({e}); quote strings: {key}='\"...\"'")
+
+
 def _cmd_tiny(a) -> int:
     out = tiny(a.arch, a.out, layers=a.layers, experts=a.experts, top_k=a.top_k, hidden=a.hidden,
                moe_intermediate=a.moe_intermediate, vocab=a.vocab, dtype=a.dtype, seed=a.seed,
-               shards=a.shards, q_lora_rank=a.q_lora_rank)
+               shards=a.shards, q_lora_rank=a.q_lora_rank, overrides=dict(a.set))
     print(f"wrote {a.arch} checkpoint to {out}")
     return 0
 
@@ -580,6 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shards", type=int, default=1)
     t.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2: use q_a/q_b projections")
+    t.add_argument("--set", type=_key_json, action="append", default=[], metavar="KEY=JSON",
+                   help="override a config.json key, value in JSON (repeatable): --set n_group=2 "
+                        "--set tie_word_embeddings=true --set 'rope_parameters={\"rope_type\": \"default\"}'")
     t.set_defaults(func=_cmd_tiny)
 
     b = sub.add_parser("bench", help="full-size random store in deltafin's format")
