@@ -29,7 +29,7 @@ def deltafin_segments() -> list[str]:
     """Segments recorded by runs of this test session that still exist."""
     import json
     names = []
-    for meta in Path(_root()).glob("*/run.json"):
+    for meta in shm.runs_root().glob("*/run.json"):
         try:
             names += json.loads(meta.read_text()).get("segments", [])
         except (OSError, ValueError):
