@@ -153,13 +153,13 @@ class Supervisor:
         poller.register(self.control, zmq.POLLIN)
         last_mem = 0.0
         while not stop_flag():
-            events = dict(poller.poll(100))
-            if self.client in events:
-                self._on_client()
-            if self.control in events:
-                self._on_control()
-            self._expire_stats()
             try:
+                events = dict(poller.poll(100))
+                if self.client in events:
+                    self._on_client()
+                if self.control in events:
+                    self._on_control()
+                self._expire_stats()
                 self._check_workers()
             except WorkerDied as e:
                 for (ident, rid) in list(self.inflight):
@@ -168,6 +168,17 @@ class Supervisor:
             if time.monotonic() - last_mem > 1.0:
                 last_mem = time.monotonic()
                 self.peak_tree_bytes = max(self.peak_tree_bytes, self.tree_bytes())
+
+    def _to_worker(self, role: str, msg) -> None:
+        """ROUTER_MANDATORY makes a send to a dead worker fail at once; name the death."""
+        try:
+            send(self.control, msg, to=role.encode())
+        except zmq.ZMQError:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                self._check_workers()
+                time.sleep(0.05)
+            raise SupervisorError(f"worker {role} is unreachable") from None
 
     def tree_bytes(self) -> int:
         return tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
@@ -204,11 +215,11 @@ class Supervisor:
             self.pending_stats[sid] = {"ident": ident, "id": msg.id, "parts": {},
                                        "deadline": time.monotonic() + 2.0}
             for role in ROLES:
-                send(self.control, M.WorkerStats(id=sid), to=role.encode())
+                self._to_worker(role, M.WorkerStats(id=sid))
             return
         if isinstance(msg, (M.Generate, M.Logits)):
             self.inflight[(ident, msg.id)] = time.monotonic()
-            return send(self.control, M.Forward(client=ident, payload=raw), to=b"compute")
+            return self._to_worker("compute", M.Forward(client=ident, payload=raw))
         self._reply(ident, M.Error(id=getattr(msg, "id", None), code="bad_message",
                                    message=f"{msg.TYPE} is not a request"))
 
