@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import zmq
 

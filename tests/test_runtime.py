@@ -3,11 +3,9 @@ POSIX shared memory. After every test the conftest asserts nothing is left behin
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import psutil

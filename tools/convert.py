@@ -140,7 +140,7 @@ class Converter:
         if src.kind == "stacked_quantized":
             half = [p for p in archinfo.PROJS if (f"{p}.scales" in src.refs) != (f"{p}.biases" in src.refs)]
             return [f"{where}: {p} has scales or biases but not both" for p in half]
-        for name, ref in src.refs.items():
+        for ref in src.refs.values():
             if ref.dtype not in FLOAT_DTYPES:
                 return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"]
             in_dim = ref.shape[-1]

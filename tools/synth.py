@@ -593,7 +593,7 @@ def _key_json(text: str) -> tuple[str, object]:
     try:
         return key, json.loads(value)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{key}: value is not JSON ({e}); quote strings: {key}='\"...\"'")
+        raise argparse.ArgumentTypeError(f"{key}: value is not JSON ({e}); quote strings: {key}='\"...\"'") from None
 
 
 def _cmd_tiny(a) -> int:
