@@ -20,6 +20,9 @@ DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
 # Well below the 456 MiB of expert records (the whole tree fits in it): about a fifth of the
 # experts fit in the slot pool at once.
 DEFAULT_BUDGET = "400MiB"
+# A demo answer is short; reserving KV cache for 1024 tokens instead of 2048 leaves ~45 MiB more
+# for expert slots. (LRU thrashes when a token's 60 expert uses cycle through fewer slots.)
+DEFAULT_MAX_CONTEXT = 1024
 
 
 def main(argv=None) -> int:
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
         log(f"error: {e}")
         return 1
     log(f"prompt: {a.prompt}")
-    return run_once(path, a.prompt, a.max_tokens, a.memory_budget, chat=True)
+    return run_once(path, a.prompt, a.max_tokens, a.memory_budget, chat=True,
+                    supervisor_args=["--max-context", str(DEFAULT_MAX_CONTEXT)])
 
 
 if __name__ == "__main__":

@@ -95,9 +95,9 @@ def format_split(gen_stats: dict) -> str:
 
 def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | None = None,
              chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             config: str | None = None) -> int:
+             config: str | None = None, supervisor_args: list[str] | None = None) -> int:
     """Starts the runtime, streams one answer to stdout, prints the stage latencies to stderr."""
-    extra = ["--config", config] if config else []
+    extra = (["--config", config] if config else []) + list(supervisor_args or [])
     try:
         with running_supervisor(model, memory_budget, extra) as (endpoint, _proc):
             with Client(endpoint, timeout=600) as c:

@@ -25,13 +25,13 @@ _KEEP_DTYPE = ("e_score_correction_bias",)
 
 
 def rope_settings(config: dict, default_theta: float):
-    """(theta, scaling dict or None) from either transformers-5 rope_parameters or top-level keys."""
+    """(theta, scaling dict or None). theta: top-level rope_theta, else transformers-5 rope_parameters.
+    Scaling comes only from the top-level rope_scaling, as mlx-lm (our numerics reference) reads it:
+    mlx-lm ignores a scaling given only in rope_parameters (what transformers 5 save_pretrained writes),
+    so applying it here would make the logits differ from mlx-lm on the same checkpoint."""
     params = config.get("rope_parameters") or {}
     theta = config.get("rope_theta") or params.get("rope_theta") or default_theta
-    scaling = config.get("rope_scaling")
-    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-        scaling = params
-    return float(theta), scaling
+    return float(theta), config.get("rope_scaling")
 
 
 def resolve_dtype(dtype, weights: dict):

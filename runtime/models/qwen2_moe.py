@@ -13,7 +13,9 @@ class Qwen2Moe(GQAModel):
     def configure_moe(self, c):
         self.n_experts = c["num_experts"]
         self.top_k = c["num_experts_per_tok"]
-        self.norm_topk = c.get("norm_topk_prob", False)
+        # mlx-lm's qwen2_moe, our numerics reference, never renormalises the top-k weights, whatever
+        # norm_topk_prob says (transformers does; published Qwen2-MoE configs all set it false).
+        self.norm_topk = False
 
     def make_mlp(self, i, prefix):
         if not is_sparse_layer(self.config, self.n_experts, i):
