@@ -305,3 +305,35 @@ def test_quantized_bits_inferred_without_override():
     assert lin.bits == 8
     x = mx.ones((1, 128))
     assert mx.allclose(lin(x), x @ mx.dequantize(q, s, b, 64, 8).T, atol=1e-4).item()
+
+
+# Config keys transformers honours but mlx-lm, the numerics reference, ignores: the runtime follows
+# mlx-lm. Found by a judge-style run on transformers-5 checkpoints, whose save_pretrained writes the
+# rope scaling only inside rope_parameters (mlx-lm reads the top-level rope_scaling alone).
+IGNORED_BY_MLX_LM = {
+    "qwen2_moe_norm_topk": ("qwen2_moe", dict(moe_intermediate=64), dict(norm_topk_prob=True), False),
+    "olmoe_linear_rope_parameters_only": (
+        "olmoe", dict(moe_intermediate=64), dict(rope_parameters=dict(rope_type="linear", factor=4.0)), True),
+    "deepseek_v3_yarn_rope_parameters_only": (
+        "deepseek_v3", MLA, dict(MLA_CONFIG, q_lora_rank=64, n_group=2, topk_group=1, rope_parameters=YARN), True),
+}
+
+
+@pytest.mark.parametrize("name", list(IGNORED_BY_MLX_LM))
+def test_follows_mlx_lm_where_it_ignores_a_config_key(name, tmp_path):
+    model_type, tiny_args, overrides, drop_rope_scaling = IGNORED_BY_MLX_LM[name]
+    hf_dir = synth.tiny(model_type, tmp_path / "hf", overrides=overrides, **tiny_args)
+    if drop_rope_scaling:  # as transformers 5 writes it: the scaling only in rope_parameters
+        config = json.loads((hf_dir / "config.json").read_text())
+        assert config.pop("rope_scaling") and config["rope_parameters"]["rope_type"] != "default"
+        (hf_dir / "config.json").write_text(json.dumps(config))
+    convert(str(hf_dir), str(tmp_path / "mlx"), quantize=True, q_bits=4, q_group_size=64)
+    tokens = np.random.default_rng(3).integers(0, 512, SEQ).astype(np.int32)
+    ref_model, _ = load_model(tmp_path / "mlx")
+    ref = np.array(ref_model(mx.array(tokens)[None])[0].astype(mx.float32))
+    config = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    dense, experts = _split_mlx_lm(_load(tmp_path / "mlx"))
+    q = config["quantization"]
+    model = build_model(config, dense, q, "auto")
+    ours = np.array(model(mx.array(tokens), model.make_cache(), ResidentExperts(experts, q["bits"], q["group_size"])))
+    _assert_close(ours, ref, 1e-3, name)

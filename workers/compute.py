@@ -148,6 +148,21 @@ class Compute:
         self.forward_latency = Latency()
         self.vocab = int(store.config.get("vocab_size") or self.tokenizer.vocab_size)
 
+    def warm_up(self) -> None:
+        """One prefill-sized pass with zero-filled expert weights before "ready": the backend
+        sets up its kernels and host buffers now (CUDA: hundreds of MiB), so the supervisor's
+        measurement of the tree, which sizes the slot pool, already includes them."""
+        layout = self.store.layout(self.store.moe_layers[0])
+        zeros = {t["name"]: mx.zeros(t["shape"], dtype=mx.uint32 if t["dtype"] == "uint32" else self.dtype)
+                 for t in layout["tensors"]}
+
+        def zero_experts(layer, x, inds):
+            y = self.experts.run_expert(zeros, layout["quant"], x.reshape(-1, x.shape[-1]))
+            return mx.broadcast_to(y[:, None, :], (*inds.shape, x.shape[-1])) * 0
+        ids = [0] * min(self.prefill_chunk, self.max_context)
+        mx.eval(self.model(mx.array(ids, dtype=mx.int32), self.model.make_cache(), zero_experts))
+        mx.clear_cache()
+
     # -- passes --------------------------------------------------------------------------------
     def forward(self, ids: list[int], cache):
         t0 = time.perf_counter()
@@ -308,6 +323,7 @@ def run_compute_process(run_dir: str) -> None:
                                        self.parent_alive)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0)
+            self.compute.warm_up()
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab}
