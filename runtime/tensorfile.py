@@ -140,8 +140,8 @@ class SafetensorsSpool:
     def add(self, name: str, dtype: str, shape, data: bytes | np.ndarray) -> None:
         if name in self._header:
             raise TensorFileError(f"duplicate tensor {name}")
-        raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) \
-            else memoryview(data)
+        raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) \
+            if isinstance(data, np.ndarray) else memoryview(data)
         self._spool.write(raw)
         self._header[name] = {"dtype": NAME_TO_ST[dtype], "shape": list(shape),
                               "data_offsets": [self._pos, self._pos + raw.nbytes]}

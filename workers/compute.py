@@ -17,7 +17,7 @@ import numpy as np
 from deltafin.protocol import messages as M
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
-from deltafin.runtime.models.base import swiglu
+from deltafin.runtime.models.base import _expert_matmul, swiglu
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -86,20 +86,23 @@ class SlotExperts:
             out[t["name"]] = a
         return out
 
-    def run_expert(self, w: dict, quant: dict, x):
+    @staticmethod
+    def run_experts(w: dict, quant: dict, x, idx, sorted_rows: bool):
+        """SwiGLU of stacked experts w [C, ...] on rows x with expert index idx, through
+        mx.gather_qmm as mlx-lm runs it (same kernels, so the same rounding on every backend)."""
         def mm(name, inp):
-            q = quant[name]
-            if q is None:  # a projection the checkpoint keeps in float
-                return inp @ w[f"{name}.weight"].astype(inp.dtype).T
-            return mx.quantized_matmul(inp, w[f"{name}.weight"], w[f"{name}.scales"], w[f"{name}.biases"],
-                                       transpose=True, group_size=q["group_size"], bits=q["bits"])
-        return mm("down_proj", swiglu(mm("gate_proj", x), mm("up_proj", x)))
+            q = quant[name] or {"bits": 0, "group_size": 0}  # None: a float projection
+            return _expert_matmul(inp, w, name, idx, q["bits"], q["group_size"], sorted_rows)
+        up = mm("up_proj", x)
+        return mm("down_proj", swiglu(mm("gate_proj", x), up))
 
     def __call__(self, layer: int, x, inds):
         lead, k, d = inds.shape[:-1], inds.shape[-1], x.shape[-1]
         x2 = x.reshape(-1, d)
         ids = np.array(inds.reshape(-1, k))  # the routing decision, read back to the CPU
         flat = ids.reshape(-1)
+        # mlx-lm sorts rows by expert once a layer has 64 (token, expert) pairs; do the same
+        sorted_rows = flat.size >= 64
         experts = np.unique(flat).tolist()
         quant = self.store.layout(layer)["quant"]
         pieces, order = [], []
@@ -112,18 +115,23 @@ class SlotExperts:
             self.t_ipc += max(0.0, (t1 - t0) - granted.wait_s)
             self.counters.add("uses", len(chunk))
             self.counters.add("hits", granted.hits)
-            for e, slot in granted.slots:
-                tp = time.perf_counter()
-                w = self.weights(layer, slot)
-                mx.eval(w)
-                dt = time.perf_counter() - tp
-                self.prepare.add(dt)
-                self.t_prepare += dt
-                pairs = np.nonzero(flat == e)[0]
-                rows = mx.array(pairs // k)
-                pieces.append(self.run_expert(w, quant, x2[rows]))
-                order.append(pairs)
-            # The slot bytes were copied into MLX arrays above; the pins can go.
+            tp = time.perf_counter()
+            per = [self.weights(layer, slot) for _, slot in granted.slots]
+            w = {name: mx.stack([p[name] for p in per]) for name in per[0]}
+            mx.eval(w)  # the slot bytes now live in MLX memory; the next `need` unpins them
+            dt = time.perf_counter() - tp
+            for _ in per:
+                self.prepare.add(dt / len(per))
+            self.t_prepare += dt
+            local = np.full(int(flat.max()) + 1, -1, dtype=np.int64)
+            local[[e for e, _ in granted.slots]] = np.arange(len(granted.slots))
+            pairs = np.nonzero(local[flat] >= 0)[0]
+            pairs = pairs[np.argsort(local[flat[pairs]], kind="stable")]  # grouped by expert
+            idx = mx.array(local[flat[pairs]].astype(np.uint32))
+            rows = x2[mx.array(pairs // k)]
+            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
+            pieces.append(self.run_experts(w, quant, xs, ix, sorted_rows).reshape(len(pairs), d))
+            order.append(pairs)
         y = mx.concatenate(pieces, axis=0)
         inverse = np.empty(len(flat), dtype=np.int64)
         inverse[np.concatenate(order)] = np.arange(len(flat))
@@ -153,12 +161,14 @@ class Compute:
         sets up its kernels and host buffers now (CUDA: hundreds of MiB), so the supervisor's
         measurement of the tree, which sizes the slot pool, already includes them."""
         layout = self.store.layout(self.store.moe_layers[0])
-        zeros = {t["name"]: mx.zeros(t["shape"], dtype=mx.uint32 if t["dtype"] == "uint32" else self.dtype)
+        zeros = {t["name"]: mx.zeros([1, *t["shape"]], dtype=mx.uint32 if t["dtype"] == "uint32" else self.dtype)
                  for t in layout["tensors"]}
 
         def zero_experts(layer, x, inds):
-            y = self.experts.run_expert(zeros, layout["quant"], x.reshape(-1, x.shape[-1]))
-            return mx.broadcast_to(y[:, None, :], (*inds.shape, x.shape[-1])) * 0
+            rows = x.reshape(-1, x.shape[-1])
+            y = self.experts.run_experts(zeros, layout["quant"], rows[:, None, :],
+                                         mx.zeros(rows.shape[0], dtype=mx.uint32), True)
+            return mx.broadcast_to(y.reshape(rows.shape[0], 1, -1), (*inds.shape, x.shape[-1])) * 0
         ids = [0] * min(self.prefill_chunk, self.max_context)
         mx.eval(self.model(mx.array(ids, dtype=mx.int32), self.model.make_cache(), zero_experts))
         mx.clear_cache()
