@@ -248,3 +248,36 @@ def test_corrupt_record_is_a_clear_error_and_the_runtime_keeps_serving(tiny_stor
             with pytest.raises(ExpertUnavailableError, match="checksum mismatch"):
                 c.generate("hello", max_tokens=3)
             assert c.health()["ok"] and proc.poll() is None
+
+
+def test_sampling_stop_strings_and_streaming(tiny_stores):
+    with running_supervisor(tiny_stores("qwen3_moe"), BIG) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            a = c.generate("once upon a time", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+            b = c.generate("once upon a time", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+            greedy = c.generate("once upon a time", max_tokens=12)
+            assert a.token_ids == b.token_ids
+            assert a.stats["generated_tokens"] == len(a.token_ids)
+            pieces = list(c.stream("once upon a time", max_tokens=12))
+            assert "".join(pieces) == greedy.text == c.last.text
+            if len(greedy.text) > 4:
+                stop = greedy.text[2:4]
+                cut = c.generate("once upon a time", max_tokens=12, stop=[stop])
+                assert cut.finish_reason == "stop" and stop not in cut.text
+                assert greedy.text.startswith(cut.text)
+            with pytest.raises(RequestError, match="top_p"):
+                c.generate("x", top_p=0.0)
+            with pytest.raises(RequestError, match="empty prompt"):
+                c.generate([], max_tokens=2)
+
+
+def test_config_file_errors_are_clear(tiny_stores, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache]\npolicy = \"mru\"\n")
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tiny_stores("mixtral")),
+                        "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cache.policy 'mru'" in r.stderr
+    bad.write_text("[runtime]\nbudget = 5\n")
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tiny_stores("mixtral")),
+                        "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown key runtime.budget" in r.stderr
