@@ -130,8 +130,9 @@ class SafetensorsSpool:
     behind it (the header must come first but is only known at the end).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, metadata: dict | None = None):
         self.path = Path(path)
+        self.metadata = metadata
         self._spool_path = self.path.with_suffix(".spool")
         self._spool = open(self._spool_path, "wb")
         self._header: dict[str, dict] = {}
@@ -149,7 +150,8 @@ class SafetensorsSpool:
 
     def finish(self) -> None:
         self._spool.close()
-        header = json.dumps(self._header, separators=(",", ":")).encode()
+        head = {"__metadata__": self.metadata, **self._header} if self.metadata else self._header
+        header = json.dumps(head, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)
         with open(self.path, "wb") as out, open(self._spool_path, "rb") as spool:
             out.write(struct.pack("<Q", len(header)))

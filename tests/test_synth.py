@@ -1,6 +1,7 @@
 """deltafin-synth: tiny HF checkpoints load cleanly in transformers and mlx-lm; bench stores read back."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -203,9 +204,9 @@ def test_shards_and_index(tiny_dir, tmp_path):
     assert set(merged) == set(ref)
     assert all(np.array_equal(merged[k], ref[k]) for k in ref)  # same seed, same values
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in ref.values())
-    if synth.importlib.util.find_spec("mlx_lm"):
+    if importlib.util.find_spec("mlx_lm"):
         _mlx_logits(out)
-    if synth.importlib.util.find_spec("transformers") and synth.importlib.util.find_spec("torch"):
+    if importlib.util.find_spec("transformers") and importlib.util.find_spec("torch"):
         ids = list(range(10))
         np.testing.assert_allclose(_hf_logits(out, ids), _hf_logits(single, ids), atol=1e-6)
 

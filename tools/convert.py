@@ -196,7 +196,7 @@ class Converter:
                                  force=self.force)
         except StoreError as e:
             raise ConvertError(str(e)) from None
-        bar = _progress(len(sources) + len(dense), "convert", self.progress)
+        bar = progress_bar(len(sources) + len(dense), "convert", self.progress)
         try:
             for (layer, e) in sorted(sources):
                 tensors, quant = self.record(layer, sources[(layer, e)])
@@ -225,7 +225,7 @@ def _layer_of(name: str) -> int | None:
     return None
 
 
-def _progress(total: int, desc: str, enabled: bool, unit: str = "tensor", **kw):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "tensor", **kw):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr,
                 dynamic_ncols=True, **kw)
@@ -233,7 +233,7 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "tensor", **kw):
 
 def verify(path, progress: bool = True) -> list[str]:
     store = Store(path)
-    bar = _progress(store.expert_bytes_total, "verify", progress, unit="B", unit_scale=True)
+    bar = progress_bar(store.expert_bytes_total, "verify", progress, unit="B", unit_scale=True)
     try:
         return [msg for _, msg in store.verify(progress=bar.update)]
     finally:

@@ -3,7 +3,7 @@
   deltafin-synth tiny ARCH OUT    tiny random Hugging Face checkpoint (config, safetensors, tokenizer);
                                   --set KEY=JSON (repeatable) overrides a config key before the shapes follow
   deltafin-synth bench PRESET OUT full-size random deltafin store written at disk speed
-  deltafin-synth demo ...         added by tools/demo_model.py when that module exists
+  deltafin-synth demo OUT         the demo store built from SmolLM2-135M-Instruct (tools/demo_model.py)
 
 All tensor names and shapes come from tensor_shapes(config): one small function per
 architecture, shared by both subcommands, checked against transformers in tests/test_synth.py.
@@ -11,19 +11,19 @@ architecture, shared by both subcommands, checked against transformers in tests/
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import re
-import struct
 import sys
 import tempfile
 import zlib
 from pathlib import Path
 
 import numpy as np
-
 from deltafin.runtime import archinfo
+from deltafin.runtime.tensorfile import SafetensorsSpool
+from deltafin.tools.convert import progress_bar
+from deltafin.tools.demo_model import add_demo_parser
 
 TINY_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 INIT_STD = 0.02  # transformers' initializer_range, used for 1-D biases
@@ -302,23 +302,15 @@ def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
     return to_bf16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
 
 
-_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32"}
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> int:
-    """Minimal safetensors writer (numpy has no bfloat16): {name: (dtype_name, array)}; returns data bytes."""
-    header, pos = {"__metadata__": {"format": "pt"}}, 0
+    """{name: (dtype_name, array)} -> a safetensors file transformers accepts; returns data bytes."""
+    spool = SafetensorsSpool(path, metadata={"format": "pt"})
     for name, (dt, arr) in tensors.items():
-        header[name] = {"dtype": _ST_CODE[dt], "shape": list(arr.shape), "data_offsets": [pos, pos + arr.nbytes]}
-        pos += arr.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).data)
-    return pos
+        spool.add(name, dt, arr.shape, arr)
+    spool.finish()
+    return sum(arr.nbytes for _, arr in tensors.values())
 
 
 def _natural(name: str):
@@ -555,16 +547,14 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
                 dt = _tensor_dtype(name, dtype)
                 writer.add_dense(name, dt, shape, _cast(init_tensor(name, shape, seed), dt))
         keys = sorted(experts)
-        bar = _progress(len(keys), f"{preset}: experts") if progress else None
+        bar = progress_bar(len(keys), f"{preset}: experts", progress, unit="expert")
         for layer, e in keys:
             rec = {}
             for proj, (o, i) in experts[(layer, e)].items():
                 rec.update({f"{proj}.{k}": v for k, v in q.tensor(o, i, 1.0 / math.sqrt(i)).items()})
             writer.add_expert(layer, e, rec)
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+            bar.update(1)
+        bar.close()
         with tempfile.TemporaryDirectory() as td:
             for f in write_tokenizer(Path(td), 512):
                 writer.add_tokenizer_file(f)
@@ -572,14 +562,6 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
     except BaseException:
         writer.abort()
         raise
-
-
-def _progress(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit="expert", disable=not sys.stderr.isatty())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,11 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
     b.set_defaults(func=_cmd_bench)
 
-    # `demo` belongs to tools/demo_model.py: it provides add_demo_parser(subparsers), which registers
-    # the subcommand and sets func. Checked with find_spec so real import errors there still surface.
-    if importlib.util.find_spec("deltafin.tools.demo_model") is not None:
-        from deltafin.tools.demo_model import add_demo_parser
-        add_demo_parser(sub)
+    add_demo_parser(sub)  # the demo model's builder lives in tools/demo_model.py
     return ap
 
 
