@@ -20,8 +20,8 @@ import sys
 import time
 
 import zmq
-
 from deltafin.protocol import messages as M
+from deltafin.runtime import archinfo
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size, load_config
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
@@ -56,6 +56,7 @@ class Supervisor:
         self.config = config
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
         self.store = Store(store_path)
+        archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.plan: BudgetPlan = plan_budget(self.store, config)
         self.plan.check()
         self.endpoint_arg = endpoint or config.runtime.endpoint
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
     except WorkerDied as e:
         log(str(e))
         return 1
-    except (ConfigError, StoreError, BudgetError, SupervisorError) as e:
+    except (ConfigError, StoreError, BudgetError, SupervisorError, archinfo.UnsupportedArchitecture) as e:
         log(f"error: {e}")
         return 2
     finally:

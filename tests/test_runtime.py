@@ -281,3 +281,14 @@ def test_config_file_errors_are_clear(tiny_stores, tmp_path):
     r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tiny_stores("mixtral")),
                         "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown key runtime.budget" in r.stderr
+
+
+def test_unknown_architecture_is_refused_before_workers_start(tiny_stores, tmp_path):
+    import shutil
+    shutil.copytree(tiny_stores("mixtral"), tmp_path / "s")
+    m = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    m["config"]["model_type"] = "gpt_oss"
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unsupported architecture model_type='gpt_oss'" in r.stderr

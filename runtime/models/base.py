@@ -9,11 +9,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-
-
-class UnsupportedArchitecture(ValueError):
-    """The checkpoint's model_type has no forward pass here."""
-
+from deltafin.runtime.archinfo import UnsupportedArchitecture  # noqa: F401  (one error type for all)
 
 # ---------------------------------------------------------------- config and dtype helpers
 
