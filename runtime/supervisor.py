@@ -71,6 +71,7 @@ class Supervisor:
         self.pending_stats: dict[int, dict] = {}
         self.stats_ids = itertools.count(1)
         self.peak_tree_bytes = 0
+        self.startup_tree_bytes = 0
         self.ready_info: dict[str, dict] = {}
         atexit.register(self.shutdown)  # error paths and normal exit share one shutdown
 
@@ -94,7 +95,7 @@ class Supervisor:
                 [sys.executable, "-m", f"deltafin.workers.{role}", str(self.rundir.path)],
                 stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=False)
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
-        measured = tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
+        measured = self.startup_tree_bytes = tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
         try:
             n_slots = self.plan.size_pool(measured)
         except BudgetError as e:
@@ -260,7 +261,8 @@ class Supervisor:
             "ssd_gbps": loader.get("ssd_gbps"),
             "prefetch_precision": None, "prefetch_recall": None,  # no prefetcher yet
             "memory": {"budget": self.plan.budget, "tree_bytes": tree, "peak_tree_bytes": self.peak_tree_bytes,
-                       "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes},
+                       "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
+                       "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves},
             "workers": parts, "missing": [r for r in ROLES if r not in parts],
         }
         self._reply(p["ident"], M.StatsResult(id=p["id"], stats=stats))

@@ -178,3 +178,17 @@ def test_demo_subcommand_registers():
     dm.add_demo_subcommand(ap.add_subparsers(dest="command"))
     a = ap.parse_args(["demo", "out", "--experts", "4", "--top-k", "1", "--force"])
     assert (a.out, a.experts, a.top_k, a.force, a.func) == ("out", 4, 1, True, dm._cmd_demo)
+
+
+def test_demo_command_streams_an_answer_under_its_budget(store):
+    """The README's main job on this store: deltafin-demo's budget, real processes."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "deltafin.tools.demo", "--store", str(store.path),
+                        "--max-tokens", "12"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(r.stdout.split()) >= 4
+    assert "verified 240 expert records" in r.stderr
+    assert "stage latencies" in r.stderr and "time split: compute" in r.stderr
+    slots = int(re.search(r"(\d+) expert slots of", r.stderr)[1])
+    assert 2 <= slots < len(store.records)  # the budget is smaller than the expert store

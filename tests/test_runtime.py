@@ -292,3 +292,31 @@ def test_unknown_architecture_is_refused_before_workers_start(tiny_stores, tmp_p
     r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unsupported architecture model_type='gpt_oss'" in r.stderr
+
+
+def test_greedy_tokens_identical_when_the_budget_holds_two_layers(tmp_path):
+    """Budget-driven (no slot cap): first a budget that holds every expert, then one computed
+    from the first run's measurement to hold about two layers' worth of experts."""
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    src = tiny("mixtral", tmp_path / "hf", layers=6, experts=16, top_k=2, hidden=512,
+               moe_intermediate=1024, seed=4)
+    out = tmp_path / "store"
+    assert convert.main([str(src), str(out), "--no-progress"]) == 0
+    store = Store(out)
+    prompt = [7, 3, 99, 150, 42, 8, 301, 17]
+    with running_supervisor(out, BIG) as (ep, _):
+        with Client(ep, timeout=120) as c:
+            full = c.generate(prompt, max_tokens=10).token_ids
+            mem = c.stats()["memory"]
+    assert mem["n_slots"] == len(store.records)
+    two_layers = 2 * store.n_experts * mem["slot_bytes"]
+    budget = mem["startup_tree_bytes"] + mem["reserves_bytes"] + two_layers
+    with running_supervisor(out, str(budget)) as (ep, _):
+        with Client(ep, timeout=120) as c:
+            small = c.generate(prompt, max_tokens=10).token_ids
+            s = c.stats()
+    print(f"budget {budget / 2**20:.1f} MiB -> {s['memory']['n_slots']} slots of {len(store.records)}")
+    assert store.n_experts <= s["memory"]["n_slots"] <= 3 * store.n_experts < len(store.records)
+    assert s["workers"]["router"].get("evictions", 0) > 0
+    assert small == full
