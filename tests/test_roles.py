@@ -104,3 +104,14 @@ def test_loader_reports_a_corrupt_record(tiny_stores, tmp_path):
     ok = loader.read(M.Read(slot=0, generation=1, layer=rec.layer, expert=0))
     assert isinstance(ok, M.Loaded) and ok.nbytes == store.record(rec.layer, 0).nbytes
     loader.close()
+
+
+def test_router_keeps_routing_history():
+    router = Router(n_slots=4, history=3)
+    for req, (layer, experts) in enumerate([(0, [1, 2]), (1, [2, 3]), (0, [1, 3]), (1, [2, 0])]):
+        reads, _ = router.need(req, layer, experts)
+        for r in reads:
+            router.loaded(_loaded(r))
+    assert list(router.recent) == [(1, (2, 3)), (0, (1, 3)), (1, (2, 0))]
+    assert router.uses[(0, 1)] == 2 and router.uses[(1, 2)] == 2
+    assert router.stats()["distinct_experts_used"] == 6

@@ -6,7 +6,8 @@ wraps it with the data-plane socket that compute and the loader connect to.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter as Tally
+from collections import OrderedDict, deque
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.metrics import Counter
@@ -23,7 +24,7 @@ class Router:
     next `need` or `release`; pinned and loading slots are never chosen as victims.
     """
 
-    def __init__(self, n_slots: int, policy: str = "lru"):
+    def __init__(self, n_slots: int, policy: str = "lru", history: int = 4096):
         if n_slots < 1:
             raise RouterError("the slot pool has no slots")
         self.n_slots = n_slots
@@ -36,11 +37,17 @@ class Router:
         self.pinned: set[int] = set()
         self.pending: dict | None = None
         self.counters = Counter()
+        # Routing history, the raw material of policies and predictors: how often each
+        # (layer, expert) was needed, and the most recent requests in order.
+        self.uses: Tally = Tally()
+        self.recent: deque = deque(maxlen=history)
 
     # -- requests ---------------------------------------------------------------------------------
     def need(self, req: int, layer: int, experts: list[int]) -> tuple[list[M.Read], M.Slots | None]:
         """Pins the experts' slots; returns read orders and, if all are ready, the reply."""
         self.release()
+        self.recent.append((layer, tuple(experts)))
+        self.uses.update((layer, e) for e in experts)
         if len(set(experts)) > self.n_slots:
             raise RouterError(f"layer {layer} needs {len(set(experts))} experts at once but the pool "
                               f"has {self.n_slots} slots")
@@ -133,7 +140,9 @@ class Router:
         c = self.counters.snapshot()
         uses = c.get("uses", 0)
         return {**c, "n_slots": self.n_slots, "resident": len(self.where),
-                "hit_rate": (c.get("hits", 0) / uses) if uses else None}
+                "hit_rate": (c.get("hits", 0) / uses) if uses else None,
+                "distinct_experts_used": len(self.uses),
+                "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)]}
 
 
 def run_router_process(run_dir: str) -> None:
