@@ -157,9 +157,9 @@ class Compute:
         self.vocab = int(store.config.get("vocab_size") or self.tokenizer.vocab_size)
 
     def warm_up(self) -> None:
-        """One prefill-sized pass with zero-filled expert weights before "ready": the backend
-        sets up its kernels and host buffers now (CUDA: hundreds of MiB), so the supervisor's
-        measurement of the tree, which sizes the slot pool, already includes them."""
+        """One pass with zero-filled expert weights before "ready": a GPU backend sets up its
+        kernels and host buffers now (CUDA: hundreds of MiB), so the supervisor's measurement of
+        the tree, which sizes the slot pool, already includes them."""
         layout = self.store.layout(self.store.moe_layers[0])
         zeros = {t["name"]: mx.zeros([1, *t["shape"]], dtype=mx.uint32 if t["dtype"] == "uint32" else self.dtype)
                  for t in layout["tensors"]}
@@ -169,8 +169,9 @@ class Compute:
             y = self.experts.run_experts(zeros, layout["quant"], rows[:, None, :],
                                          mx.zeros(rows.shape[0], dtype=mx.uint32), True)
             return mx.broadcast_to(y.reshape(rows.shape[0], 1, -1), (*inds.shape, x.shape[-1])) * 0
-        ids = [0] * min(self.prefill_chunk, self.max_context)
-        mx.eval(self.model(mx.array(ids, dtype=mx.int32), self.model.make_cache(), zero_experts))
+        # One token: a prompt-sized pass would leave its buffers in the allocator and inflate the
+        # measurement by about what the activation reserve already covers.
+        mx.eval(self.model(mx.array([0], dtype=mx.int32), self.model.make_cache(), zero_experts))
         mx.clear_cache()
 
     # -- passes --------------------------------------------------------------------------------
@@ -333,7 +334,10 @@ def run_compute_process(run_dir: str) -> None:
                                        self.parent_alive)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0)
-            self.compute.warm_up()
+            if mx.default_device().type == mx.DeviceType.gpu:
+                # GPU backends set up kernels and host buffers on first use; on the CPU backend
+                # the first pass's buffers are what the KV and activation reserves already cover.
+                self.compute.warm_up()
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab}
