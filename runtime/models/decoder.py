@@ -3,6 +3,8 @@ final norm, LM head; plus grouped-query attention and the routed-MoE block."""
 
 import mlx.core as mx
 
+from deltafin.runtime import archinfo
+
 from .base import (Embedding, KVCache, Linear, QuantSpec, Rope, cast_weights, resolve_dtype, rms_norm,
                    rope_settings)
 
@@ -83,6 +85,8 @@ class MoETransformer:
         self.n_layers = config["num_hidden_layers"]
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.rope_theta, self.rope_scaling = rope_settings(config, self.default_rope_theta)
+        # one reading of the expert count and top-k (with every spelling) for converter and models
+        self.n_experts, self.top_k = archinfo.n_experts(config), archinfo.top_k(config)
         self.configure(config)
         self.embed = Embedding(self.w, "model.embed_tokens", self.qspec)
         tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in self.w
@@ -138,7 +142,7 @@ class GQAModel(MoETransformer):
         self.configure_moe(c)
 
     def configure_moe(self, c):
-        raise NotImplementedError
+        """Routing options beyond the expert count and top-k (set by MoETransformer)."""
 
     def make_attention(self, i, prefix):
         return Attention(self.w, prefix, self.qspec, self.n_heads, self.n_kv_heads, self.head_dim,

@@ -114,8 +114,6 @@ class DeepseekModel(MoETransformer):
     absorb_mla = False  # split kv_b_proj into embed_q/unembed_out (latent KV cache)
 
     def configure(self, c):
-        self.n_experts = c.get("n_routed_experts") or 0
-        self.top_k = c.get("num_experts_per_tok") or 1
         self.routed_scale = c.get("routed_scaling_factor", 1.0)
         self.n_group, self.topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
 

@@ -10,10 +10,6 @@ class Mixtral(GQAModel):
     default_rope_theta = 1e6
     scaled_rope = False
 
-    def configure_moe(self, c):
-        self.n_experts = c["num_local_experts"]
-        self.top_k = c["num_experts_per_tok"]
-
     def make_mlp(self, i, prefix):
         prefix = prefix.replace(".mlp", ".block_sparse_moe")
         return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.route)

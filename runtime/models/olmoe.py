@@ -8,8 +8,6 @@ class Olmoe(GQAModel):
     qk_norm = "full"
 
     def configure_moe(self, c):
-        self.n_experts = c["num_experts"]
-        self.top_k = c["num_experts_per_tok"]
         self.norm_topk = c.get("norm_topk_prob", False)
 
     def make_mlp(self, i, prefix):

@@ -11,8 +11,6 @@ class Qwen2Moe(GQAModel):
     scaled_rope = False
 
     def configure_moe(self, c):
-        self.n_experts = c["num_experts"]
-        self.top_k = c["num_experts_per_tok"]
         # mlx-lm's qwen2_moe, our numerics reference, never renormalises the top-k weights, whatever
         # norm_topk_prob says (transformers does; published Qwen2-MoE configs all set it false).
         self.norm_topk = False

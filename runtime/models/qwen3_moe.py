@@ -19,9 +19,6 @@ class Qwen3Moe(GQAModel):
     scaled_rope = False
 
     def configure_moe(self, c):
-        # transformers 5 writes num_local_experts; older configs (and mlx-lm) use num_experts.
-        self.n_experts = c.get("num_experts") or c["num_local_experts"]
-        self.top_k = c["num_experts_per_tok"]
         self.norm_topk = c.get("norm_topk_prob", False)
 
     def make_mlp(self, i, prefix):
