@@ -208,7 +208,8 @@ class Supervisor:
                                                 vocab_size=int(cfg["vocab_size"]),
                                                 max_context=self.config.compute.max_context))
         if isinstance(msg, M.Health):
-            workers = {r: {"pid": p.pid, "alive": p.poll() is None} for r, p in self.procs.items()}
+            workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": p.poll() is None}
+                       for r, p in self.procs.items()}
             return self._reply(ident, M.HealthResult(id=msg.id, ok=all(w["alive"] for w in workers.values()),
                                                      workers=workers))
         if isinstance(msg, M.Stats):
