@@ -45,6 +45,7 @@ class RuntimeConfig:
     allow_remote: bool = False
     startup_timeout_s: float = 180.0
     control_timeout_s: float = 30.0
+    record_trace: str = ""
 
     @property
     def budget_bytes(self) -> int:
@@ -74,11 +75,20 @@ class LoaderConfig:
 
 
 @dataclass
+class BenchConfig:
+    routing_trace: str = ""
+    standin: bool = False
+    standin_moe_ms: float = 1.0
+    standin_dense_ms: float = 0.3
+
+
+@dataclass
 class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +124,8 @@ class Config:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
         if self.cache.max_slots < 0:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
+        if self.bench.standin_moe_ms < 0 or self.bench.standin_dense_ms < 0:
+            raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
 
