@@ -22,6 +22,7 @@ import time
 import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime import archinfo
+from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size, load_config
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
@@ -264,6 +265,7 @@ class Supervisor:
             "memory": {"budget": self.plan.budget, "tree_bytes": tree, "peak_tree_bytes": self.peak_tree_bytes,
                        "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
                        "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves},
+            "bench_mode": compute.get("bench_mode"),
             "workers": parts, "missing": [r for r in ROLES if r not in parts],
         }
         self._reply(p["ident"], M.StatsResult(id=p["id"], stats=stats))
@@ -311,7 +313,20 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="TOML file overriding configs/default.toml")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
+    p.add_argument("--policy", help="slot replacement policy (cache.policy)")
+    bench = p.add_argument_group("benchmark modes (every stats report says which is on)")
+    bench.add_argument("--record-trace", metavar="OUT.npz",
+                       help="record the routing of every token processed (saved after each request)")
+    bench.add_argument("--routing-trace", metavar="TRACE.npz",
+                       help="route every MoE layer from this trace instead of the gate")
+    bench.add_argument("--standin", action="store_true",
+                       help="replace each layer's math by a wait; reads and messages stay real")
+    bench.add_argument("--standin-moe-ms", type=float, metavar="MS", help="stand-in wait per MoE layer")
+    bench.add_argument("--standin-dense-ms", type=float, metavar="MS", help="stand-in wait per dense layer")
     a = p.parse_args(argv)
+    # The run record gets absolute paths: they mean the same to every process that reads it.
+    absolute = lambda path: os.path.abspath(path) if path else None
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
     stop = {"flag": False}
 
@@ -323,7 +338,14 @@ def main(argv=None) -> int:
     try:
         config = load_config(a.config, {"runtime.memory_budget": a.memory_budget,
                                         "runtime.allow_remote": True if a.allow_remote else None,
-                                        "compute.max_context": a.max_context, "compute.dtype": a.dtype})
+                                        "compute.max_context": a.max_context, "compute.dtype": a.dtype,
+                                        "cache.max_slots": a.max_slots, "cache.policy": a.policy,
+                                        "runtime.record_trace": absolute(a.record_trace),
+                                        "bench.routing_trace": absolute(a.routing_trace),
+                                        "bench.standin": True if a.standin else None,
+                                        "bench.standin_moe_ms": a.standin_moe_ms,
+                                        "bench.standin_dense_ms": a.standin_dense_ms})
+        check_bench_config(Store(a.model), config.to_dict())  # a trace that does not fit: refused now
         sup = Supervisor(a.model, config, a.endpoint, log=log)
         endpoint = sup.start()
         if stop["flag"]:

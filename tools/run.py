@@ -73,6 +73,12 @@ def format_latencies(stats: dict) -> str:
             lines.append(f"  {stage:8s}        -   (no samples)")
     fmt = lambda v, f: (f.format(v) if v is not None else "-")
     mem = stats.get("memory") or {}
+    mode = stats.get("bench_mode")
+    if mode and (mode.get("routing") != "gate" or mode.get("standin")):
+        standin = mode.get("standin")
+        lines.insert(0, f"BENCHMARK MODE: routing {mode.get('routing')}, compute "
+                        + (f"stand-in ({standin['moe_ms']} ms per MoE layer, {standin['dense_ms']} ms "
+                           f"per dense layer)" if standin else "real"))
     lines.append(f"decode {fmt(stats.get('decode_tok_s'), '{:.2f}')} tok/s, prefill "
                  f"{fmt(stats.get('prefill_tok_s'), '{:.2f}')} tok/s, hit rate "
                  f"{fmt(stats.get('hit_rate'), '{:.1%}')}, stall share {fmt(stats.get('stall_share'), '{:.1%}')}, "
@@ -90,7 +96,9 @@ def format_split(gen_stats: dict) -> str:
         return ""
     parts = [(k, gen_stats.get(f"{k}_s", 0)) for k in ("compute", "ipc", "wait", "prepare")]
     names = {"compute": "compute", "ipc": "IPC", "wait": "waiting for experts", "prepare": "prepare"}
-    return "time split: " + ", ".join(f"{names[k]} {v / total:.1%}" for k, v in parts) + f" of {total:.2f} s"
+    ttft = gen_stats.get("ttft_s")
+    return ("time split: " + ", ".join(f"{names[k]} {v / total:.1%}" for k, v in parts) + f" of {total:.2f} s"
+            + (f"; time to first token {ttft:.3f} s" if ttft is not None else ""))
 
 
 def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | None = None,
@@ -130,9 +138,26 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--config")
+    p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
+    p.add_argument("--policy", help="slot replacement policy (cache.policy)")
+    p.add_argument("--record-trace", metavar="OUT.npz", help="record the routing of every token processed")
+    p.add_argument("--routing-trace", metavar="TRACE.npz", help="route MoE layers from this trace, not the gate")
+    p.add_argument("--standin", action="store_true", help="replace each layer's math by a wait")
+    p.add_argument("--standin-moe-ms", type=float, metavar="MS")
+    p.add_argument("--standin-dense-ms", type=float, metavar="MS")
     a = p.parse_args(argv)
     return run_once(a.model, a.prompt, a.max_tokens, a.memory_budget, a.chat, a.temperature,
-                    a.top_p, a.seed, a.config)
+                    a.top_p, a.seed, a.config, supervisor_args=supervisor_flags(a))
+
+
+def supervisor_flags(a: argparse.Namespace) -> list[str]:
+    """The cache and benchmark flags, passed on to deltafin-supervisor as given."""
+    out = ["--standin"] if a.standin else []
+    for flag in ("max_slots", "policy", "record_trace", "routing_trace", "standin_moe_ms", "standin_dense_ms"):
+        value = getattr(a, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""Benchmark modes (config [bench]): where the expert ids come from, and the stand-in's wait.
+
+Normal mode (no [bench] keys) routes by the gate. `bench.routing_trace` routes every MoE layer from a
+recorded trace (docs/TRACES.md), so a synthetic store is read in a real model's access pattern;
+`bench.standin` replaces each layer's math by a wait (workers/compute.py, `StandInModel`) and,
+having no gate, routes from the trace or from seeded uniform random ids. Every stats report
+carries `bench_mode`, so no figure is mistaken for the other mode's. numpy only: the supervisor
+checks a trace against the store before any worker starts, without importing MLX.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from deltafin.runtime.config import ConfigError
+from deltafin.runtime.store import Store
+from deltafin.runtime.traces import TraceError, load_trace
+
+
+def precise_wait(seconds: float) -> None:
+    """Sleep, then spin through the last 0.2 ms: time.sleep alone overshoots by tens of µs, which
+    summed over every layer would skew a stand-in run."""
+    end = time.perf_counter() + seconds
+    if seconds > 2e-4:
+        time.sleep(seconds - 2e-4)
+    while time.perf_counter() < end:
+        pass
+
+
+def load_routing_trace(store: Store, path: str) -> np.ndarray:
+    """The trace's ids for this store's MoE layers [tokens, len(moe_layers), top_k], checked
+    against the store, or a ConfigError that says what does not fit."""
+    try:
+        ids = load_trace(path).ids
+    except TraceError as e:
+        raise ConfigError(f"bench.routing_trace: {e}") from None
+    where = f"bench.routing_trace {path}"
+    tokens, layers, k = ids.shape
+    if tokens == 0:
+        raise ConfigError(f"{where}: the trace has no tokens")
+    if k != store.top_k:
+        raise ConfigError(f"{where}: the trace routes {k} experts per token, the store's model "
+                          f"routes top_k={store.top_k}")
+    if layers < len(store.moe_layers):
+        raise ConfigError(f"{where}: the trace has {layers} MoE layers, the store has "
+                          f"{len(store.moe_layers)}")
+    ids = ids[:, :len(store.moe_layers)]  # a deeper trace: its first layers route ours
+    if int(ids.max()) >= store.n_experts:
+        raise ConfigError(f"{where}: expert id {int(ids.max())} is out of range for the store's "
+                          f"{store.n_experts} experts per layer")
+    return ids
+
+
+class Routing:
+    """Which experts each MoE layer uses: the gate's choice (normal), a trace's (bench.routing_trace)
+    or seeded uniform random ones (the stand-in without a trace). Keeps the ids of the current
+    pass so that the run's routing can be recorded.
+
+    The trace's layer axis is the MoE-layer ordinal; a pass over n tokens takes the trace's next n
+    rows, one per token (a cursor over every token processed, wrapping around at the end)."""
+
+    RANDOM_SEED = 0
+
+    def __init__(self, store: Store, trace_path: str = "", random: bool = False):
+        self.ordinal = {layer: j for j, layer in enumerate(store.moe_layers)}
+        self.n_experts, self.top_k = store.n_experts, store.top_k
+        self.trace, self.rng = None, None
+        if trace_path:
+            self.trace = load_routing_trace(store, trace_path)
+            self.mode = f"trace:{trace_path}"
+        elif random:
+            self.rng = np.random.default_rng(self.RANDOM_SEED)
+            self.mode = "random"
+        else:
+            self.mode = "gate"
+        self.cursor = 0
+        self.begin_pass(0)
+
+    def begin_pass(self, n_tokens: int) -> None:
+        self.n = n_tokens
+        self.rows = np.zeros((n_tokens, len(self.ordinal), self.top_k), dtype=np.uint16)
+
+    def choose(self, layer: int, gate_inds) -> np.ndarray:
+        """Expert ids [n, top_k] for this layer of the pass. gate_inds: the gate's (an mx.array
+        [..., top_k]); None where no gate ran (the stand-in)."""
+        j = self.ordinal[layer]
+        if self.trace is not None:
+            ids = self.trace[(self.cursor + np.arange(self.n)) % len(self.trace), j].astype(np.int64)
+        elif self.rng is not None:
+            ids = np.argsort(self.rng.random((self.n, self.n_experts)), axis=1)[:, :self.top_k]
+        else:
+            ids = np.array(gate_inds.reshape(-1, self.top_k))  # the gate's decision, read back to the CPU
+        self.rows[:, j] = ids
+        return ids
+
+    def end_pass(self) -> np.ndarray:
+        """The pass's ids [n, moe_layers, top_k]; the trace cursor moves past its tokens."""
+        self.cursor += self.n
+        return self.rows
+
+
+def bench_mode(store: Store, config: dict, source: str = "slots") -> tuple[Routing, dict | None, dict]:
+    """(routing, stand-in waits or None, the `bench_mode` report) from the config dict's [bench]
+    section (absent: normal mode). source names where expert bytes come from: "slots" or "mmap".
+    Raises ConfigError for a trace that does not fit the store."""
+    bench = config.get("bench") or {}
+    standin = None
+    if bench.get("standin"):
+        standin = {"moe_ms": float(bench.get("standin_moe_ms", 1.0)),
+                   "dense_ms": float(bench.get("standin_dense_ms", 0.3))}
+    routing = Routing(store, bench.get("routing_trace") or "", random=standin is not None)
+    return routing, standin, {"routing": routing.mode, "standin": standin, "expert_source": source}
+
+
+def check_bench_config(store: Store, config: dict) -> dict:
+    """What the supervisor checks before starting workers: the trace fits the store and a trace
+    to record has a directory to go to. Returns the bench_mode report."""
+    out = (config.get("runtime") or {}).get("record_trace")
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise ConfigError(f"runtime.record_trace {out}: its directory does not exist")
+    return bench_mode(store, config)[2]
