@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from deltafin.runtime.cache import policy_names
+
 
 class ConfigError(ValueError):
     pass
@@ -78,8 +80,8 @@ class LoaderConfig:
 class BenchConfig:
     routing_trace: str = ""
     standin: bool = False
-    standin_moe_ms: float = 1.0
-    standin_dense_ms: float = 0.3
+    standin_moe_ms: float = 0.31
+    standin_dense_ms: float = 0.21
 
 
 @dataclass
@@ -116,8 +118,8 @@ class Config:
     def validate(self) -> None:
         if self.runtime.memory_budget != "auto":
             parse_size(self.runtime.memory_budget)
-        if self.cache.policy not in ("lru",):
-            raise ConfigError(f"cache.policy {self.cache.policy!r} is not one of: lru")
+        if self.cache.policy not in (names := policy_names(online_only=True)):
+            raise ConfigError(f"cache.policy {self.cache.policy!r} is not one of: {', '.join(names)}")
         if self.compute.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"compute.dtype {self.compute.dtype!r}: use auto, float32, float16, bfloat16")
         if self.compute.max_context < 16 or self.compute.prefill_chunk < 1:

@@ -1,5 +1,7 @@
 """The router: owns the slot table, the cache policy and the read orders. It decides; the loader reads.
 
+The slot bookkeeping and the policies live in runtime/cache.py; this is the message-facing side.
+
 `Router` is plain logic with no sockets, so tests drive it in-process; `run_router_process`
 wraps it with the data-plane socket that compute and the loader connect to.
 """
@@ -7,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections import OrderedDict, deque
+from collections import deque
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
 from deltafin.runtime.metrics import Counter
 
 
@@ -18,23 +21,23 @@ class RouterError(RuntimeError):
 
 
 class Router:
-    """Slot table (single writer) with LRU replacement.
+    """Answers `need` from the slot table (runtime/cache.py), whose policy chooses the victims.
 
-    A slot is free, loading or ready. `need` pins the slots of one layer's experts until the
-    next `need` or `release`; pinned and loading slots are never chosen as victims.
+    `need` pins the slots of one layer's experts until the next `need` or `release`; pinned and
+    loading slots are never chosen as victims. `policy` is a registered name (cache.policy) or a
+    Policy instance (replay gives Belady its future that way).
     """
 
-    def __init__(self, n_slots: int, policy: str = "lru", history: int = 4096):
+    def __init__(self, n_slots: int, policy: str | Policy = "lru", history: int = 4096):
         if n_slots < 1:
             raise RouterError("the slot pool has no slots")
+        try:
+            policy = make_policy(policy) if isinstance(policy, str) else policy
+        except CacheError as e:
+            raise RouterError(str(e)) from None
         self.n_slots = n_slots
-        self.where: dict[tuple, int] = {}             # (layer, expert) -> slot
-        self.key: list[tuple | None] = [None] * n_slots
-        self.generation = [0] * n_slots
-        self.ready = [False] * n_slots
-        self.lru: OrderedDict[int, None] = OrderedDict()  # ready, evictable slots, oldest first
-        self.free = list(range(n_slots - 1, -1, -1))
-        self.pinned: set[int] = set()
+        self.policy = policy
+        self.table = SlotTable(n_slots, policy)
         self.pending: dict | None = None
         self.counters = Counter()
         # Routing history, the raw material of policies and predictors: how often each
@@ -47,25 +50,26 @@ class Router:
         """Pins the experts' slots; returns read orders and, if all are ready, the reply."""
         self.release()
         self.recent.append((layer, tuple(experts)))
-        self.uses.update((layer, e) for e in experts)
-        if len(set(experts)) > self.n_slots:
-            raise RouterError(f"layer {layer} needs {len(set(experts))} experts at once but the pool "
+        self.uses.update([(layer, e) for e in experts])
+        wanted = dict.fromkeys(experts)
+        if len(wanted) > self.n_slots:
+            raise RouterError(f"layer {layer} needs {len(wanted)} experts at once but the pool "
                               f"has {self.n_slots} slots")
+        table = self.table
         reads, waiting, slots, hits = [], set(), [], 0
-        for e in dict.fromkeys(experts):
-            key = (layer, e)
-            slot = self.where.get(key)
-            if slot is None:
-                slot = self._victim()
-                self._assign(slot, key)
-                reads.append(M.Read(slot=slot, generation=self.generation[slot], layer=layer, expert=e))
-            if self.ready[slot]:
+        for e in wanted:
+            try:
+                slot, new = table.acquire((layer, e))
+            except CacheError as err:
+                raise RouterError(str(err)) from None
+            gen = table.generation[slot]
+            if new:
+                reads.append(M.Read(slot=slot, generation=gen, layer=layer, expert=e))
+            if table.ready(slot):
                 hits += 1
-                self.lru.pop(slot, None)
             else:
                 waiting.add(slot)
-            self.pinned.add(slot)
-            slots.append([e, slot, self.generation[slot]])
+            slots.append([e, slot, gen])
         self.counters.add("uses", len(slots))
         self.counters.add("hits", hits)
         self.counters.add("reads", len(reads))
@@ -74,12 +78,9 @@ class Router:
         return reads, (self._reply() if not waiting else None)
 
     def loaded(self, msg: M.Loaded) -> M.Slots | None:
-        if self.key[msg.slot] != (msg.layer, msg.expert) or self.generation[msg.slot] != msg.generation:
+        if not self.table.loaded(msg.slot, (msg.layer, msg.expert), msg.generation):
             return None  # a fill that was superseded; nothing waits for it
-        self.ready[msg.slot] = True
         self.counters.add("bytes_read", msg.nbytes)
-        if msg.slot not in self.pinned:
-            self.lru[msg.slot] = None
         p = self.pending
         if p and msg.slot in p["waiting"]:
             p["waiting"].discard(msg.slot)
@@ -89,22 +90,20 @@ class Router:
 
     def load_failed(self, msg: M.LoadFailed) -> M.Error | None:
         """Frees the slot; the waiting request fails with the loader's message."""
-        if self.key[msg.slot] == (msg.layer, msg.expert):
-            self._forget(msg.slot)
-            self.free.append(msg.slot)
+        self.table.failed(msg.slot, (msg.layer, msg.expert), msg.generation)
         p = self.pending
         if p and msg.slot in p["waiting"]:
-            self.pending = None
-            self.pinned.clear()
+            self.release()
             return M.Error(id=p["req"], code="expert_read_failed", message=msg.error)
         return None
 
     def release(self) -> None:
-        for slot in self.pinned:
-            if self.ready[slot]:
-                self.lru[slot] = None
-        self.pinned.clear()
+        self.table.release()
         self.pending = None
+
+    def hint(self, keys) -> None:
+        """(layer, expert) keys predicted to be needed soon, for a prediction-aware policy."""
+        self.table.hint(keys)
 
     # -- internals --------------------------------------------------------------------------------
     def _reply(self) -> M.Slots:
@@ -112,34 +111,12 @@ class Router:
         wait_us = int((time.perf_counter() - p["t0"]) * 1e6) if p["hits"] < len(p["slots"]) else 0
         return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us)
 
-    def _victim(self) -> int:
-        if self.free:
-            return self.free.pop()
-        if not self.lru:
-            raise RouterError("every slot is pinned or loading; the pool is too small for one layer")
-        slot, _ = self.lru.popitem(last=False)
-        self.counters.add("evictions", 1)
-        self._forget(slot)
-        return slot
-
-    def _forget(self, slot: int) -> None:
-        key = self.key[slot]
-        if key is not None and self.where.get(key) == slot:
-            del self.where[key]
-        self.key[slot] = None
-        self.ready[slot] = False
-        self.lru.pop(slot, None)
-
-    def _assign(self, slot: int, key: tuple) -> None:
-        self.key[slot] = key
-        self.where[key] = slot
-        self.generation[slot] += 1
-        self.ready[slot] = False
-
     def stats(self) -> dict:
         c = self.counters.snapshot()
+        if self.table.evictions:
+            c["evictions"] = self.table.evictions
         uses = c.get("uses", 0)
-        return {**c, "n_slots": self.n_slots, "resident": len(self.where),
+        return {**c, "n_slots": self.n_slots, "policy": self.policy.name, "resident": len(self.table.where),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
                 "distinct_experts_used": len(self.uses),
                 "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)]}

@@ -1,0 +1,184 @@
+"""deltafin-replay: a routing trace through the router's own slot table and policies.
+
+  deltafin-replay TRACE --cache-frac F [--policy P] [--experts N] [--record-bytes N] [--json OUT] [--splits]
+
+Every (token, MoE layer) of the trace becomes one `need` of that token's top-k experts, in
+trace order, answered by an instant loader (each read order comes back `loaded` at once). So the
+hit rate is the policy's alone, with the runtime's pins and one global slot budget. LRU and
+Belady (the offline optimum) run on the same trace and cache size for reference.
+docs/TRACES.md describes the format and how the figures are counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.cache import POLICIES, Policy, make_policy, policy_names
+from deltafin.runtime.directio import round_up
+from deltafin.runtime.store import ALIGN, record_layout
+from deltafin.runtime.traces import Trace, TraceError, load_trace
+from deltafin.workers.router import Router, RouterError
+
+# Expert counts of the MoE models deltafin knows (Mixtral 8, Qwen2-MoE 60, OLMoE/DSV2-Lite 64,
+# Qwen3 128, DeepSeek-V2 160, DeepSeek-V3 256, Kimi-K2 384): a trace may never use the
+# highest ids, so the count inferred from the ids is rounded up to the next of these.
+KNOWN_EXPERT_COUNTS = (8, 16, 32, 40, 60, 64, 128, 160, 256, 384)
+
+
+def expert_record_bytes(hidden: int = 2048, intermediate: int = 1408, bits: int = 4,
+                        group_size: int = 64) -> int:
+    """Bytes a direct read of one expert record fetches (docs/STORE.md): gate/up/down weights
+    packed `bits` per weight in uint32, bf16 scales and biases per group, each tensor on 64
+    bytes, the record rounded up to the store alignment. The defaults are DeepSeek-V2-Lite's
+    (4,866,048 bytes)."""
+    def proj(out: int, inp: int) -> dict:
+        # shape-only arrays: record_layout reads shapes and dtypes, never the data
+        return {"weight": np.broadcast_to(np.uint32(0), (out, inp * bits // 32)),
+                "scales": np.broadcast_to(np.uint16(0), (out, inp // group_size)),
+                "biases": np.broadcast_to(np.uint16(0), (out, inp // group_size))}
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+              "down_proj": (hidden, intermediate)}
+    tensors = {f"{p}.{k}": a for p, (o, i) in shapes.items() for k, a in proj(o, i).items()}
+    return round_up(record_layout(tensors, {})["nbytes"], ALIGN)
+
+
+DSV2_LITE_RECORD_BYTES = expert_record_bytes()
+
+
+def infer_experts(ids: np.ndarray) -> int:
+    """The model's expert count from the ids: max id + 1, rounded up to a known count."""
+    seen = int(ids.max()) + 1 if ids.size else 1
+    return next((n for n in KNOWN_EXPERT_COUNTS if n >= seen), seen)
+
+
+def n_slots_for(cache_frac: float, n_layers: int, n_experts: int) -> int:
+    return max(1, round(cache_frac * n_layers * n_experts))
+
+
+def future_uses(ids: np.ndarray) -> np.ndarray:
+    """[uses, 2] (layer, expert) in the order replay asks the router for them (Belady's future)."""
+    t, n_layers, k = ids.shape
+    srt = np.sort(ids, axis=2)
+    if (srt[:, :, 1:] == srt[:, :, :-1]).any():
+        raise TraceError("a token lists the same expert twice in one layer; top-k ids must differ")
+    layers = np.broadcast_to(np.arange(n_layers)[None, :, None], ids.shape)
+    return np.stack([layers.reshape(-1), ids.reshape(-1).astype(np.int64)], axis=1)
+
+
+def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
+           record_bytes: int = DSV2_LITE_RECORD_BYTES) -> dict:
+    """Replays the trace through a `Router`; returns the hit rate and read volume.
+
+    `policy`: a registered name (an offline one such as "belady" is given the trace's future
+    here) or a Policy instance."""
+    ids = trace_or_ids.ids if isinstance(trace_or_ids, Trace) else np.asarray(trace_or_ids)
+    if ids.ndim != 3:
+        raise TraceError(f"ids must be [tokens, moe_layers, top_k], got shape {ids.shape}")
+    if isinstance(policy, str):
+        cls = POLICIES.get(policy)
+        policy = make_policy(policy, **({} if cls is None or cls.online else {"future": future_uses(ids)}))
+    router = Router(n_slots, policy)
+    n_layers = ids.shape[1]
+    t0 = time.perf_counter()
+    req = 0
+    for token in ids:
+        row = token.tolist()  # per token: python ints for the router, without a list of the whole trace
+        for layer in range(n_layers):
+            reads, _ = router.need(req, layer, row[layer])
+            req += 1
+            for r in reads:  # the instant loader
+                router.loaded(M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer,
+                                       expert=r.expert, read_us=0, nbytes=record_bytes))
+        router.release()  # end of the token's forward pass
+    stats = router.stats()
+    uses, hits, reads, tokens = stats.get("uses", 0), stats.get("hits", 0), stats.get("reads", 0), ids.shape[0]
+    return {"policy": policy.name, "n_slots": n_slots, "tokens": tokens, "uses": uses, "hits": hits,
+            "reads": reads, "hit_rate": hits / uses if uses else None,
+            "reads_per_token": reads / tokens if tokens else None,
+            "bytes_read_per_token": reads * record_bytes / tokens if tokens else None,
+            "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0}
+
+
+def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
+                  record_bytes: int = DSV2_LITE_RECORD_BYTES, n_experts: int | None = None) -> dict:
+    """`policy` on the trace at a cache of `cache_frac` of all experts, with LRU and Belady on the
+    same trace and cache size as references (keys "policy", "lru", "belady")."""
+    n_experts = n_experts or infer_experts(trace.ids)
+    if trace.ids.size and int(trace.ids.max()) >= n_experts:
+        raise TraceError(f"the trace uses expert id {int(trace.ids.max())} but n_experts is {n_experts}")
+    n_slots = n_slots_for(cache_frac, trace.n_layers, n_experts)
+    runs = {name: replay(trace, n_slots, name, record_bytes) for name in dict.fromkeys([policy, "lru", "belady"])}
+    return {"tokens": trace.tokens, "requests": len(trace.lengths), "n_layers": trace.n_layers,
+            "n_experts": n_experts, "top_k": trace.top_k, "cache_frac": cache_frac, "n_slots": n_slots,
+            "record_bytes": record_bytes, "policy": runs[policy], "lru": runs["lru"], "belady": runs["belady"]}
+
+
+def sibling_splits(path: Path) -> dict[str, Path]:
+    """PREFIX-train/dev/test.npz next to PREFIX-SPLIT.npz (the layout of shared/traces)."""
+    prefix = path.stem.rsplit("-", 1)[0]
+    found = {s: path.with_name(f"{prefix}-{s}{path.suffix}") for s in ("train", "dev", "test")}
+    return {s: p for s, p in found.items() if p.exists()} or {path.stem: path}
+
+
+def format_table(reports: dict[str, dict]) -> str:
+    rows = [f"{'trace':<12} {'policy':<13} {'slots':>6} {'hit rate':>9} {'reads/token':>12} {'MiB read/token':>15}"]
+    for label, rep in reports.items():
+        for key in dict.fromkeys(["policy", "lru", "belady"]):
+            r = rep[key]
+            if key != "policy" and r["policy"] == rep["policy"]["policy"]:
+                continue  # the policy asked for is LRU: one row
+            name = r["policy"] + ("" if key == "policy" else " (ref)")
+            rows.append(f"{label:<12} {name:<13} {r['n_slots']:>6} {r['hit_rate']:>9.3f} "
+                        f"{r['reads_per_token']:>12.2f} {r['bytes_read_per_token'] / 2**20:>15.1f}")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="deltafin-replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path, help="routing trace .npz (docs/TRACES.md)")
+    ap.add_argument("--cache-frac", type=float, required=True,
+                    help="cache size as a share of all experts (n_layers x n_experts), e.g. 0.25")
+    ap.add_argument("--policy", default="lru", choices=policy_names(),
+                    help="replacement policy (default lru); lru and belady are always reported too")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (default: max id + 1, rounded up to a known model's count)")
+    ap.add_argument("--record-bytes", type=int, default=DSV2_LITE_RECORD_BYTES,
+                    help=f"bytes per expert read (default {DSV2_LITE_RECORD_BYTES}: DeepSeek-V2-Lite, 4-bit, group 64)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the report here")
+    ap.add_argument("--splits", action="store_true",
+                    help="replay every split next to TRACE (PREFIX-train/dev/test.npz), one row each")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0 < args.cache_frac <= 1:
+        print("deltafin-replay: --cache-frac must be within (0, 1]", file=sys.stderr)
+        return 2
+    paths = sibling_splits(args.trace) if args.splits else {args.trace.stem: args.trace}
+    reports = {}
+    try:
+        for label, path in paths.items():
+            reports[label] = {"trace": str(path), **replay_report(
+                load_trace(path), args.cache_frac, args.policy, args.record_bytes, args.experts)}
+    except (TraceError, RouterError) as e:
+        print(f"deltafin-replay: {e}", file=sys.stderr)
+        return 2
+    first = next(iter(reports.values()))
+    print(f"{first['n_layers']} MoE layers x {first['n_experts']} experts, top-{first['top_k']}; cache "
+          f"{args.cache_frac:g} = {first['n_slots']} slots; {first['record_bytes']} bytes per expert read")
+    print(format_table({label[:12]: r for label, r in reports.items()}))
+    if args.json:
+        out = reports if args.splits else first
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
