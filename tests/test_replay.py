@@ -32,6 +32,19 @@ def test_trace_round_trip(tmp_path, n_experts, dtype):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]  # no temporary left behind
 
 
+def test_an_interrupted_save_keeps_the_old_trace(tmp_path, monkeypatch):
+    path = save_trace(tmp_path / "t.npz", np.zeros((2, 1, 1), dtype=np.uint8), [2], ["old"])
+
+    def crash(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "savez_compressed", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_trace(path, np.ones((3, 1, 1), dtype=np.uint8), [3], ["new"])
+    assert load_trace(path).names.tolist() == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+
+
 def test_bad_trace_files_are_named_clearly(tmp_path):
     with pytest.raises(TraceError, match="cannot read a routing trace"):
         load_trace(tmp_path / "missing.npz")

@@ -67,8 +67,10 @@ def future_uses(ids: np.ndarray) -> np.ndarray:
     srt = np.sort(ids, axis=2)
     if (srt[:, :, 1:] == srt[:, :, :-1]).any():
         raise TraceError("a token lists the same expert twice in one layer; top-k ids must differ")
-    layers = np.broadcast_to(np.arange(n_layers)[None, :, None], ids.shape)
-    return np.stack([layers.reshape(-1), ids.reshape(-1).astype(np.int64)], axis=1)
+    out = np.empty((t, n_layers, k, 2), dtype=np.int32)
+    out[..., 0] = np.arange(n_layers)[None, :, None]
+    out[..., 1] = ids
+    return out.reshape(-1, 2)
 
 
 def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
