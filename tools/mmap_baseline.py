@@ -17,7 +17,8 @@ from deltafin.runtime.store import StoreError
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltafin-mmap-baseline", description=__doc__.split("\n\n")[0])
-    p.add_argument("store")
+    p.add_argument("store", nargs="?", help="expert store directory")
+    p.add_argument("--store", dest="store_opt", metavar="STORE", help="the same, as an option")
     p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--config-json", default="{}",
@@ -27,6 +28,9 @@ def main(argv=None) -> int:
     p.add_argument("--cold", action="store_true", help="drop the expert files from the page cache first")
     p.add_argument("--json", metavar="OUT", help="write the stats here (default: stdout)")
     a = p.parse_args(argv)
+    store = a.store or a.store_opt
+    if not store:
+        p.error("give the store directory")
     from deltafin.workers.compute import run_inprocess
     try:
         overrides = json.loads(a.config_json)
@@ -35,7 +39,7 @@ def main(argv=None) -> int:
         flat = {f"{section}.{key}": v for section, kv in overrides.items() for key, v in kv.items()}
         config = load_config(None, flat).to_dict()
         prompt = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
-        stats = run_inprocess(a.store, config, prompt, a.max_tokens, source=a.source, cold=a.cold)
+        stats = run_inprocess(store, config, prompt, a.max_tokens, source=a.source, cold=a.cold)
     except (ConfigError, StoreError, ValueError) as e:  # ValueError: bad JSON, ids or prompt
         print(f"deltafin-mmap-baseline: error: {e}", file=sys.stderr)
         return 2
