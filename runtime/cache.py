@@ -170,7 +170,9 @@ class Belady(Policy):
 
     Given the whole future access sequence (`future`: int array [uses, 2] of (layer, expert), in
     the order the table will see them), it checks every access against it. No bypass: a missed key
-    is always inserted, as the runtime must load it to compute. Replay only.
+    is always inserted, as the runtime must load it to compute. The keys of the current `need` stay
+    pinned, so this is the optimum under the runtime's constraint (a hair below unconstrained
+    per-use Belady: 0.487 against 0.490 on the dev trace at 10%). Replay only.
     """
 
     name = "belady"

@@ -141,6 +141,11 @@ def test_generations_name_each_fill():
     table.failed(slot, "b", first + 1)             # the read failed: the slot is free again
     assert table.key[slot] is None and table.free == [slot] and "b" not in table.where
     assert not table.loaded(slot, "b", first + 1)  # nor does a late success revive it
+    _use(table, "a", load=False)                   # a again, in the same slot: generation + 2
+    table.failed(slot, "a", first)                 # late messages about the first fill of a
+    assert not table.loaded(slot, "a", first)
+    assert table.where == {"a": slot} and not table.ready(slot)
+    assert table.loaded(slot, "a", first + 2)
 
 
 def test_registry_and_router_take_policy_names():
