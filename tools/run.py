@@ -22,13 +22,14 @@ class StartError(RuntimeError):
 
 @contextmanager
 def running_supervisor(model: str, memory_budget: str | None = None, extra: list[str] | None = None,
-                       timeout: float = 300.0, stderr=None):
-    """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after."""
+                       timeout: float = 300.0, stderr=None, preexec_fn=None):
+    """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after.
+    preexec_fn runs in the child before exec (the benchmark puts it into a memory cgroup there)."""
     cmd = [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(model)]
     if memory_budget:
         cmd += ["--memory-budget", str(memory_budget)]
     cmd += extra or []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=preexec_fn)
     try:
         endpoint = _await_ready(proc, timeout)
         yield endpoint, proc

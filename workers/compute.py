@@ -149,6 +149,7 @@ class SlotExperts:
             self.t_ipc += max(0.0, (t1 - t0) - granted.wait_s)
             self.counters.add("uses", len(chunk))
             self.counters.add("hits", granted.hits)
+            self.counters.add("miss_bytes", (len(chunk) - granted.hits) * self.store.layout(layer)["nbytes"])
             tp = time.perf_counter()
             per = [self.weights(layer, e, slot) for e, slot in granted.slots]
             w = {name: mx.stack([p[name] for p in per]) for name in per[0]}
@@ -180,7 +181,12 @@ class SlotExperts:
             idx = mx.array(local[flat[pairs]].astype(np.uint32))
             rows = x2[mx.array(pairs // k)]
             xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
-            pieces.append(self.run_experts(w, quant, xs, ix, sorted_rows).reshape(len(pairs), d))
+            piece = self.run_experts(w, quant, xs, ix, sorted_rows).reshape(len(pairs), d)
+            # Evaluated now, so this chunk's stacked weights are freed before the next chunk's are
+            # made: a lazy graph would keep every chunk of the whole forward pass alive at once
+            # (26 layers x top-k experts), far past the staging reserve of the memory budget.
+            mx.eval(piece)
+            pieces.append(piece)
             order.append(pairs)
         y = mx.concatenate(pieces, axis=0)
         inverse = np.empty(len(flat), dtype=np.int64)
@@ -350,6 +356,7 @@ class Compute:
         out_ids: list[int] = []
         text, finish = "", "length"
         t1 = time.perf_counter()
+        split1 = self._split()
         stops = [s for s in (req.stop or []) if s]
         while len(out_ids) < req.max_tokens:
             tok = self.sample(np.array(logits[-1].astype(mx.float32)), req.temperature, req.top_p, rng)
@@ -382,10 +389,19 @@ class Compute:
                  "prefill_tok_s": len(ids) / t_prefill if t_prefill else None,
                  "decode_tok_s": n_decode / t_decode if n_decode and t_decode else None,
                  "ttft_s": ttft,
-                 **{f"{k}_s": v - split0[k] for k, v in self._split().items()},
+                 **{f"{k}_s": v - split0[k] for k, v in self._split().items() if k in ("ipc", "wait", "prepare")},
                  "bench_mode": self.bench_mode}
         stats["total_s"] = t_prefill + t_decode
         stats["compute_s"] = max(0.0, stats["total_s"] - stats["ipc_s"] - stats["wait_s"] - stats["prepare_s"])
+        # The decode phase alone (the benchmark's time per token): its stage split, expert uses,
+        # hits, bytes the misses read, and what this process itself read from disk (the mmap
+        # baseline's page faults; the loader reads in its own process).
+        split2 = self._split()
+        decode = {k: split2[k] - split1[k] for k in split2}
+        decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare")},
+                  **decode}
+        decode["compute_s"] = max(0.0, t_decode - decode["ipc_s"] - decode["wait_s"] - decode["prepare_s"])
+        stats["decode"] = decode
         self.counters.add("requests")
         self.counters.add("prompt_tokens", len(ids))
         self.counters.add("generated_tokens", len(out_ids))
@@ -397,7 +413,10 @@ class Compute:
 
     def _split(self) -> dict:
         e = self.experts
-        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare}
+        disk = _disk_read_bytes()
+        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare,
+                "uses": e.counters.get("uses"), "hits": e.counters.get("hits"),
+                "miss_bytes": e.counters.get("miss_bytes"), "disk_read_bytes": disk or 0}
 
     @staticmethod
     def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:

@@ -50,8 +50,10 @@ def cast_weights(weights: dict, dtype) -> dict:
     for k, v in weights.items():
         if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not k.endswith(_KEEP_DTYPE):
             cast[k] = v.astype(dtype)
-    mx.eval(cast)  # materialise once instead of re-casting on every forward
     out.update(cast)
+    # Materialise every weight now: mx.load is lazy, and weights first read during the first
+    # forward would escape the start-up measurement that sizes the slot pool (the budget).
+    mx.eval(list(out.values()))
     return out
 
 
