@@ -200,9 +200,12 @@ class WorkerReady:
 
 @message("attach_pool")
 class AttachPool:
+    """The staging segment (`n_slots` slots of `slot_bytes`, where the loader reads records) and the
+    resident tier: expert slots per record-layout group, MLX memory that compute owns."""
     segment: str
     n_slots: int
     slot_bytes: int
+    resident: dict = field(default_factory=dict)
 
 
 @message("pool_attached")
@@ -245,15 +248,58 @@ class PeerHello:
 
 @message("need")
 class Need:
-    """compute -> router: experts of one layer needed now; releases earlier pins."""
+    """compute -> router: experts of one layer needed now, some not resident in compute's tier.
+    The router pins their resident slots (never victims of this need), has the missing ones read
+    and filled, then answers `slots`. Releases the pins of the previous need. `prefetch`: asked
+    ahead of any use (the preload of a tier that holds every expert), so not a use for the policy."""
     req: int
     layer: int
     experts: list
+    prefetch: bool = False
+
+
+@message("used")
+class Used:
+    """compute -> router, no answer: experts compute used from its resident tier without asking,
+    [[layer, [expert, ...]], ...] in the order used, so the policy sees every hit. Sent before
+    each `need` and once per forward pass; releases the pins of the previous need."""
+    uses: list
+
+
+@message("fill")
+class Fill:
+    """router -> compute: copy staging slot `staging` (read by the loader) into resident slot
+    `slot` of the layer's group; it now holds (layer, expert), fill number `generation`."""
+    req: int
+    slot: int
+    staging: int
+    layer: int
+    expert: int
+    generation: int
+
+
+@message("filled")
+class Filled:
+    """compute -> router: the fill is applied; its staging slot may take the next read."""
+    staging: int
+    generation: int
+
+
+@message("fill_failed")
+class FillFailed:
+    """router -> compute: the read for resident slot `slot` failed; the slot is empty now (its
+    previous expert was evicted for it). `req` is the need that waited for it."""
+    req: int
+    slot: int
+    layer: int
+    expert: int
+    error: str
 
 
 @message("slots")
 class Slots:
-    """router -> compute: where each needed expert is, all loaded. [[expert, slot, generation]]"""
+    """router -> compute: every expert of the need is resident, after the fills sent before this.
+    [[expert, slot, generation]] (compute checks its own map against it)."""
     req: int
     layer: int
     slots: list
@@ -263,7 +309,8 @@ class Slots:
 
 @message("read")
 class Read:
-    """router -> loader: read the record of (layer, expert) into slot; generation names this fill."""
+    """router -> loader: read the record of (layer, expert) into staging slot `slot`; generation
+    names the fill of the resident slot it is for."""
     slot: int
     generation: int
     layer: int
@@ -272,7 +319,7 @@ class Read:
 
 @message("loaded")
 class Loaded:
-    """loader -> router: the slot holds the record now (checksum verified)."""
+    """loader -> router: the staging slot holds the record now (checksum verified)."""
     slot: int
     generation: int
     layer: int
@@ -288,9 +335,3 @@ class LoadFailed:
     layer: int
     expert: int
     error: str
-
-
-@message("release")
-class Release:
-    """compute -> router: the pins of the last `need` can go (end of a forward pass)."""
-    req: int

@@ -55,11 +55,12 @@ def load_routing_trace(store: Store, path: str) -> np.ndarray:
 
 class Routing:
     """Which experts each MoE layer uses: the gate's choice (normal), a trace's (bench.routing_trace)
-    or seeded uniform random ones (the stand-in without a trace). Keeps the ids of the current
-    pass so that the run's routing can be recorded.
+    or seeded uniform random ones (the stand-in without a trace).
 
     The trace's layer axis is the MoE-layer ordinal; a pass over n tokens takes the trace's next n
-    rows, one per token (a cursor over every token processed, wrapping around at the end)."""
+    rows, one per token (a cursor over every token processed, wrapping around at the end). A pass
+    begun ahead of need and then dropped (the decode loop launches the next pass before it knows
+    the answer ended) is undone, so the trace and the random stream continue as if it never ran."""
 
     RANDOM_SEED = 0
 
@@ -76,29 +77,41 @@ class Routing:
         else:
             self.mode = "gate"
         self.cursor = 0
-        self.begin_pass(0)
+        self.n = self.start = 0
 
-    def begin_pass(self, n_tokens: int) -> None:
-        self.n = n_tokens
-        self.rows = np.zeros((n_tokens, len(self.ordinal), self.top_k), dtype=np.uint16)
+    @property
+    def from_gate(self) -> bool:
+        return self.trace is None and self.rng is None
 
-    def choose(self, layer: int, gate_inds) -> np.ndarray:
-        """Expert ids [n, top_k] for this layer of the pass. gate_inds: the gate's (an mx.array
-        [..., top_k]); None where no gate ran (the stand-in)."""
-        j = self.ordinal[layer]
+    def begin_pass(self, n_tokens: int) -> dict:
+        """A pass over n tokens starts; returns what `undo_pass` needs to take it back."""
+        undo = {"cursor": self.cursor, "rng": self.rng.bit_generator.state if self.rng else None}
+        self.n, self.start = n_tokens, self.cursor
+        self.cursor += n_tokens
+        return undo
+
+    def undo_pass(self, undo: dict) -> None:
+        self.cursor = undo["cursor"]
+        if self.rng is not None:
+            self.rng.bit_generator.state = undo["rng"]
+
+    def choose(self, layer: int, gate_inds):
+        """Expert ids [n, top_k] for this layer of the current pass. gate_inds: the gate's (an
+        mx.array [..., top_k]), returned as it is, on the device (reading it back is the caller's
+        choice: a sync); None where no gate ran (the stand-in). Trace and random ids: numpy."""
         if self.trace is not None:
-            ids = self.trace[(self.cursor + np.arange(self.n)) % len(self.trace), j].astype(np.int64)
-        elif self.rng is not None:
-            ids = np.argsort(self.rng.random((self.n, self.n_experts)), axis=1)[:, :self.top_k]
-        else:
-            ids = np.array(gate_inds.reshape(-1, self.top_k))  # the gate's decision, read back to the CPU
-        self.rows[:, j] = ids
-        return ids
+            j = self.ordinal[layer]
+            return self.trace[(self.start + np.arange(self.n)) % len(self.trace), j].astype(np.int64)
+        if self.rng is not None:
+            return np.argsort(self.rng.random((self.n, self.n_experts)), axis=1)[:, :self.top_k]
+        return gate_inds
 
-    def end_pass(self) -> np.ndarray:
-        """The pass's ids [n, moe_layers, top_k]; the trace cursor moves past its tokens."""
-        self.cursor += self.n
-        return self.rows
+    def rows(self, n_tokens: int, used: list) -> np.ndarray:
+        """A pass's ids [n, moe_layers, top_k] from its (layer, ids) uses, ids read back already."""
+        rows = np.zeros((n_tokens, len(self.ordinal), self.top_k), dtype=np.uint16)
+        for layer, ids in used:
+            rows[:, self.ordinal[layer]] = np.asarray(ids).reshape(n_tokens, self.top_k)
+        return rows
 
 
 def bench_mode(store: Store, config: dict, source: str = "slots") -> tuple[Routing, dict | None, dict]:

@@ -1,16 +1,19 @@
-"""The memory budget: what the process tree needs besides expert slots, and what is left for them.
+"""The memory budget: what the process tree needs besides experts, and how many experts fit.
 
 Two steps. Before starting workers, an estimate refuses budgets that cannot work. After the
-workers are up (dense weights loaded), the tree's proportional set size is measured, and the
-slot pool gets the budget minus that, minus reserves for what grows while serving (KV cache,
-staging copies of one chunk of experts, activations, logits).
+workers are up (dense weights loaded), the tree's proportional set size is measured. From the
+budget minus that, minus reserves for what grows while serving (KV cache, MLX's buffer cache,
+activations, logits), come the two expert tiers (runtime/tiers.py): first the staging tier, a
+small fixed ring of shared-memory slots the loader reads into; then the resident tier, MLX
+memory in compute holding the experts it uses, which gets all the rest.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import psutil
 
+from deltafin.runtime import tiers
 from deltafin.runtime.config import Config, format_size
 from deltafin.runtime.store import Store
 from deltafin.runtime.tensorfile import FLOAT_DTYPES, read_header
@@ -42,41 +45,76 @@ class BudgetPlan:
     budget: int
     dense: int
     kv_cache: int
-    staging: int
+    mlx_cache: int          # MLX's buffer cache is capped to this (freed buffers kept for reuse)
     activations: int
-    slot_bytes: int
-    min_slots: int
+    slot_bytes: int         # one staging slot: the largest record, rounded to the store alignment
+    staging_slots: int
+    group_experts: dict     # group -> experts it has
+    resident_bytes: dict    # group -> bytes of one expert in the resident tier
+    min_slots: int          # resident slots each group needs at least: one token's top_k
     processes: int = PROCESS_OVERHEAD_ESTIMATE
-    n_slots: int = 0
+    resident: dict = field(default_factory=dict)  # group -> resident slots, once sized
+    layouts: dict = field(default_factory=dict, repr=False)  # group -> record layout (set_dtype)
+
+    @property
+    def n_slots(self) -> int:
+        return sum(self.resident.values())
+
+    @property
+    def staging(self) -> int:
+        return self.staging_slots * self.slot_bytes
 
     @property
     def reserves(self) -> int:
-        return self.kv_cache + self.staging + self.activations + MARGIN
+        return self.kv_cache + self.mlx_cache + self.activations + MARGIN
+
+    @property
+    def min_resident(self) -> int:
+        return sum(self.min_slots * b for b in self.resident_bytes.values())
 
     @property
     def minimum(self) -> int:
-        return self.dense + self.processes + self.reserves + self.min_slots * self.slot_bytes
+        return self.dense + self.processes + self.reserves + self.staging + self.min_resident
+
+    def set_dtype(self, name: str) -> None:
+        """The resident tier holds float tensors in compute's dtype (known once compute is up:
+        "auto" is the checkpoint's); name as MLX prints it, e.g. "mlx.core.bfloat16"."""
+        itemsize = ITEMSIZE.get(name.rsplit(".", 1)[-1])
+        if itemsize:
+            self.resident_bytes = {g: tiers.resident_bytes(self.layouts[g], itemsize) for g in self.layouts}
 
     def describe(self) -> str:
+        per = ", ".join(format_size(b) for b in self.resident_bytes.values())
         return (f"dense weights {format_size(self.dense)} + KV cache {format_size(self.kv_cache)} + "
-                f"staging {format_size(self.staging)} + activations {format_size(self.activations)} + "
-                f"processes {format_size(self.processes)} + {self.min_slots} expert slots of "
-                f"{format_size(self.slot_bytes)}")
+                f"MLX cache {format_size(self.mlx_cache)} + activations {format_size(self.activations)} + "
+                f"processes {format_size(self.processes)} + {self.staging_slots} staging slots of "
+                f"{format_size(self.slot_bytes)} + {self.min_slots} resident experts of {per}"
+                f"{' per layout' if len(self.resident_bytes) > 1 else ''}")
 
     def check(self) -> None:
         if self.budget < self.minimum:
             raise BudgetError(f"memory budget {format_size(self.budget)} is below the minimum "
                               f"{format_size(self.minimum)} for this model ({self.describe()})")
 
-    def size_pool(self, measured_tree: int) -> int:
-        """Slots that fit once the workers are up; measured_tree already holds the dense weights."""
+    def size_pool(self, measured_tree: int, cap: int = 0) -> int:
+        """Resident slots that fit once the workers are up (measured_tree already holds the dense
+        weights), after the reserves and the staging tier; cap bounds them (0: none)."""
         self.processes = max(0, measured_tree - self.dense)
         self.check()
-        self.n_slots = int((self.budget - measured_tree - self.reserves) // self.slot_bytes)
+        room = self.budget - measured_tree - self.reserves - self.staging
+        self.resident = tiers.split_resident(self.group_experts, self.resident_bytes, room, cap)
         return self.n_slots
 
+    def budget_for(self, n_resident: int) -> int:
+        """The whole-tree budget that gives about n_resident resident experts (bench, tests)."""
+        total = sum(self.group_experts.values())
+        per = sum(self.group_experts[g] * self.resident_bytes[g] for g in self.group_experts) / max(1, total)
+        return int(self.dense + self.processes + self.reserves + self.staging + n_resident * per)
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "minimum": self.minimum}
+        out = asdict(self)
+        del out["layouts"]
+        return {**out, "n_slots": self.n_slots, "staging": self.staging, "minimum": self.minimum}
 
 
 def plan_budget(store: Store, config: Config) -> BudgetPlan:
@@ -93,15 +131,20 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     hidden = int(store.config["hidden_size"])
     vocab = int(store.config["vocab_size"])
     chunk = cc.prefill_chunk
-    return BudgetPlan(
+    plan = BudgetPlan(
         budget=config.runtime.budget_bytes,
         dense=dense,
         kv_cache=kv_bytes_per_token(store.config, itemsize) * cc.max_context,
-        staging=2 * store.top_k * store.max_record_bytes,
+        mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,
+        staging_slots=tiers.staging_slots(store, config.loader.threads, config.cache.staging_slots),
+        group_experts=tiers.group_sizes(store),
+        resident_bytes=tiers.group_resident_bytes(store, cast),
         min_slots=store.top_k,
     )
+    plan.layouts = {g: store.layouts[g] for g in plan.group_experts}
+    return plan
 
 
 def tree_memory(pids: list[int]) -> int:

@@ -285,6 +285,18 @@ class SlotTable:
         self.pinned[slot] = None
         return slot, True
 
+    def use(self, key: Key) -> bool:
+        """A use of a ready key that needed no acquire (compute found it resident and reported it
+        afterwards): the policy sees a hit; an unpinned slot stays evictable. False if key is not
+        ready here (nothing is recorded)."""
+        slot = self.where.get(key)
+        if slot is None or not self.ready(slot):
+            return False
+        self.policy.on_hit(slot, key)
+        if slot not in self.pinned:
+            self.policy.on_release(slot, key)
+        return True
+
     def loaded(self, slot: int, key: Key, generation: int) -> bool:
         """Marks the fill ready; False for a fill that was superseded."""
         if self.key[slot] != key or self.generation[slot] != generation or self.ready(slot):

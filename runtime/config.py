@@ -68,6 +68,8 @@ class ComputeConfig:
 class CacheConfig:
     policy: str = "lru"
     max_slots: int = 0
+    staging_slots: int = 0
+    preload: bool = True
 
 
 @dataclass
@@ -126,6 +128,8 @@ class Config:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
         if self.cache.max_slots < 0:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
+        if self.cache.staging_slots < 0:
+            raise ConfigError("cache.staging_slots must be >= 0 (0: automatic)")
         if self.bench.standin_moe_ms < 0 or self.bench.standin_dense_ms < 0:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if not 1 <= self.loader.threads <= 64:

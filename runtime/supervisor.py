@@ -88,7 +88,7 @@ class Supervisor:
                "supervisor_pid": os.getpid(),
                "endpoints": {"control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data")},
-               "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.staging}}
+               "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache}}
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
         # router first: it binds the data endpoint the others connect to
         for role in ROLES:
@@ -97,20 +97,19 @@ class Supervisor:
                 stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=False)
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
         measured = self.startup_tree_bytes = tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
+        self.plan.set_dtype(self.ready_info.get("compute", {}).get("dtype", ""))
         try:
-            n_slots = self.plan.size_pool(measured)
+            n_slots = self.plan.size_pool(measured, cap=self.config.cache.max_slots)
         except BudgetError as e:
             raise BudgetError(f"{e}; measured processes with dense weights loaded: "
                               f"{format_size(measured)}") from None
-        n_slots = min(n_slots, len(self.store.records))
-        if self.config.cache.max_slots:
-            n_slots = min(n_slots, self.config.cache.max_slots)
-        if n_slots < self.plan.min_slots:
-            raise BudgetError(f"{n_slots} expert slots cannot hold one token's {self.plan.min_slots} "
-                              f"experts of a layer; raise cache.max_slots or the memory budget")
-        self.plan.n_slots = n_slots
-        self.segment = self.rundir.create_segment("pool", n_slots * self.plan.slot_bytes)
-        attach = M.AttachPool(segment=self.segment.name, n_slots=n_slots, slot_bytes=self.plan.slot_bytes)
+        if min(self.plan.resident.values()) < self.plan.min_slots:
+            raise BudgetError(f"{min(self.plan.resident.values())} resident expert slots cannot hold one "
+                              f"token's {self.plan.min_slots} experts of a layer; raise cache.max_slots "
+                              f"or the memory budget")
+        self.segment = self.rundir.create_segment("staging", self.plan.staging)
+        attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
+                              slot_bytes=self.plan.slot_bytes, resident=self.plan.resident)
         for role in ROLES:
             send(self.control, attach, to=role.encode())
         self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
@@ -121,8 +120,10 @@ class Supervisor:
         except zmq.ZMQError as e:
             raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
         self.endpoint = self.client.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.log(f"{n_slots} expert slots of {format_size(self.plan.slot_bytes)} "
+        per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
+        self.log(f"{n_slots} resident expert slots of {per} "
                  f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
+                 f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
                  f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(measured)}")
         return self.endpoint
 
@@ -263,7 +264,10 @@ class Supervisor:
             "ssd_gbps": loader.get("ssd_gbps"),
             "prefetch_precision": None, "prefetch_recall": None,  # no prefetcher yet
             "memory": {"budget": self.plan.budget, "tree_bytes": tree, "peak_tree_bytes": self.peak_tree_bytes,
-                       "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
+                       "n_slots": self.plan.n_slots, "resident": self.plan.resident,
+                       "resident_bytes": self.plan.resident_bytes,
+                       "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
+                       "staging_bytes": self.plan.staging,
                        "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves},
             "bench_mode": compute.get("bench_mode"),
             "workers": parts, "missing": [r for r in ROLES if r not in parts],

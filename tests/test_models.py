@@ -20,7 +20,7 @@ from mlx_lm.utils import load_model  # noqa: E402
 
 from deltafin.runtime.models import (  # noqa: E402
     ResidentExperts, UnsupportedArchitecture, build_model, switch_glu)
-from deltafin.runtime.models.base import Linear, QuantSpec  # noqa: E402
+from deltafin.runtime.models.base import Linear, QuantSpec, uniform_quant  # noqa: E402
 from deltafin.tools import synth  # noqa: E402
 
 SEQ = 12
@@ -257,8 +257,9 @@ def test_switch_glu_sorted_path_matches_unsorted():
         w.update({f"{name}.weight": q, f"{name}.scales": s, f"{name}.biases": b})
     x = mx.random.normal((40, D), key=mx.random.key(1))
     inds = mx.random.randint(0, E, (40, 2), key=mx.random.key(2)).astype(mx.uint32)
-    together = switch_glu(x, inds, w, 4, 64)
-    chunks = mx.concatenate([switch_glu(x[i:i + 8], inds[i:i + 8], w, 4, 64) for i in range(0, 40, 8)])
+    quant = uniform_quant(w, 4, 64)
+    together = switch_glu(x, inds, w, quant)
+    chunks = mx.concatenate([switch_glu(x[i:i + 8], inds[i:i + 8], w, quant) for i in range(0, 40, 8)])
     assert together.shape == (40, 2, D)
     assert mx.allclose(together, chunks, atol=1e-5).item()
 

@@ -21,35 +21,97 @@ def _loaded(r: M.Read) -> M.Loaded:
     return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert, read_us=1, nbytes=10)
 
 
+def _sent(out, kind):
+    return [m for _, m in out if isinstance(m, kind)]
+
+
+def _serve(router: Router, out) -> list:
+    """Plays loader and compute for the router's messages until none are left; returns compute's."""
+    todo, seen = list(out), []
+    while todo:
+        to, msg = todo.pop(0)
+        if isinstance(msg, M.Read):
+            todo += router.loaded(_loaded(msg))
+        elif isinstance(msg, M.Fill):
+            seen.append(msg)
+            todo += router.filled(M.Filled(staging=msg.staging, generation=msg.generation))
+        else:
+            seen.append(msg)
+    return seen
+
+
 def test_router_lru_pins_and_generations():
-    router = Router(n_slots=3)
-    reads, reply = router.need(1, layer=0, experts=[5, 6])
-    assert reply is None and [(r.layer, r.expert) for r in reads] == [(0, 5), (0, 6)]
-    assert router.loaded(_loaded(reads[0])) is None
-    reply = router.loaded(_loaded(reads[1]))
+    router = Router(n_slots=3, n_staging=2)
+    out = router.need(1, layer=0, experts=[5, 6])
+    reads = _sent(out, M.Read)
+    assert not _sent(out, M.Slots) and [(r.layer, r.expert) for r in reads] == [(0, 5), (0, 6)]
+    fill = _sent(router.loaded(_loaded(reads[0])), M.Fill)[0]
+    assert (fill.layer, fill.expert, fill.slot, fill.staging) == (0, 5, 0, reads[0].slot)
+    got = router.loaded(_loaded(reads[1]))
+    reply = _sent(got, M.Slots)[0]
     assert reply.req == 1 and [s[0] for s in reply.slots] == [5, 6] and reply.hits == 0
-    reads, reply = router.need(2, layer=1, experts=[1])
-    stale = reads[0]
-    router.loaded(_loaded(stale))
+    for f in _sent(got, M.Fill) + [fill]:
+        router.filled(M.Filled(staging=f.staging, generation=f.generation))
+    out = router.need(2, layer=1, experts=[1])
+    stale = _sent(out, M.Read)[0]
+    _serve(router, router.loaded(_loaded(stale)))
     # expert (0,5) is least recently used; a new expert evicts it, not the pinned (1,1)
-    reads, reply = router.need(3, layer=1, experts=[1, 2])
-    assert reply is None and [(r.layer, r.expert) for r in reads] == [(1, 2)]
-    assert reads[0].slot == 0  # slot of (0,5), now generation 2
-    assert router.loaded(_loaded(stale)) is None  # a late message about another fill is ignored
-    reply = router.loaded(_loaded(reads[0]))
-    assert reply.hits == 1
+    out = router.need(3, layer=1, experts=[1, 2])
+    reads = _sent(out, M.Read)
+    assert not _sent(out, M.Slots) and [(r.layer, r.expert) for r in reads] == [(1, 2)]
+    seen = _serve(router, out)
+    assert _sent([(None, m) for m in seen], M.Fill)[0].slot == 0  # slot of (0,5), now generation 2
+    assert router.loaded(_loaded(stale)) == []  # a late message about another fill is ignored
+    assert _sent([(None, m) for m in seen], M.Slots)[0].hits == 1
     with pytest.raises(RouterError, match="needs 4 experts at once"):
         router.need(4, layer=0, experts=[1, 2, 3, 4])
     assert router.stats()["evictions"] == 1
 
 
+def test_router_queues_reads_for_free_staging_slots():
+    """Reads beyond the staging ring wait for a `filled`; each fill names the staging slot it
+    frees, so a staging slot is never read into before compute has copied it out."""
+    router = Router(n_slots=4, n_staging=1)
+    out = router.need(1, layer=0, experts=[0, 1, 2])
+    assert len(_sent(out, M.Read)) == 1  # one staging slot: one read in flight
+    first = _sent(out, M.Read)[0]
+    fill = _sent(router.loaded(_loaded(first)), M.Fill)[0]
+    assert fill.staging == first.slot
+    nxt = router.filled(M.Filled(staging=fill.staging, generation=fill.generation))
+    assert [m.expert for m in _sent(nxt, M.Read)] == [1] and _sent(nxt, M.Read)[0].slot == first.slot
+    seen = _serve(router, nxt)
+    assert [m.expert for m in seen if isinstance(m, M.Fill)] == [1, 2]
+    assert isinstance(seen[-1], M.Slots) and seen[-1].req == 1
+
+
+def test_used_reports_hits_in_order_and_a_slot_is_refilled_only_after_its_use():
+    """compute's uses served without asking reach the policy in order (LRU here), and the
+    victim of a miss is never a slot the current need pins."""
+    router = Router(n_slots=3, n_staging=3)
+    _serve(router, router.need(1, layer=0, experts=[0, 1, 2]))
+    router.used([(0, [0]), (0, [2])])  # hits on 0 then 2: expert 1 is now least recently used
+    assert router.stats()["hits"] == 2 and router.stats()["uses"] == 5
+    seen = _serve(router, router.need(2, layer=0, experts=[0, 3]))
+    fill = next(m for m in seen if isinstance(m, M.Fill))
+    assert (fill.expert, fill.slot) == (3, 1)  # expert 1's slot, not pinned 0's nor recent 2's
+    # every slot is pinned by the need: the pool is too small, never a pinned victim
+    with pytest.raises(RouterError, match="needs 4 experts"):
+        router.need(3, layer=0, experts=[0, 2, 3, 4])
+    router.used([])  # the pins of the last need go
+    seen = _serve(router, router.need(4, layer=0, experts=[4]))
+    assert next(m for m in seen if isinstance(m, M.Fill)).slot == 2  # expert 2: 0 and 3 were used after it
+    router.used([(5, [9])])  # a use the table does not know is counted apart, not as a hit
+    assert router.stats()["stray_uses"] == 1
+
+
 def test_router_load_failure_fails_the_request():
     router = Router(n_slots=2)
-    reads, _ = router.need(7, layer=0, experts=[0])
-    err = router.load_failed(M.LoadFailed(slot=reads[0].slot, generation=reads[0].generation,
+    reads = _sent(router.need(7, layer=0, experts=[0]), M.Read)
+    out = router.load_failed(M.LoadFailed(slot=reads[0].slot, generation=reads[0].generation,
                                           layer=0, expert=0, error="loader: checksum mismatch"))
-    assert err.id == 7 and err.code == "expert_read_failed"
-    reads, _ = router.need(8, layer=0, experts=[0])  # read again, not a false hit
+    err = _sent(out, M.FillFailed)[0]
+    assert err.req == 7 and "checksum mismatch" in err.error and err.slot == 0
+    reads = _sent(router.need(8, layer=0, experts=[0]), M.Read)  # read again, not a false hit
     assert len(reads) == 1
 
 
@@ -109,9 +171,7 @@ def test_loader_reports_a_corrupt_record(tiny_stores, tmp_path):
 def test_router_keeps_routing_history():
     router = Router(n_slots=4, history=3)
     for req, (layer, experts) in enumerate([(0, [1, 2]), (1, [2, 3]), (0, [1, 3]), (1, [2, 0])]):
-        reads, _ = router.need(req, layer, experts)
-        for r in reads:
-            router.loaded(_loaded(r))
+        _serve(router, router.need(req, layer, experts))
     assert list(router.recent) == [(1, (2, 3)), (0, (1, 3)), (1, (2, 0))]
     assert router.uses[(0, 1)] == 2 and router.uses[(1, 2)] == 2
     assert router.stats()["distinct_experts_used"] == 6

@@ -150,9 +150,7 @@ def plan_budget_for_slots(store: Store, n_slots: int, max_context: int, dtype: s
     from deltafin.runtime.budget import plan_budget
     config = load_config(None, {"compute.max_context": max_context, "compute.dtype": dtype,
                                 "runtime.memory_budget": "1TiB"})
-    plan = plan_budget(store, config)
-    base = plan.dense + plan.processes + plan.reserves
-    return int((base + n_slots * plan.slot_bytes) * 1.05)
+    return int(plan_budget(store, config).budget_for(n_slots) * 1.05)
 
 
 # ------------------------------------------------------------------------------------ contenders

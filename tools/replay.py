@@ -23,7 +23,7 @@ from deltafin.runtime.cache import POLICIES, Policy, make_policy, policy_names
 from deltafin.runtime.directio import round_up
 from deltafin.runtime.store import ALIGN, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
-from deltafin.workers.router import Router, RouterError
+from deltafin.workers.router import Router, RouterError, drive_need
 
 # Expert counts of the MoE models deltafin knows (Mixtral 8, Qwen2-MoE 60, OLMoE/DSV2-Lite 64,
 # Qwen3 128, DeepSeek-V2 160, DeepSeek-V3 256, Kimi-K2 384): a trace may never use the
@@ -86,17 +86,21 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
         cls = POLICIES.get(policy)
         policy = make_policy(policy, **({} if cls is None or cls.online else {"future": future_uses(ids)}))
     router = Router(n_slots, policy)
+
+    def instant_read(r: M.Read) -> M.Loaded:
+        return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert,
+                        read_us=0, nbytes=record_bytes)
+
+    def ignore(fill) -> None:  # no compute: nothing to copy
+        pass
     n_layers = ids.shape[1]
     t0 = time.perf_counter()
     req = 0
     for token in ids:
         row = token.tolist()  # per token: python ints for the router, without a list of the whole trace
         for layer in range(n_layers):
-            reads, _ = router.need(req, layer, row[layer])
+            drive_need(router, req, layer, row[layer], instant_read, ignore)
             req += 1
-            for r in reads:  # the instant loader
-                router.loaded(M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer,
-                                       expert=r.expert, read_us=0, nbytes=record_bytes))
         router.release()  # end of the token's forward pass
     stats = router.stats()
     uses, hits, reads, tokens = stats.get("uses", 0), stats.get("hits", 0), stats.get("reads", 0), ids.shape[0]

@@ -57,6 +57,7 @@ class WorkerProcess:
     def on_socket(self, sock) -> None: ...
     def on_forward(self, msg: M.Forward) -> None: ...
     def idle(self) -> None: ...
+    def busy(self) -> bool: return False  # True: idle() has work left, so do not sleep in poll
     def stats(self) -> dict: return {}
     def teardown(self) -> None: ...
 
@@ -70,7 +71,7 @@ class WorkerProcess:
             self.setup()
             send(self.control, M.WorkerReady(role=self.role, pid=os.getpid(), info=self.ready_info()))
             while self.running:
-                events = dict(self.poller.poll(200))
+                events = dict(self.poller.poll(0 if self.busy() else 200))
                 if not self.parent_alive():
                     break
                 for sock in events:

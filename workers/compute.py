@@ -1,16 +1,26 @@
-"""Compute: owns MLX, the dense weights, the KV cache and sampling; runs the forward pass.
+"""Compute: owns MLX, the dense weights, the resident experts, the KV cache and sampling.
 
-At every MoE layer the model computes the real routing; `SlotExperts` then asks the expert
-source (the router, over a socket, or in-process) for the chosen experts' slots, wraps the slot
-bytes as MLX arrays (the prepare stage) and runs each expert with mx.quantized_matmul on the
-tokens routed to it. Each expert's result depends only on its own tokens, so the output is the
-same whatever the memory budget, the slot assignment or the order experts arrive in.
+At every MoE layer the model computes the real routing and calls the expert provider.
+`SlotExperts` keeps the experts it uses in its resident tier (workers/resident.py: MLX pools
+filled once per load) and knows what the tier holds without asking anyone: when every expert of
+the layer is resident, the gate's ids index a device-side expert->slot table and `gather_qmm`
+runs on the pools inside the lazy graph, with no read-back, no message and no copy. Otherwise the
+ids come back to the CPU (one sync); experts already resident cost nothing more, and the missing
+ones are asked of the router (`need`), which has them read into staging slots and tells compute
+to copy each into a resident slot (`fill`). The uses compute served alone are reported to the
+router without waiting (`used`), so the cache policy still sees every hit. Each expert's result
+depends only on its own tokens and weights, so the output is the same whatever the memory budget,
+the slot assignment or the order experts arrive in.
+
+Generation runs as steps (`Scheduler`): the next forward pass is built and sampled on the device
+(`mx.async_eval`) before the previous token is read back, the way mlx-lm's generate_step overlaps
+them, whenever the pass cannot stop on a miss (every expert resident).
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
-gate; `StandInModel` replaces each layer's math by a wait while requests, reads and the prepare
-stage stay real; `MmapSource` + `MmapExperts` are the memory-mapped baseline (the store read
-through the page cache, no cache of our own), run in-process by `run_inprocess`.
+gate; `StandInModel` replaces each layer's math by a wait while requests, reads and fills stay
+real; `MmapSource` + `MmapExperts` are the memory-mapped baseline (the store read through the page
+cache, no cache of our own: every use copies), run in-process by `run_inprocess`.
 `runtime.record_trace` records the ids every token used (`TraceRecorder`, saved per request).
 """
 from __future__ import annotations
@@ -18,19 +28,21 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.benchmode import Routing, bench_mode, precise_wait
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
-from deltafin.runtime.models.base import _expert_matmul, swiglu
+from deltafin.runtime.models.base import SORT_PAIRS, gather_glu, switch_glu
 from deltafin.runtime.store import Store, views_from_buffer
+from deltafin.runtime.tiers import layer_groups
 from deltafin.runtime.tokenizer import StreamDecoder, Tokenizer
-from deltafin.runtime.benchmode import Routing, bench_mode, precise_wait
 from deltafin.runtime.traces import TraceRecorder
+from deltafin.workers.resident import ResidentTier, probe_zero_copy
 
 
 class RequestError(ValueError):
@@ -50,33 +62,410 @@ class Granted:
     wait_s: float
 
 
+# -- expert sources: compute's side of the data plane ------------------------------------------------
 class LocalExpertSource:
-    """Router and loader called directly: the in-process wiring used by tests and tools."""
+    """Router and loader called directly: the in-process wiring used by tests and tools. Counts
+    the messages compute would send (`messages`), as `RouterClient` does over the socket."""
 
     def __init__(self, router, loader):
         self.router, self.loader, self.req = router, loader, 0
+        self.messages = Counter()
 
-    def need(self, layer: int, experts: list[int]) -> Granted:
+    def resident_slots(self, store: Store) -> dict:
+        """{group: resident slots} of the router's tables, named by the store's record layouts."""
+        groups = set(layer_groups(store).values())
+        if self.router.only is not None:
+            if len(groups) != 1:
+                raise ValueError("the store has several record layouts: give the router one slot "
+                                 "group per layout (Router(groups=...))")
+            return {groups.pop(): self.router.table.n_slots}
+        return {g: t.n_slots for g, t in self.router.tables.items()}
+
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
+        from deltafin.workers.router import RouterError, drive_need
         self.req += 1
+        self.messages.add("need")
         t0 = time.perf_counter()
-        reads, reply = self.router.need(self.req, layer, experts)
-        for order in reads:
-            result = self.loader.read(order)
-            if isinstance(result, M.LoadFailed):
-                self.router.load_failed(result)
-                raise ExpertUnavailable(result.error)
-            reply = self.router.loaded(result) or reply
-        wait = time.perf_counter() - t0 if reads else 0.0
+
+        def fill(msg):
+            apply(msg)
+            if isinstance(msg, M.Fill):
+                self.messages.add("filled")
+        try:
+            reply = drive_need(self.router, self.req, layer, experts, self.loader.read, fill, prefetch)
+        except RouterError as e:
+            raise ExpertUnavailable(str(e)) from None
+        wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
+
+    def used(self, uses: list) -> None:
+        self.messages.add("used")
+        self.router.used(uses)
 
     def release(self) -> None:
         self.router.release()
 
 
+class RouterClient:
+    """compute's side of the data plane over the socket: `need` waits (applying the fills that
+    arrive meanwhile), `used` does not."""
+
+    def __init__(self, sock, timeout_s: float, alive):
+        self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
+        self.messages = Counter()
+
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
+        from deltafin.runtime.sockets import recv, send, wait_readable
+        self.req += 1
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, prefetch=prefetch))
+        self.messages.add("need")
+        while True:
+            try:
+                wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
+            except (TimeoutError, ConnectionError) as e:
+                raise ExpertUnavailable(str(e)) from None
+            msg = recv(self.sock)
+            if isinstance(msg, M.Fill):
+                apply(msg)
+                send(self.sock, M.Filled(staging=msg.staging, generation=msg.generation))
+                self.messages.add("filled")
+            elif isinstance(msg, M.FillFailed):
+                apply(msg)
+                if msg.req == self.req:
+                    raise ExpertUnavailable(f"expert_read_failed: {msg.error}")
+            elif isinstance(msg, M.Error):
+                raise ExpertUnavailable(f"{msg.code}: {msg.message}")
+            elif isinstance(msg, M.Slots) and msg.req == self.req:
+                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
+
+    def used(self, uses: list) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Used(uses=uses))
+        self.messages.add("used")
+
+    def release(self) -> None:
+        self.used([])
+
+
+# -- expert providers: what the model calls at each MoE layer --------------------------------------------
+class ExpertProvider:
+    """Shared by the providers: the routing, the passes' uses, counters and the time split.
+
+    A forward pass is begun (`begin_pass`), built by the model, then either committed once its
+    output was read (`commit`: its uses are reported, its routing recorded) or dropped
+    (`discard`: a pass launched ahead of need)."""
+
+    def __init__(self, store: Store, source, dtype, routing: Routing | None = None):
+        self.store, self.source, self.dtype = store, source, dtype
+        self.routing = routing or Routing(store)
+        self.prepare = Latency()
+        self.counters = Counter()
+        self.t_ipc = self.t_wait = self.t_prepare = self.t_sync = 0.0
+        self.passes: dict[int, dict] = {}
+        self.pass_no = 0
+        self.current: dict | None = None
+        self.unreported: list = []  # (pass, layer, ids) used without a need, not yet told the router
+
+    # -- passes -----------------------------------------------------------------------------------
+    def begin_pass(self, n_tokens: int) -> int:
+        self.pass_no += 1
+        self.current = self.passes[self.pass_no] = {"n": n_tokens, "used": [],
+                                                    "undo": self.routing.begin_pass(n_tokens)}
+        return self.pass_no
+
+    def commit(self, p: int) -> np.ndarray:
+        """The pass's output was read: report its uses; returns its routing [n, moe_layers, k]."""
+        self.flush(upto=p)
+        rec = self.passes.pop(p)
+        return self.routing.rows(rec["n"], [(layer, self._host(ids)) for layer, ids in rec["used"]])
+
+    def discard(self, p: int) -> None:
+        """A pass begun ahead of need and not wanted: forgotten as if it never ran."""
+        rec = self.passes.pop(p)
+        self.routing.undo_pass(rec["undo"])
+        self.unreported = [u for u in self.unreported if u[0] != p]
+
+    def _note(self, layer: int, ids, report: bool, count: bool) -> None:
+        """Records a layer's ids in the current pass; report: still to tell the router (`used`);
+        count: uses and hits still to count (ids not read back yet)."""
+        self.current["used"].append((layer, ids))
+        if report:
+            self.unreported.append((self.pass_no, layer, ids, count))
+
+    def flush(self, upto: int | None = None) -> None:
+        """Tells the router the uses served without asking, in order, up to pass `upto` (all)."""
+        keep, uses = [], []
+        for entry in self.unreported:
+            p, layer, ids, count = entry
+            if upto is not None and p > upto:
+                keep.append(entry)
+                continue
+            experts = np.unique(self._host(ids)).tolist()
+            if count:
+                self.counters.add("uses", len(experts))
+                self.counters.add("hits", len(experts))
+            uses.append([layer, experts])
+        self.unreported = keep
+        if uses:
+            t0 = time.perf_counter()
+            self.source.used(uses)
+            self.t_ipc += time.perf_counter() - t0
+
+    def _host(self, ids) -> np.ndarray:
+        """ids on the CPU; reading gate ids back waits for the graph up to them (a sync)."""
+        if isinstance(ids, mx.array):
+            t0 = time.perf_counter()
+            ids = np.array(ids)
+            self.t_sync += time.perf_counter() - t0
+        return ids
+
+    def can_overlap(self) -> bool:
+        """A pass can be launched before the previous token is read: it will never stop to wait."""
+        return False
+
+    def fetch(self, layer: int) -> None:
+        raise NotImplementedError
+
+
+class SlotExperts(ExpertProvider):
+    """The ExpertProvider of the runtime: experts from compute's resident tier, filled from the
+    shared-memory staging slots the router has the loader read into."""
+
+    def __init__(self, store: Store, staging_buf, slot_bytes: int, source, dtype,
+                 routing: Routing | None = None):
+        super().__init__(store, source, dtype, routing)
+        self.staging, self.slot_bytes = staging_buf, slot_bytes
+        self.tier: ResidentTier | None = None
+        self.force_sync = False  # measurement only: read every layer's ids back, as before
+
+    def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
+        """The staging segment and the resident slots per group (the process: at attach_pool)."""
+        self.staging, self.slot_bytes = staging_buf, slot_bytes
+        self.tier = ResidentTier(self.store, self.dtype, resident)
+
+    def apply(self, msg) -> None:
+        """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
+        empty now). Only ever called in compute's thread while it waits for a need."""
+        if isinstance(msg, M.FillFailed):
+            self.tier.drop(msg.layer, msg.slot)
+            return
+        nbytes = self.store.layout(msg.layer, msg.expert)["nbytes"]
+        start = msg.staging * self.slot_bytes
+        t0 = time.perf_counter()
+        self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
+        dt = time.perf_counter() - t0
+        self.prepare.add(dt)
+        self.t_prepare += dt
+        self.counters.add("bytes", nbytes)
+
+    def ensure(self, layer: int, experts: list[int]) -> bool:
+        """Makes the experts resident together; counts their uses. False when they all were (no
+        message: their use is reported later); True when a need was sent (it reports them)."""
+        missing = self.tier.missing(layer, experts)
+        self.counters.add("uses", len(experts))
+        self.counters.add("hits", len(experts) - len(missing))
+        if not missing:
+            return False
+        self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
+        self.flush()  # the router sees the earlier uses first, in order
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        granted = self.source.need(layer, experts, self.apply)
+        took = time.perf_counter() - t0 - (self.t_prepare - prep0)
+        self.t_wait += min(granted.wait_s, took)
+        self.t_ipc += max(0.0, took - granted.wait_s)
+        for e, slot in granted.slots:
+            if not self.tier.holds(layer, e, slot):
+                raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
+                                        f"{layer} expert {e} (slot {slot})")
+        return True
+
+    def preload_step(self) -> bool:
+        """Where the resident tier holds every expert of a group (the budget allows it), asks for
+        the next layer of it that is not all resident: once all are, no layer ever syncs or asks
+        again. One layer per call, so a caller can keep answering between layers. False when
+        there is nothing (more) to load."""
+        if self.tier is None:
+            return False
+        for layer in self.store.moe_layers:
+            g = self.tier.group_of[layer]
+            if self.tier.n_slots[g] < self.tier.group_experts[g] or self.tier.full(layer):
+                continue
+            experts = list(range(self.store.n_experts))
+            self.counters.add("preloaded", len(self.tier.missing(layer, experts)))
+            self.flush()
+            self.source.need(layer, experts, self.apply, prefetch=True)
+            return True
+        return False
+
+    def fetch(self, layer: int) -> None:
+        """The stand-in's MoE layer: the same requests, reads and fills, no expert math."""
+        ids = self.routing.choose(layer, None)
+        experts = np.unique(ids).tolist()
+        cap = self.tier.n_slots[self.tier.group_of[layer]]
+        reported = False
+        for i in range(0, len(experts), cap):
+            reported = self.ensure(layer, experts[i:i + cap]) or reported
+        self._note(layer, ids, report=not reported, count=False)
+
+    def can_overlap(self) -> bool:
+        return self.tier is not None and self.tier.all_full() and not self.force_sync
+
+    def __call__(self, layer: int, x, inds):
+        ids = self.routing.choose(layer, inds)  # the gate's ids (on the device), or the trace's
+        tier = self.tier
+        w, quant = tier.weights(layer), tier.quant(layer)
+        if tier.full(layer) and not self.force_sync:
+            # No question to ask: index the device table inside the graph, report the use later.
+            self._note(layer, ids, report=True, count=True)
+            if isinstance(ids, mx.array):
+                slots = tier.device_table(layer)[ids]
+            else:
+                slots = mx.array(tier.slots(layer, ids).astype(np.uint32))
+            return switch_glu(x, slots, w, quant)
+        flat = self._host(ids).reshape(-1, ids.shape[-1])  # the sync: which experts, on the CPU
+        experts = np.unique(flat).tolist()
+        cap = tier.n_slots[tier.group_of[layer]]
+        if len(experts) <= cap:
+            reported = self.ensure(layer, experts)
+            self._note(layer, flat, report=not reported, count=False)
+            return switch_glu(x, mx.array(tier.slots(layer, flat).astype(np.uint32)), w, quant)
+        # More distinct experts than the layer's resident slots (a long prefill in a small budget):
+        # in chunks, each evaluated before the next chunk's fills overwrite its slots.
+        reported = False
+        lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
+        x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
+        sorted_rows = ids1.size >= SORT_PAIRS  # decided for the whole layer, as mlx-lm does
+        pieces, order = [], []
+        for i in range(0, len(experts), cap):
+            chunk = experts[i:i + cap]
+            reported = self.ensure(layer, chunk) or reported
+            pairs = np.nonzero(np.isin(ids1, chunk))[0]
+            pairs = pairs[np.argsort(ids1[pairs], kind="stable")]  # grouped by expert
+            idx = mx.array(tier.slots(layer, ids1[pairs]).astype(np.uint32))
+            rows = x2[mx.array(pairs // k)]
+            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
+            piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), d)
+            mx.eval(piece)
+            pieces.append(piece)
+            order.append(pairs)
+        self._note(layer, flat, report=not reported, count=False)
+        y = mx.concatenate(pieces, axis=0)
+        inverse = np.empty(len(ids1), dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(ids1))
+        return y[mx.array(inverse)].reshape(*lead, k, d)
+
+
+class MmapSource:
+    """The memory-mapped baseline's expert source (what llama.cpp mainline does): the store's layer
+    files mapped read-only, no cache of our own, so every use is a "hit" with no wait and a page
+    fault reads from disk through the OS page cache. No router, loader or shared memory."""
+
+    def __init__(self, store: Store):
+        self.store, self.maps, self.files = store, {}, {}
+        self.messages = Counter()
+
+    def view(self, layer: int, expert: int):
+        rec = self.store.record(layer, expert)
+        m = self.maps.get(rec.file)
+        if m is None:
+            self.files[rec.file] = f = open(self.store.path / rec.file, "rb")
+            m = self.maps[rec.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return memoryview(m)[rec.offset:rec.offset + rec.nbytes]
+
+    def used(self, uses: list) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                pass
+        for f in self.files.values():
+            f.close()
+
+
+class MmapExperts(ExpertProvider):
+    """The mmap baseline's provider: no cache of its own, so every use copies the chosen experts
+    out of the page cache and stacks them (the per-use prepare stage the runtime no longer has),
+    at most top_k experts at a time, then runs the same gather_qmm kernels."""
+
+    def __init__(self, store: Store, pool_buf, slot_bytes: int, source: MmapSource, dtype,
+                 routing: Routing | None = None):
+        super().__init__(store, source, dtype, routing)
+        self.max_chunk = store.top_k
+
+    def weights(self, layer: int, expert: int) -> dict:
+        layout = self.store.layout(layer, expert)
+        views = views_from_buffer(self.source.view(layer, expert), layout)
+        self.counters.add("bytes", layout["nbytes"])
+        out = {}
+        for t in layout["tensors"]:
+            a = mx.array(views[t["name"]])  # copies out of the page cache
+            if t["dtype"] == "bfloat16":
+                a = a.view(mx.bfloat16)
+            if mx.issubdtype(a.dtype, mx.floating) and a.dtype != self.dtype:
+                a = a.astype(self.dtype)
+            out[t["name"]] = a
+        return out
+
+    def chunks(self, layer: int, experts: list[int]):
+        """Per chunk of at most top_k experts: their bytes copied into MLX arrays stacked [C, ...]
+        (the prepare stage); yields (expert ids in stack order, weights)."""
+        for i in range(0, len(experts), self.max_chunk):
+            chunk = experts[i:i + self.max_chunk]
+            self.counters.add("uses", len(chunk))
+            self.counters.add("hits", len(chunk))
+            tp = time.perf_counter()
+            per = [self.weights(layer, e) for e in chunk]
+            w = {name: mx.stack([p[name] for p in per]) for name in per[0]}
+            mx.eval(w)
+            dt = time.perf_counter() - tp
+            for _ in per:
+                self.prepare.add(dt / len(per))
+            self.t_prepare += dt
+            yield chunk, w
+
+    def fetch(self, layer: int) -> None:
+        ids = self.routing.choose(layer, None)
+        for _ in self.chunks(layer, np.unique(ids).tolist()):
+            pass
+        self._note(layer, ids, report=False, count=False)
+
+    def __call__(self, layer: int, x, inds):
+        lead, k, d = inds.shape[:-1], inds.shape[-1], x.shape[-1]
+        x2 = x.reshape(-1, d)
+        flat = self._host(self.routing.choose(layer, inds)).reshape(-1)
+        self._note(layer, flat, report=False, count=False)
+        sorted_rows = flat.size >= SORT_PAIRS  # as mlx-lm decides
+        quant = self.store.layout(layer)["quant"]
+        pieces, order = [], []
+        for stacked, w in self.chunks(layer, np.unique(flat).tolist()):
+            local = np.full(int(flat.max()) + 1, -1, dtype=np.int64)
+            local[stacked] = np.arange(len(stacked))
+            pairs = np.nonzero(local[flat] >= 0)[0]
+            pairs = pairs[np.argsort(local[flat[pairs]], kind="stable")]  # grouped by expert
+            idx = mx.array(local[flat[pairs]].astype(np.uint32))
+            rows = x2[mx.array(pairs // k)]
+            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
+            piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), d)
+            # Evaluated now, so this chunk's stacked copies are freed before the next chunk's.
+            mx.eval(piece)
+            pieces.append(piece)
+            order.append(pairs)
+        y = mx.concatenate(pieces, axis=0)
+        inverse = np.empty(len(flat), dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(len(flat))
+        return y[mx.array(inverse)].reshape(*lead, k, d)
+
+
 class StandInModel:
     """The model's call signature with each layer's math replaced by a wait: the MoE layers still
-    request their experts and run the prepare stage (`SlotExperts.fetch`), so reads, messages and
-    copies stay real; the logits are zeros (greedy then picks token 0)."""
+    request their experts and fill them (`fetch`), so reads, messages and copies stay real; the
+    logits are zeros (greedy then picks token 0)."""
 
     def __init__(self, n_layers: int, moe_layers: list[int], vocab: int, moe_ms: float, dense_ms: float):
         self.n_layers, self.moe_layers, self.vocab = n_layers, set(moe_layers), vocab
@@ -96,142 +485,119 @@ class StandInModel:
         return mx.zeros((n, self.vocab), dtype=mx.float32)
 
 
-class SlotExperts:
-    """The ExpertProvider the model calls: experts come from shared-memory slots."""
-
-    def __init__(self, store: Store, pool_buf, slot_bytes: int, source, dtype, max_chunk: int,
-                 routing: Routing | None = None):
-        self.store, self.pool, self.slot_bytes = store, pool_buf, slot_bytes
-        self.source, self.dtype, self.max_chunk = source, dtype, max_chunk
-        self.routing = routing or Routing(store)
-        self.prepare = Latency()
-        self.counters = Counter()
-        self.t_ipc = self.t_wait = self.t_prepare = 0.0
-
-    def record_bytes(self, layer: int, expert: int, slot: int):
-        """Where the bytes of (layer, expert) are: here its slot of the shared pool."""
-        start = slot * self.slot_bytes
-        return self.pool[start:start + self.store.layout(layer, expert)["nbytes"]]
-
-    def weights(self, layer: int, expert: int, slot: int) -> dict:
-        layout = self.store.layout(layer, expert)
-        views = views_from_buffer(self.record_bytes(layer, expert, slot), layout)
-        self.counters.add("bytes", layout["nbytes"])
-        out = {}
-        for t in layout["tensors"]:
-            a = mx.array(views[t["name"]])  # copies out of shared memory (or the page cache)
-            if t["dtype"] == "bfloat16":
-                a = a.view(mx.bfloat16)
-            if mx.issubdtype(a.dtype, mx.floating) and a.dtype != self.dtype:
-                a = a.astype(self.dtype)
-            out[t["name"]] = a
-        return out
-
-    @staticmethod
-    def run_experts(w: dict, quant: dict, x, idx, sorted_rows: bool):
-        """SwiGLU of stacked experts w [C, ...] on rows x with expert index idx, through
-        mx.gather_qmm as mlx-lm runs it (same kernels, so the same rounding on every backend)."""
-        def mm(name, inp):
-            q = quant[name] or {"bits": 0, "group_size": 0}  # None: a float projection
-            return _expert_matmul(inp, w, name, idx, q["bits"], q["group_size"], sorted_rows)
-        up = mm("up_proj", x)
-        return mm("down_proj", swiglu(mm("gate_proj", x), up))
-
-    def chunks(self, layer: int, experts: list[int]):
-        """Per chunk of at most max_chunk experts: ask the source for them, copy their bytes into
-        MLX arrays stacked [C, ...] (the prepare stage); yields (expert ids in stack order, weights)."""
-        for i in range(0, len(experts), self.max_chunk):
-            chunk = experts[i:i + self.max_chunk]
-            t0 = time.perf_counter()
-            granted = self.source.need(layer, chunk)
-            t1 = time.perf_counter()
-            self.t_wait += granted.wait_s
-            self.t_ipc += max(0.0, (t1 - t0) - granted.wait_s)
-            self.counters.add("uses", len(chunk))
-            self.counters.add("hits", granted.hits)
-            self.counters.add("miss_bytes", (len(chunk) - granted.hits) * self.store.layout(layer)["nbytes"])
-            tp = time.perf_counter()
-            per = [self.weights(layer, e, slot) for e, slot in granted.slots]
-            w = {name: mx.stack([p[name] for p in per]) for name in per[0]}
-            mx.eval(w)  # the slot bytes now live in MLX memory; the next `need` unpins them
-            dt = time.perf_counter() - tp
-            for _ in per:
-                self.prepare.add(dt / len(per))
-            self.t_prepare += dt
-            yield [e for e, _ in granted.slots], w
-
-    def fetch(self, layer: int) -> None:
-        """The stand-in's MoE layer: the same requests and prepare stage, no expert math."""
-        for _ in self.chunks(layer, np.unique(self.routing.choose(layer, None)).tolist()):
-            pass
-
-    def __call__(self, layer: int, x, inds):
-        lead, k, d = inds.shape[:-1], inds.shape[-1], x.shape[-1]
-        x2 = x.reshape(-1, d)
-        flat = self.routing.choose(layer, inds).reshape(-1)  # the gate's ids, or the trace's
-        # mlx-lm sorts rows by expert once a layer has 64 (token, expert) pairs; do the same
-        sorted_rows = flat.size >= 64
-        quant = self.store.layout(layer)["quant"]
-        pieces, order = [], []
-        for stacked, w in self.chunks(layer, np.unique(flat).tolist()):
-            local = np.full(int(flat.max()) + 1, -1, dtype=np.int64)
-            local[stacked] = np.arange(len(stacked))
-            pairs = np.nonzero(local[flat] >= 0)[0]
-            pairs = pairs[np.argsort(local[flat[pairs]], kind="stable")]  # grouped by expert
-            idx = mx.array(local[flat[pairs]].astype(np.uint32))
-            rows = x2[mx.array(pairs // k)]
-            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
-            piece = self.run_experts(w, quant, xs, ix, sorted_rows).reshape(len(pairs), d)
-            # Evaluated now, so this chunk's stacked weights are freed before the next chunk's are
-            # made: a lazy graph would keep every chunk of the whole forward pass alive at once
-            # (26 layers x top-k experts), far past the staging reserve of the memory budget.
-            mx.eval(piece)
-            pieces.append(piece)
-            order.append(pairs)
-        y = mx.concatenate(pieces, axis=0)
-        inverse = np.empty(len(flat), dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(len(flat))
-        return y[mx.array(inverse)].reshape(*lead, k, d)
+# -- the decode loop ----------------------------------------------------------------------------------
+def sample_on_device(logits, temperature: float, top_p: float, key):
+    """The next token from one row of logits, as an MLX scalar (lazy: read back one step later).
+    Greedy is the argmax; otherwise softmax(logits / temperature) restricted to the smallest set
+    of most likely tokens whose probability reaches top_p, drawn with `key`."""
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    z = logits.astype(mx.float32) / temperature
+    if top_p < 1:
+        probs = mx.softmax(z, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        ranked = probs[order]
+        before = mx.cumsum(ranked, axis=-1) - ranked  # probability of the tokens ranked above
+        drop = (before >= top_p)[mx.argsort(order, axis=-1)]  # back to vocabulary order
+        z = mx.where(drop, -mx.inf, z)
+    return mx.random.categorical(z, key=key)
 
 
-class MmapSource:
-    """The memory-mapped baseline's expert source (what llama.cpp mainline does): the store's layer
-    files mapped read-only, no cache of our own, so every use is a "hit" with no wait and a page
-    fault reads from disk through the OS page cache. No router, loader or shared memory."""
+@dataclass
+class Sequence:
+    """One request in the decode loop: its KV cache, sampling key and what it has produced."""
+    req: M.Generate
+    prompt: list
+    cache: object
+    key: object
+    decoder: StreamDecoder
+    stops: list
+    out_ids: list = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    ttft_s: float | None = None
 
-    def __init__(self, store: Store):
-        self.store, self.maps, self.files = store, {}, {}
-
-    def view(self, layer: int, expert: int):
-        rec = self.store.record(layer, expert)
-        m = self.maps.get(rec.file)
-        if m is None:
-            self.files[rec.file] = f = open(self.store.path / rec.file, "rb")
-            m = self.maps[rec.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return memoryview(m)[rec.offset:rec.offset + rec.nbytes]
-
-    def need(self, layer: int, experts: list[int]) -> Granted:
-        return Granted([(e, e) for e in experts], len(experts), 0.0)
-
-    def release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        for m in self.maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
-        for f in self.files.values():
-            f.close()
+    def next_key(self):
+        """A fresh sampling key per token (none needed for greedy)."""
+        if self.req.temperature == 0:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
 
 
-class MmapExperts(SlotExperts):
-    """SlotExperts whose bytes come from the store's mmap instead of a slot; the prepare stage
-    (mx.array copy, stack, gather_qmm) is the same code."""
+@dataclass
+class Step:
+    """A forward pass launched for a sequence: its sampled token, on the device until read."""
+    seq: Sequence
+    token: object
+    pass_no: int | None
+    t0: float
 
-    def record_bytes(self, layer: int, expert: int, slot: int):
-        return self.source.view(layer, expert)
+
+class Scheduler:
+    """Runs sequences as steps: each step launches the next forward pass and samples on the
+    device (`mx.async_eval`), then reads back the token the previous step sampled, so building a
+    pass overlaps computing the last one (mlx-lm's generate_step does the same). The next pass is
+    launched early only when it cannot stop on a miss; one that turns out not to be wanted (the
+    answer ended) is discarded unrecorded. One sequence at a time today: the model's forward
+    takes one sequence; the serving issue batches several per step."""
+
+    def __init__(self, compute: "Compute"):
+        self.compute = compute
+
+    def launch(self, seq: Sequence, token) -> Step:
+        c = self.compute
+        t0 = time.perf_counter()
+        p = c.experts.begin_pass(1)
+        logits = c.model(token.reshape(1).astype(mx.int32), seq.cache, c.experts)
+        tok = sample_on_device(logits[-1], seq.req.temperature, seq.req.top_p, seq.next_key())
+        mx.async_eval(tok)
+        return Step(seq, tok, p, t0)
+
+    def read(self, step: Step) -> int:
+        tok = int(step.token.item())
+        c = self.compute
+        if step.pass_no is not None:
+            rows = c.experts.commit(step.pass_no)
+            if c.recorder is not None:
+                c.request_rows.append(rows)
+            c.forward_latency.add(time.perf_counter() - step.t0)
+        return tok
+
+    def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
+        step, c, req = first, self.compute, seq.req
+        while step is not None:
+            ahead = None
+            if len(seq.out_ids) + 1 < req.max_tokens and c.experts.can_overlap():
+                ahead = self.launch(seq, step.token)
+            tok = self.read(step)
+            if seq.ttft_s is None:
+                seq.ttft_s = time.perf_counter() - t_request
+            self.accept(seq, tok, emit)
+            if seq.finish is None and between_tokens:
+                between_tokens()
+            if seq.finish is not None or len(seq.out_ids) >= req.max_tokens:
+                if ahead is not None:
+                    c.experts.discard(ahead.pass_no)
+                break
+            step = ahead or self.launch(seq, mx.array([tok], dtype=mx.uint32))
+
+    def accept(self, seq: Sequence, tok: int, emit) -> None:
+        c, req = self.compute, seq.req
+        # The stand-in's zero logits say nothing: its length is max_tokens, whatever token 0 is.
+        if tok in c.tokenizer.eos_ids and not c.standin:
+            seq.finish = "stop"
+            return
+        seq.out_ids.append(tok)
+        piece = seq.decoder.add(tok)
+        seq.text += piece
+        hit = next((s for s in seq.stops if s in seq.text), None)
+        if hit:
+            cut = seq.text.index(hit)
+            piece = piece[:max(0, len(piece) - (len(seq.text) - cut))]
+            seq.text, seq.finish = seq.text[:cut], "stop"
+        if emit and piece:
+            emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=piece))
 
 
 class Compute:
@@ -255,9 +621,14 @@ class Compute:
         if self.standin:
             self.model = StandInModel(self.model.n_layers, store.moe_layers, self.vocab,
                                       self.standin["moe_ms"], self.standin["dense_ms"])
-        self.experts = experts_cls(store, pool_buf, slot_bytes, source, self.dtype,
-                                   max_chunk=store.top_k, routing=self.routing)
+        self.experts = experts_cls(store, pool_buf, slot_bytes, source, self.dtype, routing=self.routing)
+        # Where MLX could use shared memory in place (Metal), the probe says so; the owned
+        # resident tier is what runs everywhere (workers/resident.py).
+        self.expert_tier = {"kind": "owned", **probe_zero_copy()}
+        if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
+            self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source
+        self.scheduler = Scheduler(self)
         self.counters = Counter()
         self.forward_latency = Latency()
         self.recorder = None
@@ -278,9 +649,8 @@ class Compute:
 
         def zero_experts(layer, x, inds):
             rows = x.reshape(-1, x.shape[-1])
-            y = self.experts.run_experts(zeros, layout["quant"], rows[:, None, :],
-                                         mx.zeros(rows.shape[0], dtype=mx.uint32), True)
-            return mx.broadcast_to(y.reshape(rows.shape[0], 1, -1), (*inds.shape, x.shape[-1])) * 0
+            y = switch_glu(rows, mx.zeros((rows.shape[0], 1), dtype=mx.uint32), zeros, layout["quant"])
+            return mx.broadcast_to(y, (*inds.shape, x.shape[-1])) * 0
         # One token: a prompt-sized pass would leave its buffers in the allocator and inflate the
         # measurement by about what the activation reserve already covers.
         mx.eval(self.model(mx.array([0], dtype=mx.int32), self.model.make_cache(), zero_experts))
@@ -288,16 +658,24 @@ class Compute:
 
     # -- passes --------------------------------------------------------------------------------
     def forward(self, ids: list[int], cache):
+        """One pass over ids, evaluated and committed before returning (prefill, logits)."""
         t0 = time.perf_counter()
-        self.routing.begin_pass(len(ids))
+        p = self.experts.begin_pass(len(ids))
         logits = self.model(mx.array(ids, dtype=mx.int32), cache, self.experts)
         mx.eval(logits)
-        self.source.release()
-        rows = self.routing.end_pass()
+        rows = self.experts.commit(p)
         if self.recorder is not None:
-            self.request_rows.append(rows.copy())
+            self.request_rows.append(rows)
         self.forward_latency.add(time.perf_counter() - t0)
         return logits
+
+    def preload(self) -> int:
+        """Reads every expert into the resident tier where it can hold them all (cache.preload):
+        a start-up step, outside any request. Returns the layers asked for."""
+        n = 0
+        while getattr(self.experts, "preload_step", lambda: False)():
+            n += 1
+        return n
 
     def _begin_request(self) -> None:
         self.request_rows = []  # a failed request's passes are not recorded
@@ -312,6 +690,12 @@ class Compute:
         self.recorder.end_request(name)
         self.recorder.save(self.trace_path)
         self.request_rows = []
+
+    def abandon(self) -> None:
+        """After a failed request: passes left half-built are dropped, the router's pins go."""
+        for p in list(self.experts.passes):
+            self.experts.discard(p)
+        self.source.release()
 
     def _check_ids(self, ids, extra: int = 0) -> None:
         if not ids:
@@ -343,52 +727,28 @@ class Compute:
         if req.max_tokens < 0 or req.temperature < 0 or not 0 < req.top_p <= 1:
             raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
         self._check_ids(ids, req.max_tokens)
-        rng = np.random.default_rng(req.seed)
+        seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seq = Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
+                       decoder=StreamDecoder(self.tokenizer), stops=[s for s in (req.stop or []) if s])
         split0 = self._split()
         self._begin_request()
-        cache = self.model.make_cache()
         t0 = time.perf_counter()
-        ttft = None
         for i in range(0, len(ids), self.prefill_chunk):
-            logits = self.forward(ids[i:i + self.prefill_chunk], cache)
+            logits = self.forward(ids[i:i + self.prefill_chunk], seq.cache)
         t_prefill = time.perf_counter() - t0
-        decoder = StreamDecoder(self.tokenizer)
-        out_ids: list[int] = []
-        text, finish = "", "length"
         t1 = time.perf_counter()
         split1 = self._split()
-        stops = [s for s in (req.stop or []) if s]
-        while len(out_ids) < req.max_tokens:
-            tok = self.sample(np.array(logits[-1].astype(mx.float32)), req.temperature, req.top_p, rng)
-            if ttft is None:
-                ttft = time.perf_counter() - t_request
-            # The stand-in's zero logits say nothing: its length is max_tokens, whatever token 0 is.
-            if tok in self.tokenizer.eos_ids and not self.standin:
-                finish = "stop"
-                break
-            out_ids.append(tok)
-            piece = decoder.add(tok)
-            text += piece
-            hit = next((s for s in stops if s in text), None)
-            if hit:
-                cut = text.index(hit)
-                piece = piece[:max(0, len(piece) - (len(text) - cut))]
-                text, finish = text[:cut], "stop"
-            if emit and piece:
-                emit(M.Token(id=req.id, index=len(out_ids) - 1, token_id=tok, text=piece))
-            if finish == "stop":
-                break
-            if between_tokens:
-                between_tokens()
-            if len(out_ids) < req.max_tokens:
-                logits = self.forward([tok], cache)
+        if req.max_tokens > 0:
+            first = Step(seq, sample_on_device(logits[-1], req.temperature, req.top_p, seq.next_key()), None, t1)
+            self.scheduler.run(seq, first, emit, between_tokens, t_request)
         t_decode = time.perf_counter() - t1
+        out_ids = seq.out_ids
         n_decode = max(0, len(out_ids) - 1)  # the first token comes from the prefill pass
         stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
                  "prefill_s": t_prefill, "decode_s": t_decode,
                  "prefill_tok_s": len(ids) / t_prefill if t_prefill else None,
                  "decode_tok_s": n_decode / t_decode if n_decode and t_decode else None,
-                 "ttft_s": ttft,
+                 "ttft_s": seq.ttft_s,
                  **{f"{k}_s": v - split0[k] for k, v in self._split().items() if k in ("ipc", "wait", "prepare")},
                  "bench_mode": self.bench_mode}
         stats["total_s"] = t_prefill + t_decode
@@ -398,7 +758,7 @@ class Compute:
         # baseline's page faults; the loader reads in its own process).
         split2 = self._split()
         decode = {k: split2[k] - split1[k] for k in split2}
-        decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare")},
+        decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare", "sync")},
                   **decode}
         decode["compute_s"] = max(0.0, t_decode - decode["ipc_s"] - decode["wait_s"] - decode["prepare_s"])
         stats["decode"] = decode
@@ -409,42 +769,33 @@ class Compute:
         self.counters.add("decode_s", t_decode)
         self.counters.add("decode_tokens", n_decode)
         self._end_request(str(req.id))
-        return M.Done(id=req.id, text=text, token_ids=out_ids, finish_reason=finish, stats=stats)
+        return M.Done(id=req.id, text=seq.text, token_ids=out_ids, finish_reason=seq.finish or "length",
+                      stats=stats)
 
     def _split(self) -> dict:
         e = self.experts
         disk = _disk_read_bytes()
-        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare,
+        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
                 "uses": e.counters.get("uses"), "hits": e.counters.get("hits"),
                 "miss_bytes": e.counters.get("miss_bytes"), "disk_read_bytes": disk or 0}
-
-    @staticmethod
-    def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
-        if temperature == 0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / temperature
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if top_p < 1:
-            order = np.argsort(-p)
-            keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
-            q = np.zeros_like(p)
-            q[keep] = p[keep]
-            p = q / q.sum()
-        return int(rng.choice(len(p), p=p))
 
     def stats(self) -> dict:
         c = self.counters.snapshot()
         e = self.experts
         uses = e.counters.get("uses")
         busy = c.get("prefill_s", 0) + c.get("decode_s", 0)
+        tier = getattr(e, "tier", None)
         return {**c, "forward": self.forward_latency.summary(), "prepare": e.prepare.summary(),
                 "hit_rate": e.counters.get("hits") / uses if uses else None,
-                "ipc_s": e.t_ipc, "wait_s": e.t_wait, "prepare_s": e.t_prepare,
+                "ipc_s": e.t_ipc, "wait_s": e.t_wait, "prepare_s": e.t_prepare, "sync_s": e.t_sync,
                 "stall_share": e.t_wait / busy if busy else None,
                 "decode_tok_s": c.get("decode_tokens", 0) / c["decode_s"] if c.get("decode_s") else None,
                 "prefill_tok_s": c.get("prompt_tokens", 0) / c["prefill_s"] if c.get("prefill_s") else None,
                 "prepare_bytes": int(e.counters.get("bytes")),
+                "messages": e.source.messages.snapshot(),
+                "expert_tier": {**self.expert_tier,
+                                **({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
+                                    "fills": tier.fills} if tier else {})},
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
                 "bench_mode": self.bench_mode}
 
@@ -473,29 +824,46 @@ def evict_page_cache(store: Store) -> bool:
     return True
 
 
+def local_router(store: Store, config: dict, n_slots: int = 0):
+    """Router + Loader wired in-process over an anonymous staging pool, for tools and tests:
+    n_slots resident slots (0: cache.max_slots, else every expert), split among the record
+    layouts in proportion to their experts. Returns (source, staging buffer, loader)."""
+    from deltafin.runtime import tiers
+    from deltafin.workers.loader import Loader
+    from deltafin.workers.router import Router
+    cache = config.get("cache") or {}
+    n_slots = n_slots or int(cache.get("max_slots") or 0) or len(store.records)
+    sizes = tiers.group_sizes(store)
+    resident = tiers.split_resident(sizes, dict.fromkeys(sizes, 1), n_slots)
+    n_staging = tiers.staging_slots(store, int((config.get("loader") or {}).get("threads", 4)),
+                                    int(cache.get("staging_slots") or 0))
+    pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
+    loader = Loader(store, memoryview(pool), store.max_record_bytes)
+    router = Router(resident, cache.get("policy", "lru"), n_staging=n_staging,
+                    groups=tiers.layer_groups(store))
+    return LocalExpertSource(router, loader), memoryview(pool), loader
+
+
 def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: int,
                   source: str = "mmap", cold: bool = False) -> dict:
     """One greedy generation by `Compute` in this process, no supervisor or workers. source:
     "mmap" (the memory-mapped baseline: experts read through the page cache, no cache of our own)
-    or "slots" (router + loader wired in-process over an anonymous pool of cache.max_slots slots,
-    0 = every expert). config: the plain dict tree (Config.to_dict()); [bench] is honoured.
+    or "slots" (router + loader wired in-process, cache.max_slots resident slots, 0 = every
+    expert). config: the plain dict tree (Config.to_dict()); [bench] is honoured.
     cold: drop the expert files from the page cache first. Returns the request's stats (as
     Done.stats) plus stage latencies, bytes touched and bytes the process read from disk."""
-    from deltafin.workers.loader import Loader
-    from deltafin.workers.router import Router
     store = Store(store_path)
-    loader = pool = None
+    loader = None
     if source == "mmap":
         src = MmapSource(store)
         compute = Compute(store, config, src, None, 0, experts_cls=MmapExperts)
     elif source == "slots":
-        n_slots = int((config.get("cache") or {}).get("max_slots") or 0) or len(store.records)
-        pool = mmap.mmap(-1, n_slots * store.max_record_bytes)
-        loader = Loader(store, memoryview(pool), store.max_record_bytes)
-        src = LocalExpertSource(Router(n_slots, (config.get("cache") or {}).get("policy", "lru")), loader)
-        compute = Compute(store, config, src, memoryview(pool), store.max_record_bytes)
+        src, staging, loader = local_router(store, config)
+        compute = Compute(store, config, src, staging, store.max_record_bytes)
     else:
         raise ValueError(f"source {source!r}: use mmap or slots")
+    if source == "slots" and (config.get("cache") or {}).get("preload", True):
+        compute.preload()
     try:
         page_cache_dropped = evict_page_cache(store) if cold else False
         disk0 = _disk_read_bytes()
@@ -512,7 +880,8 @@ def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: i
                 "bytes_touched": int(e.counters.get("bytes")),
                 "bytes_touched_per_token": e.counters.get("bytes") / max(1, tokens),
                 "disk_read_bytes": None if disk0 is None else disk1 - disk0,
-                "page_cache_dropped": page_cache_dropped}
+                "page_cache_dropped": page_cache_dropped,
+                "messages": src.messages.snapshot()}
     finally:
         if loader is not None:
             loader.close()
@@ -520,33 +889,9 @@ def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: i
             src.close()
 
 
-class RouterClient:
-    """compute's side of the data plane: one `need` out, its `slots` back, with a deadline."""
-
-    def __init__(self, sock, timeout_s: float, alive):
-        self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
-
-    def need(self, layer: int, experts: list[int]) -> Granted:
-        from deltafin.runtime.sockets import recv, send, wait_readable
-        self.req += 1
-        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts))
-        while True:
-            try:
-                wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
-            except (TimeoutError, ConnectionError) as e:
-                raise ExpertUnavailable(str(e)) from None
-            msg = recv(self.sock)
-            if isinstance(msg, M.Error):
-                raise ExpertUnavailable(f"{msg.code}: {msg.message}")
-            if isinstance(msg, M.Slots) and msg.req == self.req:
-                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
-
-    def release(self) -> None:
-        from deltafin.runtime.sockets import send
-        send(self.sock, M.Release(req=self.req))
-
-
 def run_compute_process(run_dir: str) -> None:
+    import sys
+
     from deltafin.runtime.sockets import send
     from deltafin.workers.common import WorkerProcess
 
@@ -568,11 +913,25 @@ def run_compute_process(run_dir: str) -> None:
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
-                    "bench_mode": self.compute.bench_mode}
+                    "bench_mode": self.compute.bench_mode, "expert_tier": self.compute.expert_tier}
 
         def on_pool(self, msg):
-            self.compute.experts.pool = self.pool.buf
-            self.compute.experts.slot_bytes = msg.slot_bytes
+            # the resident tier is allocated now, inside the budget the supervisor just split
+            self.compute.experts.attach(self.pool.buf, msg.slot_bytes, msg.resident)
+            self.preloading = bool(self.config["cache"].get("preload", True))
+
+        def busy(self):
+            return getattr(self, "preloading", False)
+
+        def idle(self):
+            # one layer per loop turn: requests and the supervisor are answered in between
+            if self.busy():
+                try:
+                    self.preloading = self.compute.experts.preload_step()
+                except ExpertUnavailable as e:
+                    print(f"deltafin compute: preload stopped: {e}", file=sys.stderr, flush=True)
+                    self.compute.abandon()
+                    self.preloading = False
 
         def on_forward(self, fwd: M.Forward):
             def reply(m):
@@ -593,10 +952,10 @@ def run_compute_process(run_dir: str) -> None:
                     reply(M.Error(id=getattr(req, "id", None), code="bad_message",
                                   message=f"compute does not take {req.TYPE}"))
             except (RequestError, ExpertUnavailable) as e:
-                self.source.release()
+                self.compute.abandon()
                 reply(M.Error(id=req.id, code=e.code, message=str(e)))
             except Exception as e:  # the model raised: report it and keep serving
-                self.source.release()
+                self.compute.abandon()
                 reply(M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
 
         def stats(self):

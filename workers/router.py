@@ -1,9 +1,17 @@
-"""The router: owns the slot table, the cache policy and the read orders. It decides; the loader reads.
+"""The router: owns the slot tables, the cache policy and the read orders. It decides; the loader
+reads; compute copies.
 
-The slot bookkeeping and the policies live in runtime/cache.py; this is the message-facing side.
+Two tiers (runtime/tiers.py): resident slots, one table per record-layout group, whose bytes live
+in compute's MLX memory, and a small ring of staging slots in shared memory that the loader reads
+into. A miss takes a resident victim (the policy's choice, never a slot pinned by the current need)
+and a free staging slot; once read, compute is told to copy staging into the resident slot
+(`fill`) and acknowledges (`filled`), which frees the staging slot for the next queued read.
+Compute uses resident experts without asking and reports those uses afterwards (`used`), so the
+policy still sees every hit, in order. The slot bookkeeping and policies live in runtime/cache.py.
 
-`Router` is plain logic with no sockets, so tests drive it in-process; `run_router_process`
-wraps it with the data-plane socket that compute and the loader connect to.
+`Router` is plain logic with no sockets: its methods return the messages to send as
+[(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
+(`drive_need`); `run_router_process` wraps it with the data-plane socket.
 """
 from __future__ import annotations
 
@@ -21,42 +29,86 @@ class RouterError(RuntimeError):
 
 
 class Router:
-    """Answers `need` from the slot table (runtime/cache.py), whose policy chooses the victims.
+    """Answers `need` from the slot tables, whose policy chooses the victims.
 
-    `need` pins the slots of one layer's experts until the next `need` or `release`; pinned and
-    loading slots are never chosen as victims. `policy` is a registered name (cache.policy) or a
-    Policy instance (replay gives Belady its future that way).
+    `need` pins the slots of one layer's experts until the next `need`, `used` or `release`; pinned
+    and loading slots are never chosen as victims. `n_slots`: resident slots, an int (one group for
+    every layer) or {group: n} with `groups` {layer: group}. `policy` is a registered name
+    (cache.policy) or, with one group only, a Policy instance (replay gives Belady its future that
+    way). `n_staging`: staging slots, reads in flight at most (None: one per resident slot).
     """
 
-    def __init__(self, n_slots: int, policy: str | Policy = "lru", history: int = 4096):
-        if n_slots < 1:
+    def __init__(self, n_slots: int | dict, policy: str | Policy = "lru", history: int = 4096,
+                 n_staging: int | None = None, groups: dict | None = None):
+        sizes = n_slots if isinstance(n_slots, dict) else {0: n_slots}
+        if groups is None and len(sizes) != 1:
+            raise RouterError("several slot groups need the layer -> group map")
+        if not isinstance(policy, str) and len(sizes) != 1:
+            raise RouterError("a Policy instance serves one slot group only")
+        if any(n < 1 for n in sizes.values()):
             raise RouterError("the slot pool has no slots")
         try:
-            policy = make_policy(policy) if isinstance(policy, str) else policy
+            self.tables = {g: SlotTable(n, make_policy(policy) if isinstance(policy, str) else policy)
+                           for g, n in sizes.items()}
         except CacheError as e:
             raise RouterError(str(e)) from None
-        self.n_slots = n_slots
-        self.policy = policy
-        self.table = SlotTable(n_slots, policy)
+        self.groups = groups
+        self.only = next(iter(sizes)) if len(sizes) == 1 else None
+        self.n_slots = sum(sizes.values())
+        self.policy_name = next(iter(self.tables.values())).policy.name
+        self.staging_free = list(range((n_staging or self.n_slots) - 1, -1, -1))  # slot 0 first
+        self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
+        self.queued: deque = deque()              # reads waiting for a staging slot
         self.pending: dict | None = None
         self.counters = Counter()
         # Routing history, the raw material of policies and predictors: how often each
-        # (layer, expert) was needed, and the most recent requests in order.
+        # (layer, expert) was used, and the most recent layers' uses in order.
         self.uses: Tally = Tally()
         self.recent: deque = deque(maxlen=history)
 
-    # -- requests ---------------------------------------------------------------------------------
-    def need(self, req: int, layer: int, experts: list[int]) -> tuple[list[M.Read], M.Slots | None]:
-        """Pins the experts' slots; returns read orders and, if all are ready, the reply."""
+    def group(self, layer: int):
+        return self.only if self.only is not None else self.groups[layer]
+
+    @property
+    def policy(self) -> Policy:
+        return self.table.policy
+
+    @property
+    def table(self) -> SlotTable:
+        """The slot table when there is one group (tests, replay)."""
+        if self.only is None:
+            raise RouterError("several slot groups: use tables[group]")
+        return self.tables[self.only]
+
+    # -- compute's messages -----------------------------------------------------------------------
+    def used(self, uses) -> None:
+        """Uses compute served from its resident tier, [(layer, experts)] in order: hits for the
+        policy. Releases the pins of the last need."""
         self.release()
-        self.recent.append((layer, tuple(experts)))
-        self.uses.update([(layer, e) for e in experts])
-        wanted = dict.fromkeys(experts)
-        if len(wanted) > self.n_slots:
-            raise RouterError(f"layer {layer} needs {len(wanted)} experts at once but the pool "
-                              f"has {self.n_slots} slots")
-        table = self.table
-        reads, waiting, slots, hits = [], set(), [], 0
+        for layer, experts in uses:
+            table = self.tables[self.group(layer)]
+            self._history(layer, experts)
+            for e in experts:
+                if table.use((layer, e)):
+                    self.counters.add("uses")
+                    self.counters.add("hits")
+                else:  # compute thought it resident: its map and this table disagree
+                    self.counters.add("stray_uses")
+
+    def need(self, req: int, layer: int, experts: list[int], prefetch: bool = False) -> list[tuple[str, object]]:
+        """Pins the experts' slots; misses get a victim slot and a read. Returns what to send:
+        read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
+        history, no use or hit counted)."""
+        self.release()
+        if not prefetch:
+            self._history(layer, experts)
+        wanted = list(dict.fromkeys(experts))
+        g = self.group(layer)
+        table = self.tables[g]
+        if len(wanted) > table.n_slots:
+            raise RouterError(f"layer {layer} needs {len(wanted)} experts at once but its resident "
+                              f"pool has {table.n_slots} slots")
+        out, waiting, slots, hits = [], set(), [], 0
         for e in wanted:
             try:
                 slot, new = table.acquire((layer, e))
@@ -64,48 +116,100 @@ class Router:
                 raise RouterError(str(err)) from None
             gen = table.generation[slot]
             if new:
-                reads.append(M.Read(slot=slot, generation=gen, layer=layer, expert=e))
+                out += self._read(g, slot, gen, layer, e)
             if table.ready(slot):
                 hits += 1
             else:
                 waiting.add(slot)
             slots.append([e, slot, gen])
-        self.counters.add("uses", len(slots))
-        self.counters.add("hits", hits)
-        self.counters.add("reads", len(reads))
-        self.pending = {"req": req, "layer": layer, "slots": slots, "waiting": waiting,
+        if prefetch:
+            self.counters.add("prefetched", len(slots) - hits)
+        else:
+            self.counters.add("uses", len(slots))
+            self.counters.add("hits", hits)
+        self.pending = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
                         "hits": hits, "t0": time.perf_counter()}
-        return reads, (self._reply() if not waiting else None)
+        if not waiting:
+            out.append(("compute", self._reply()))
+        return out
 
-    def loaded(self, msg: M.Loaded) -> M.Slots | None:
-        if not self.table.loaded(msg.slot, (msg.layer, msg.expert), msg.generation):
-            return None  # a fill that was superseded; nothing waits for it
-        self.counters.add("bytes_read", msg.nbytes)
-        p = self.pending
-        if p and msg.slot in p["waiting"]:
-            p["waiting"].discard(msg.slot)
-            if not p["waiting"]:
-                return self._reply()
-        return None
-
-    def load_failed(self, msg: M.LoadFailed) -> M.Error | None:
-        """Frees the slot; the waiting request fails with the loader's message."""
-        self.table.failed(msg.slot, (msg.layer, msg.expert), msg.generation)
-        p = self.pending
-        if p and msg.slot in p["waiting"]:
-            self.release()
-            return M.Error(id=p["req"], code="expert_read_failed", message=msg.error)
-        return None
+    def filled(self, msg: M.Filled) -> list[tuple[str, object]]:
+        """compute applied a fill: its staging slot takes the next queued read."""
+        use = self.staging_use.get(msg.staging)
+        if use is None or use[2] != msg.generation:
+            return []
+        return self._free_staging(msg.staging)
 
     def release(self) -> None:
-        self.table.release()
+        for table in self.tables.values():
+            table.release()
         self.pending = None
 
     def hint(self, keys) -> None:
         """(layer, expert) keys predicted to be needed soon, for a prediction-aware policy."""
-        self.table.hint(keys)
+        for layer, e in keys:
+            self.tables[self.group(layer)].hint([(layer, e)])
+
+    # -- the loader's messages --------------------------------------------------------------------
+    def loaded(self, msg: M.Loaded) -> list[tuple[str, object]]:
+        use = self.staging_use.get(msg.slot)
+        if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
+            return []  # not a read this router has in flight
+        g, slot = use[0], use[1]
+        if not self.tables[g].loaded(slot, (msg.layer, msg.expert), msg.generation):
+            return self._free_staging(msg.slot)  # a fill that was superseded; nothing waits for it
+        self.counters.add("bytes_read", msg.nbytes)
+        out = [("compute", M.Fill(req=self.pending["req"] if self.pending else -1, slot=slot,
+                                  staging=msg.slot, layer=msg.layer, expert=msg.expert,
+                                  generation=msg.generation))]
+        p = self.pending
+        if p and p["group"] == g and slot in p["waiting"]:
+            p["waiting"].discard(slot)
+            if not p["waiting"]:
+                out.append(("compute", self._reply()))
+        return out
+
+    def load_failed(self, msg: M.LoadFailed) -> list[tuple[str, object]]:
+        """Frees the resident slot (its previous expert is already gone) and the staging slot;
+        compute hears of it (`fill_failed`), and the need waiting for it fails."""
+        use = self.staging_use.get(msg.slot)
+        if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
+            return []
+        g, slot = use[0], use[1]
+        self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation)
+        p = self.pending
+        req = p["req"] if p and p["group"] == g and slot in p["waiting"] else -1
+        if req != -1:
+            self.release()
+        out = [("compute", M.FillFailed(req=req, slot=slot, layer=msg.layer, expert=msg.expert,
+                                        error=msg.error))]
+        return out + self._free_staging(msg.slot)
 
     # -- internals --------------------------------------------------------------------------------
+    def _history(self, layer, experts) -> None:
+        self.recent.append((layer, tuple(experts)))
+        self.uses.update([(layer, e) for e in experts])
+
+    def _read(self, g, slot, gen, layer, expert) -> list[tuple[str, object]]:
+        if not self.staging_free:
+            self.queued.append((g, slot, gen, layer, expert))
+            return []
+        t = self.staging_free.pop()
+        self.staging_use[t] = (g, slot, gen, layer, expert)
+        self.counters.add("reads")
+        return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert))]
+
+    def _free_staging(self, t: int) -> list[tuple[str, object]]:
+        self.staging_use.pop(t, None)
+        self.staging_free.append(t)
+        while self.queued:
+            g, slot, gen, layer, expert = self.queued.popleft()
+            table = self.tables[g]
+            # a queued read whose fill was superseded or failed meanwhile is dropped
+            if table.key[slot] == (layer, expert) and table.generation[slot] == gen and not table.ready(slot):
+                return self._read(g, slot, gen, layer, expert)
+        return []
+
     def _reply(self) -> M.Slots:
         p = self.pending
         wait_us = int((time.perf_counter() - p["t0"]) * 1e6) if p["hits"] < len(p["slots"]) else 0
@@ -113,13 +217,43 @@ class Router:
 
     def stats(self) -> dict:
         c = self.counters.snapshot()
-        if self.table.evictions:
-            c["evictions"] = self.table.evictions
+        evictions = sum(t.evictions for t in self.tables.values())
+        if evictions:
+            c["evictions"] = evictions
         uses = c.get("uses", 0)
-        return {**c, "n_slots": self.n_slots, "policy": self.policy.name, "resident": len(self.table.where),
+        return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
+                "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
                 "distinct_experts_used": len(self.uses),
                 "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)]}
+
+
+def drive_need(router: Router, req: int, layer: int, experts: list[int], read, fill,
+               prefetch: bool = False) -> M.Slots:
+    """One need served in-process: read(order) -> Loaded | LoadFailed (the loader), fill(Fill) (compute
+    applies it). Returns the `slots` answer; raises RouterError for a failed read or a need that
+    cannot be met."""
+    todo = deque(router.need(req, layer, experts, prefetch))
+    reply, failure = None, None
+    while todo:
+        _, msg = todo.popleft()
+        if isinstance(msg, M.Read):
+            got = read(msg)
+            todo += router.load_failed(got) if isinstance(got, M.LoadFailed) else router.loaded(got)
+        elif isinstance(msg, M.Fill):
+            fill(msg)
+            todo += router.filled(M.Filled(staging=msg.staging, generation=msg.generation))
+        elif isinstance(msg, M.FillFailed):
+            fill(msg)
+            if msg.req == req:
+                failure = msg
+        elif isinstance(msg, M.Slots) and msg.req == req:
+            reply = msg
+    if failure is not None:
+        raise RouterError(failure.error)
+    if reply is None:
+        raise RouterError(f"need {req} of layer {layer} ended without an answer")
+    return reply
 
 
 def run_router_process(run_dir: str) -> None:
@@ -138,37 +272,36 @@ def run_router_process(run_dir: str) -> None:
             self.router: Router | None = None
 
         def on_pool(self, msg: M.AttachPool):
-            self.router = Router(msg.n_slots, self.config["cache"]["policy"])
+            from deltafin.runtime.store import Store
+            from deltafin.runtime.tiers import layer_groups
+            groups = layer_groups(Store(self.run["store"]))
+            self.router = Router(msg.resident, self.config["cache"]["policy"], n_staging=msg.n_slots,
+                                 groups=groups)
 
         def on_socket(self, sock):
             sender, msg = recv(self.data, routed=True)
-            out: list[tuple[bytes, object]] = []
-            if isinstance(msg, M.PeerHello):
-                out.append((sender, M.PeerHello(role="router")))
-            elif isinstance(msg, M.Need):
-                try:
-                    reads, reply = self.router.need(msg.req, msg.layer, msg.experts)
-                except RouterError as e:
-                    out.append((sender, M.Error(id=msg.req, code="budget_too_small", message=str(e))))
+            out: list[tuple[str, object]] = []
+            try:
+                if isinstance(msg, M.PeerHello):
+                    send(self.data, M.PeerHello(role="router"), to=sender)
+                elif isinstance(msg, M.Need):
+                    out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch)
+                elif isinstance(msg, M.Used):
+                    self.router.used(msg.uses)
+                elif isinstance(msg, M.Filled):
+                    out = self.router.filled(msg)
+                elif isinstance(msg, M.Loaded):
+                    out = self.router.loaded(msg)
+                elif isinstance(msg, M.LoadFailed):
+                    out = self.router.load_failed(msg)
                 else:
-                    out += [(b"loader", r) for r in reads]
-                    if reply:
-                        out.append((b"compute", reply))
-            elif isinstance(msg, M.Loaded):
-                reply = self.router.loaded(msg)
-                if reply:
-                    out.append((b"compute", reply))
-            elif isinstance(msg, M.LoadFailed):
-                err = self.router.load_failed(msg)
-                if err:
-                    out.append((b"compute", err))
-            elif isinstance(msg, M.Release):
-                self.router.release()
-            else:
-                out.append((sender, M.Error(id=None, code="bad_message",
-                                            message=f"router does not take {msg.TYPE}")))
+                    send(self.data, M.Error(id=None, code="bad_message",
+                                            message=f"router does not take {msg.TYPE}"), to=sender)
+            except RouterError as e:
+                out = [("compute", M.Error(id=getattr(msg, "req", None), code="budget_too_small",
+                                           message=str(e)))]
             for to, m in out:
-                send(self.data, m, to=to)
+                send(self.data, m, to=to.encode())
 
         def stats(self):
             return self.router.stats() if self.router else {}

@@ -230,31 +230,50 @@ class KVCache:
 
 # ---------------------------------------------------------------- routed experts
 
-def _expert_matmul(x, w, name, idx, bits, group_size, sorted_indices):
-    scales = w.get(f"{name}.scales")
-    if scales is None:
+# mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
+SORT_PAIRS = 64
+
+
+def expert_matmul(x, w, name, idx, quant, sorted_indices):
+    """One projection of the chosen experts: w holds stacked [E, out, in] tensors (or a pool of
+    resident slots), idx selects per row. quant: {"bits", "group_size"}, or None for a float
+    projection (mlx-lm leaves one float when its input does not fit the group size)."""
+    if quant is None:
         return mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
                             sorted_indices=sorted_indices)
-    return mx.gather_qmm(x, w[f"{name}.weight"], scales, w.get(f"{name}.biases"), rhs_indices=idx,
-                         transpose=True, group_size=group_size, bits=bits,
-                         sorted_indices=sorted_indices)
+    return mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
+                         rhs_indices=idx, transpose=True, group_size=quant["group_size"],
+                         bits=quant["bits"], sorted_indices=sorted_indices)
 
 
-def switch_glu(x, inds, w, bits, group_size):
-    """Chosen experts' SwiGLU on stacked [E, out, in] tensors: x [N, D], inds [N, k] -> [N, k, D].
+def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
+    """SwiGLU of the selected experts, the projections in mlx-lm's order. quant: per projection
+    name (a record layout's "quant")."""
+    up = expert_matmul(x, w, "up_proj", idx, quant["up_proj"], sorted_indices)
+    gate = expert_matmul(x, w, "gate_proj", idx, quant["gate_proj"], sorted_indices)
+    return expert_matmul(swiglu(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
-    Float (unquantized) stacks are accepted too: they are used when `gate_proj.scales` is absent."""
+
+def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
+    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+            for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def switch_glu(x, inds, w, quant: dict):
+    """Chosen experts' SwiGLU, as mlx-lm's SwitchGLU: x [N, D], inds [N, k] rows of w -> [N, k, D].
+
+    w: stacked [E, out, in] tensors, or resident pools with inds as slot numbers (each row's
+    result depends only on its own row and expert, so the slot numbering changes nothing)."""
     x = mx.expand_dims(x, (-2, -3))
     # Sorting rows by expert keeps each expert's weights contiguous when there are many rows.
-    do_sort = inds.size >= 64
+    do_sort = inds.size >= SORT_PAIRS
     idx, order = inds, None
     if do_sort:
         flat = inds.flatten()
         order = mx.argsort(flat)
         x, idx = x.flatten(0, -3)[order // inds.shape[-1]], flat[order]
-    up = _expert_matmul(x, w, "up_proj", idx, bits, group_size, do_sort)
-    gate = _expert_matmul(x, w, "gate_proj", idx, bits, group_size, do_sort)
-    y = _expert_matmul(swiglu(gate, up), w, "down_proj", idx, bits, group_size, do_sort)
+    y = gather_glu(x, idx, w, quant, do_sort)
     if do_sort:
         y = mx.unflatten(y[mx.argsort(order)], 0, inds.shape)
     return y.squeeze(-2)
@@ -267,4 +286,5 @@ class ResidentExperts:
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
 
     def __call__(self, layer, x, inds):
-        return switch_glu(x, inds, self.layers[layer], self.bits, self.group_size)
+        w = self.layers[layer]
+        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size))

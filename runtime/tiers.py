@@ -1,0 +1,77 @@
+"""The two expert tiers, as numbers (no MLX here: the supervisor and the budget import this).
+
+Staging tier: POSIX shared memory, a small ring of slots the loader reads records into (one
+record each, `store.max_record_bytes`). Resident tier: the experts compute uses, one MLX array per
+record tensor per *group* of layers that share a record layout, [n_slots, ...] (workers/compute.py,
+`ResidentTier`). A resident expert is copied in once per load and never again per use.
+
+A group is a record layout: every MoE layer of a store usually has the same one, so there is one
+group; a store whose layers differ (other shapes or bits) gets one group per layout, and the
+resident slots are split among them in proportion to their expert counts.
+"""
+from __future__ import annotations
+
+from deltafin.runtime.store import Store, StoreError
+
+FLOAT_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def layer_groups(store: Store) -> dict[int, str]:
+    """MoE layer -> its group (the layout id its records share)."""
+    groups = {}
+    for layer in store.moe_layers:
+        ids = {store.record(layer, e).layout for e in range(store.n_experts)}
+        if len(ids) != 1:
+            raise StoreError(f"layer {layer}: its experts have {len(ids)} record layouts; one layer "
+                             f"must share one layout")
+        groups[layer] = ids.pop()
+    return groups
+
+
+def group_sizes(store: Store) -> dict[str, int]:
+    """group -> how many experts (layer x expert) it has."""
+    sizes: dict[str, int] = {}
+    for g in layer_groups(store).values():
+        sizes[g] = sizes.get(g, 0) + store.n_experts
+    return sizes
+
+
+def resident_bytes(layout: dict, itemsize: int | None) -> int:
+    """Bytes one expert of this layout takes in the resident tier: packed weights as stored, float
+    tensors in the compute dtype (itemsize; None: as stored)."""
+    total = 0
+    for t in layout["tensors"]:
+        if t["dtype"] in FLOAT_ITEMSIZE and itemsize:
+            total += t["nbytes"] // FLOAT_ITEMSIZE[t["dtype"]] * itemsize
+        else:
+            total += t["nbytes"]
+    return total
+
+
+def group_resident_bytes(store: Store, itemsize: int | None) -> dict[str, int]:
+    return {g: resident_bytes(store.layouts[g], itemsize) for g in group_sizes(store)}
+
+
+def staging_slots(store: Store, loader_threads: int, configured: int = 0) -> int:
+    """Staging ring size: `configured`, else room for one token's experts of a layer twice over
+    and for every loader thread twice over (reads in flight while compute copies the last ones)."""
+    n = configured or max(2 * store.top_k, 2 * loader_threads)
+    return max(1, min(n, len(store.records)))
+
+
+def split_resident(sizes: dict[str, int], per_expert: dict[str, int], room: int, cap: int = 0) -> dict[str, int]:
+    """Resident slots per group for `room` bytes (sizes: experts per group, per_expert: bytes of one
+    resident expert per group): every group gets the same share of its experts (at most all of
+    them), so no record layout is starved; `cap` bounds the total (0: none)."""
+    need = sum(sizes[g] * per_expert[g] for g in sizes)
+    share = min(1.0, max(0, room) / need) if need else 0.0
+    if cap:
+        share = min(share, cap / sum(sizes.values()))
+    out = {g: min(sizes[g], int(share * sizes[g])) for g in sizes}
+    # rounding down may leave room for one more slot in a group: give it, largest group first
+    left = room - sum(out[g] * per_expert[g] for g in out)
+    for g in sorted(sizes, key=sizes.get, reverse=True):
+        if out[g] < sizes[g] and per_expert[g] <= left and (not cap or sum(out.values()) < cap):
+            out[g] += 1
+            left -= per_expert[g]
+    return out

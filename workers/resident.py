@@ -1,0 +1,158 @@
+"""compute's resident expert tier: the experts it computes with, in MLX memory it owns.
+
+Per group of layers sharing a record layout (runtime/tiers.py), one MLX array per record tensor
+holds every resident slot, [n_slots, ...] (packed weights as stored, float tensors in compute's
+dtype). `mx.gather_qmm` runs on these pools directly with slot numbers as `rhs_indices`, so
+nothing is stacked or copied per use; a slot is written once per load (`fill`), from the
+shared-memory staging slot the loader read into. `pool[s] = new` reuses the pool's buffer (MLX
+donates it) when nothing still pending reads the pool: fills happen while compute waits for a
+need, after the gate's read-back evaluated every earlier use, so a fill copies one expert, not the
+pool (measured, tests/test_resident.py).
+
+compute is the only writer of its residency map (`slot_of`): it applies every fill itself, in its
+own thread, so the map and the pools never disagree, and a hit needs no question to the router.
+
+Where MLX can adopt host memory without a copy (Metal: page-aligned buffers reach
+newBufferWithBytesNoCopy), the staging slots themselves could be the resident tier;
+`probe_zero_copy` says whether this process can. On the Linux CPU and CUDA backends MLX refuses
+("Cannot import a CPU array without a copy") and the owned tier here is the only one. The
+adopted tier is not implemented: it was never run on a Mac.
+"""
+from __future__ import annotations
+
+import mmap
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from deltafin.runtime.store import Store, views_from_buffer
+from deltafin.runtime.tiers import layer_groups
+
+PROBE_BYTES = 16384  # one Apple page: the alignment Metal needs to wrap host memory
+
+
+def probe_zero_copy() -> dict:
+    """Can MLX here use page-aligned shared memory in place? Wraps an anonymous mapping (page
+    aligned, as a shared-memory slot is) with `mx.asarray(copy=False)` and checks that a write to
+    the host memory is seen through the MLX array. {"zero_copy": bool, "why": str}."""
+    buf = mmap.mmap(-1, PROBE_BYTES)
+    host = np.frombuffer(buf, dtype=np.uint32)
+    try:
+        try:
+            wrapped = mx.asarray(host, copy=False)
+        except (ValueError, TypeError, RuntimeError) as e:
+            return {"zero_copy": False, "why": f"mx.asarray(copy=False) refused: {e}"}
+        host[0] = 0x5EED
+        seen = int(wrapped[0].item())
+        del wrapped
+        if seen != 0x5EED:
+            return {"zero_copy": False, "why": "mx.asarray(copy=False) copied (a host write was not seen)"}
+        return {"zero_copy": True, "why": f"{mx.default_device()} adopts page-aligned host memory"}
+    finally:
+        del host
+        buf.close()
+
+
+class ResidentTier:
+    """Pools of resident experts per group, and which (layer, expert) each slot holds."""
+
+    def __init__(self, store: Store, dtype, slots: dict[str, int]):
+        self.store, self.dtype = store, dtype
+        self.group_of = layer_groups(store)
+        missing = set(self.group_of.values()) - set(slots)
+        if missing:
+            raise ValueError(f"no resident slots for record layout(s) {sorted(missing)}")
+        self.n_slots = {g: int(n) for g, n in slots.items() if g in set(self.group_of.values())}
+        self.layouts = {g: store.layouts[g] for g in self.n_slots}
+        self.pools: dict[str, dict[str, mx.array]] = {}
+        for g, n in self.n_slots.items():
+            self.pools[g] = {t["name"]: mx.zeros((n, *t["shape"]), dtype=self._dtype(t))
+                             for t in self.layouts[g]["tensors"]}
+            mx.eval(list(self.pools[g].values()))  # committed now, so the budget's measurement sees it
+        self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
+        self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
+        self.count = dict.fromkeys(self.group_of, 0)
+        self.group_experts = {g: store.n_experts * list(self.group_of.values()).count(g) for g in self.n_slots}
+        self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
+        self.fills = 0
+        self.fill_bytes = 0
+        self.fill_s = 0.0
+
+    def _dtype(self, t: dict):
+        return mx.uint32 if t["dtype"] == "uint32" else self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for pools in self.pools.values() for a in pools.values())
+
+    def quant(self, layer: int) -> dict:
+        return self.layouts[self.group_of[layer]]["quant"]
+
+    def weights(self, layer: int) -> dict:
+        """The pools of the layer's group: {tensor name: [n_slots, ...]} for gather_qmm."""
+        return self.pools[self.group_of[layer]]
+
+    def full(self, layer: int) -> bool:
+        """Every expert of the layer is resident: its routing needs no look on the CPU."""
+        return self.count[layer] == self.store.n_experts
+
+    def all_full(self) -> bool:
+        return all(self.full(layer) for layer in self.group_of)
+
+    def missing(self, layer: int, experts) -> list[int]:
+        where = self.slot_of[layer]
+        return [int(e) for e in experts if where[e] < 0]
+
+    def slots(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Resident slot of each expert id (all must be resident)."""
+        return self.slot_of[layer][ids]
+
+    def device_table(self, layer: int) -> mx.array:
+        """expert -> slot of a full layer as a device array, so the gate's ids index it in the
+        graph without coming back to the CPU. Rebuilt after the layer's residency changes."""
+        table = self._tables.get(layer)
+        if table is None:
+            table = self._tables[layer] = mx.array(self.slot_of[layer].astype(np.uint32))
+        return table
+
+    def fill(self, layer: int, expert: int, slot: int, record) -> None:
+        """Copies one record (bytes of the staging slot) into resident slot `slot` of the layer's
+        group, evaluated before returning, so the staging slot can be reused at once."""
+        t0 = time.perf_counter()
+        g = self.group_of[layer]
+        self.drop(layer, slot)
+        moved = self.slot_of[layer][expert]
+        if moved >= 0:  # the router read it again into another slot: the old one is free now
+            self.drop(layer, int(moved))
+        layout = self.layouts[g]
+        views = views_from_buffer(record, layout)
+        pools = self.pools[g]
+        for t in layout["tensors"]:
+            a = mx.array(views[t["name"]])  # the one copy out of shared memory
+            if t["dtype"] == "bfloat16":
+                a = a.view(mx.bfloat16)
+            if a.dtype != pools[t["name"]].dtype:
+                a = a.astype(pools[t["name"]].dtype)
+            pools[t["name"]][slot] = a  # MLX reuses the pool's buffer: no pending reader holds it
+        mx.eval(list(pools.values()))
+        self.held[g][slot] = (layer, expert)
+        self.slot_of[layer][expert] = slot
+        self.count[layer] += 1
+        self._tables.pop(layer, None)
+        self.fills += 1
+        self.fill_bytes += layout["nbytes"]
+        self.fill_s += time.perf_counter() - t0
+
+    def drop(self, layer: int, slot: int) -> None:
+        """Forgets what slot `slot` of the layer's group holds (evicted, or its read failed)."""
+        g = self.group_of[layer]
+        old = self.held[g][slot]
+        if old is not None:
+            self.held[g][slot] = None
+            self.slot_of[old[0]][old[1]] = -1
+            self.count[old[0]] -= 1
+            self._tables.pop(old[0], None)
+
+    def holds(self, layer: int, expert: int, slot: int) -> bool:
+        return self.held[self.group_of[layer]][slot] == (layer, expert)
