@@ -322,6 +322,8 @@ class SlotExperts(ExpertProvider):
             else:
                 slots = mx.array(tier.slots(layer, ids).astype(np.uint32))
             return switch_glu(x, slots, w, quant)
+        if isinstance(ids, mx.array):
+            self.counters.add("gate_syncs")
         flat = self._host(ids).reshape(-1, ids.shape[-1])  # the sync: which experts, on the CPU
         experts = np.unique(flat).tolist()
         cap = tier.n_slots[tier.group_of[layer]]

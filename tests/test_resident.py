@@ -1,0 +1,224 @@
+"""The resident tier (workers/resident.py), the budget's two tiers (runtime/budget.py, tiers.py),
+the zero-copy probe, and what a resident expert costs: no copy, no message, no sync per use."""
+from __future__ import annotations
+
+import mmap
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from deltafin.protocol import messages as M
+from deltafin.runtime import tiers
+from deltafin.runtime.budget import plan_budget
+from deltafin.runtime.config import load_config
+from deltafin.runtime.models.base import switch_glu, uniform_quant
+from deltafin.runtime.store import Store
+from deltafin.workers import resident
+from deltafin.workers.compute import Compute, LocalExpertSource
+from deltafin.workers.loader import Loader
+from deltafin.workers.resident import ResidentTier, probe_zero_copy
+from deltafin.workers.router import Router
+
+ARCH = "deepseek_v3"  # a dense first layer, two MoE layers, 8 experts, top-2
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def _config(**cache) -> dict:
+    cfg = load_config().to_dict()
+    cfg["compute"].update(max_context=256, prefill_chunk=4)
+    cfg["cache"].update(cache)
+    return cfg
+
+
+def _compute(store: Store, n_slots: int, n_staging: int | None = None, config=None):
+    n_staging = n_staging or n_slots
+    pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
+    router = Router(n_slots, n_staging=n_staging)
+    loader = Loader(store, memoryview(pool), store.max_record_bytes)
+    source = LocalExpertSource(router, loader)
+    compute = Compute(store, config or _config(), source, memoryview(pool), store.max_record_bytes)
+    return compute, router, source, loader
+
+
+def _record(store: Store, layer: int, expert: int) -> memoryview:
+    return store.read_record(store.record(layer, expert))
+
+
+def test_a_second_pass_over_resident_experts_makes_no_fill_no_message_no_sync(tiny_stores):
+    store = Store(tiny_stores(ARCH))
+    compute, router, source, loader = _compute(store, len(store.records))
+    assert compute.preload() == len(store.moe_layers)  # the tier holds every expert: read them in
+    fills, sent = compute.experts.tier.fills, source.messages.snapshot()
+    assert fills == len(store.records) and sent == {"need": 2, "filled": fills}
+    first = compute.logits(PROMPT)
+    again = compute.logits(PROMPT)
+    np.testing.assert_array_equal(first, again)
+    e = compute.experts
+    assert e.tier.fills == fills                      # no copy per use
+    assert source.messages.get("need") == 2 and source.messages.get("filled") == fills
+    passes = 2 * -(-len(PROMPT) // 4)
+    assert source.messages.get("used") == passes      # one report per pass, never waited for
+    assert e.counters.get("gate_syncs") == 0          # the ids never came back before the pass ended
+    assert router.stats()["hits"] == router.stats()["uses"] == e.counters.get("uses") > 0
+    loader.close()
+
+
+def test_resident_hits_in_a_partial_tier_cost_a_sync_but_no_message(tiny_stores):
+    store = Store(tiny_stores(ARCH))
+    compute, router, source, loader = _compute(store, len(store.records) - 1)  # never all resident
+    compute.logits(PROMPT[:4])
+    sent, fills = source.messages.snapshot(), compute.experts.tier.fills
+    compute.logits(PROMPT[:4])  # the same tokens: the same experts, all resident by now
+    assert compute.experts.tier.fills == fills
+    assert source.messages.get("need") == sent["need"] and source.messages.get("used") == sent.get("used", 0) + 1
+    assert compute.experts.counters.get("gate_syncs") == 2 * len(store.moe_layers)
+    loader.close()
+
+
+def test_updating_a_slot_does_not_copy_the_pool(tiny_stores):
+    store = Store(tiny_stores(ARCH))
+    layer = store.moe_layers[0]
+    n = 256
+    tier = ResidentTier(store, mx.float32, {store.record(layer, 0).layout: n})
+    pool_bytes = tier.nbytes
+    record = _record(store, layer, 3)
+    tier.fill(layer, 3, 7, record)  # first use of the kernels, outside the measurement
+    mx.eval(list(tier.weights(layer).values()))
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tier.fill(layer, 3, 200, record)
+    extra = mx.get_peak_memory() - base
+    assert extra < pool_bytes / 8, f"a one-slot fill took {extra} bytes beyond a pool of {pool_bytes}"
+    w = tier.weights(layer)
+    ref = store.read_expert(layer, 3)
+    for name, arr in ref.items():
+        if arr.dtype == np.uint32:
+            np.testing.assert_array_equal(np.array(w[name][200]), arr)
+
+
+def test_a_fill_follows_an_expert_the_router_moved(tiny_stores):
+    """The router may read an expert again into another slot within one need (a victim chosen for
+    an earlier expert of the same need); fills can arrive in any order (loader threads)."""
+    store = Store(tiny_stores(ARCH))
+    layer = store.moe_layers[0]
+    tier = ResidentTier(store, mx.float32, {store.record(layer, 0).layout: 4})
+    tier.fill(layer, 4, 3, _record(store, layer, 4))
+    tier.fill(layer, 4, 0, _record(store, layer, 4))   # moved: slot 3 is free now
+    tier.fill(layer, 2, 3, _record(store, layer, 2))   # slot 3 refilled: 4 stays at slot 0
+    assert tier.slot_of[layer][4] == 0 and tier.slot_of[layer][2] == 3
+    assert tier.count[layer] == 2 and tier.holds(layer, 4, 0) and tier.holds(layer, 2, 3)
+    assert tier.missing(layer, range(store.n_experts)) == [0, 1, 3, 5, 6, 7]
+
+
+def test_gather_on_pools_by_slot_equals_gather_on_stacked_experts():
+    """Each row's result depends only on its row and its expert, not on the slot numbering, on
+    the sorted (>= 64 pairs) and the unsorted path alike."""
+    E, D, F = 8, 128, 64
+    rng = np.random.default_rng(0)
+    w = {}
+    for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
+        parts = [mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), 64, 4) for _ in range(E)]
+        for i, part in enumerate(("weight", "scales", "biases")):
+            w[f"{name}.{part}"] = mx.stack([p[i] for p in parts])
+    where = rng.permutation(20)[:E]  # expert e lives in slot where[e] of a 20-slot pool
+    pool = {k: mx.zeros((20, *v.shape[1:]), dtype=v.dtype) for k, v in w.items()}
+    for k in pool:
+        for e in range(E):
+            pool[k][int(where[e])] = w[k][e]
+    quant = uniform_quant(w, 4, 64)
+    for rows in (1, 5, 40):  # 40 rows x top-2 = 80 pairs: the sorted path
+        x = mx.array(rng.standard_normal((rows, D)).astype(np.float32))
+        inds = mx.array(np.argsort(rng.random((rows, E)), axis=1)[:, :2].astype(np.uint32))
+        stacked = switch_glu(x, inds, w, quant)
+        pooled = switch_glu(x, mx.array(where.astype(np.uint32))[inds], pool, quant)
+        np.testing.assert_array_equal(np.array(stacked), np.array(pooled))
+
+
+def test_zero_copy_probe_and_the_owned_fallback(tiny_stores, monkeypatch):
+    got = probe_zero_copy()
+    if mx.default_device().type == mx.DeviceType.cpu:
+        # Linux CPU backend (this machine): MLX refuses to adopt host memory
+        assert got["zero_copy"] is False and "refused" in got["why"]
+    # a backend that "adopts" by copying quietly is caught by the write-through check
+    monkeypatch.setattr(resident.mx, "asarray", lambda a, copy=None: mx.array(a))
+    assert probe_zero_copy() == {"zero_copy": False,
+                                 "why": "mx.asarray(copy=False) copied (a host write was not seen)"}
+    # one that shares the memory (as Metal does; numpy stands in for it here) passes
+    monkeypatch.setattr(resident.mx, "asarray", lambda a, copy=None: a)
+    assert probe_zero_copy()["zero_copy"] is True
+    monkeypatch.undo()
+    # whatever the probe says, the owned tier runs, and runs exactly
+    store = Store(tiny_stores(ARCH))
+    compute, _, _, loader = _compute(store, store.top_k)
+    assert compute.expert_tier["kind"] == "owned" and compute.expert_tier["zero_copy"] is got["zero_copy"]
+    assert compute.stats()["expert_tier"]["resident_slots"] == {store.record(store.moe_layers[0], 0).layout: 2}
+    tight = compute.logits(PROMPT)
+    loader.close()
+    compute, _, _, loader = _compute(store, len(store.records))
+    np.testing.assert_array_equal(compute.logits(PROMPT), tight)
+    loader.close()
+
+
+def test_a_pass_launched_ahead_and_dropped_leaves_no_trace(tiny_stores, tmp_path):
+    """With every expert resident the next pass is launched before the last token is read; when
+    the answer stops (EOS) that pass is dropped: tokens, the recorded routing and the uses the
+    router saw are those of the run that never launches ahead."""
+    store = Store(tiny_stores(ARCH))
+    runs = {}
+    for name in ("ahead", "in_step"):
+        cfg = _config()
+        cfg["runtime"]["record_trace"] = str(tmp_path / f"{name}.npz")
+        compute, router, source, loader = _compute(store, len(store.records), config=cfg)
+        compute.preload()
+        compute.experts.force_sync = name == "in_step"  # no launching ahead, every layer read back
+        first = compute.generate(M.Generate(id=1, token_ids=PROMPT, max_tokens=12, stream=False))
+        compute.tokenizer.eos_ids = {first.token_ids[4]}  # the answer now stops at its 5th token
+        done = compute.generate(M.Generate(id=2, token_ids=PROMPT, max_tokens=12, stream=False))
+        sampled = compute.generate(M.Generate(id=3, token_ids=PROMPT, max_tokens=8, temperature=0.9,
+                                              top_p=0.8, seed=5, stream=False))
+        runs[name] = (first.token_ids, done.token_ids, done.finish_reason, sampled.token_ids,
+                      Counter(router.uses), np.load(tmp_path / f"{name}.npz")["ids"],
+                      compute.experts.counters.get("gate_syncs"))
+        loader.close()
+    ahead, in_step = runs["ahead"], runs["in_step"]
+    assert ahead[2] == "stop" and len(ahead[1]) < 5 + 1
+    assert ahead[:5] == in_step[:5]
+    np.testing.assert_array_equal(ahead[5], in_step[5])
+    assert ahead[6] == 0 < in_step[6]
+
+
+def test_budget_counts_both_tiers(tiny_stores):
+    store = Store(tiny_stores(ARCH))
+    cfg = load_config(None, {"runtime.memory_budget": "1GiB", "compute.dtype": "float32",
+                             "loader.threads": 3})
+    plan = plan_budget(store, cfg)
+    (group,) = plan.group_experts
+    per = plan.resident_bytes[group]
+    assert plan.staging_slots == 6 and plan.staging == 6 * store.max_record_bytes  # 2 x 3 threads
+    # float32 scales and biases: the resident expert is the record's packed weights + floats at 4 B
+    layout = store.layouts[group]
+    assert per == sum(t["nbytes"] if t["dtype"] == "uint32" else t["nbytes"] // 2 * 4
+                      if t["dtype"] in ("float16", "bfloat16") else t["nbytes"] for t in layout["tensors"])
+    assert plan.minimum == (plan.dense + plan.processes + plan.reserves + plan.staging
+                            + store.top_k * per)
+    # sizing: what is left after the measured tree, the reserves and the staging ring
+    measured = plan.dense + 80 * 2**20
+    budget = plan.budget_for(5)
+    plan.budget = budget + (measured - plan.dense - plan.processes)
+    assert plan.size_pool(measured) == 5 and plan.resident == {group: 5}
+    assert plan.size_pool(measured, cap=3) == 3
+    plan.budget = 10 * 2**30
+    assert plan.size_pool(measured) == len(store.records)  # never more than every expert
+    with pytest.raises(Exception, match="below the minimum"):
+        plan.budget = plan.minimum - 1
+        plan.size_pool(measured)
+
+
+def test_resident_slots_split_among_layouts():
+    sizes, per = {"A": 100, "B": 20}, {"A": 10, "B": 50}
+    out = tiers.split_resident(sizes, per, room=(50 * 10 + 10 * 50))
+    assert out == {"A": 50, "B": 10}  # the same half of each
+    assert tiers.split_resident(sizes, per, room=10**9) == sizes
+    assert sum(tiers.split_resident(sizes, per, room=10**9, cap=60).values()) == 60
