@@ -287,7 +287,7 @@ class Compute:
         mx.clear_cache()
 
     # -- passes --------------------------------------------------------------------------------
-    def forward(self, ids: list[int], cache):
+    def forward(self, ids: list[int], cache, phase: str = "prefill"):
         t0 = time.perf_counter()
         self.routing.begin_pass(len(ids))
         logits = self.model(mx.array(ids, dtype=mx.int32), cache, self.experts)
@@ -297,6 +297,7 @@ class Compute:
         if self.recorder is not None:
             self.request_rows.append(rows.copy())
         self.forward_latency.add(time.perf_counter() - t0)
+        self.counters.add(f"{phase}_forward_tokens", len(ids))  # live progress for the metrics stream
         return logits
 
     def _begin_request(self) -> None:
@@ -381,7 +382,7 @@ class Compute:
             if between_tokens:
                 between_tokens()
             if len(out_ids) < req.max_tokens:
-                logits = self.forward([tok], cache)
+                logits = self.forward([tok], cache, phase="decode")
         t_decode = time.perf_counter() - t1
         n_decode = max(0, len(out_ids) - 1)  # the first token comes from the prefill pass
         stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
