@@ -94,16 +94,21 @@ def test_chart_and_table(bench_run):
         assert name in text
 
 
-def test_forecast_checks_a_bench_report(bench_run, tmp_path):
+@pytest.mark.parametrize("calibrate", ["run", "micro"])
+def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
     store, trace, _, run = bench_run
     out = tmp_path / "f.json"
     assert forecast.main(["--check", str(run / "report.json"), "--trace", str(trace), "--json", str(out),
-                          "--disk-gbps", "1.0"]) == 0
+                          "--disk-gbps", "1.0", "--calibrate", calibrate]) == 0
     f = json.loads(out.read_text())
+    assert f["calibration"]["mode"] == calibrate
+    if calibrate == "run":  # constants measured by a real run of the runtime on the store
+        cal = f["calibration"]["run"]
+        assert cal["prepare_s_per_use"] > 0 and cal["hop_s_per_layer"] > 0
     assert {c["contender"] for c in f["cases"]} == set(bench.DELTAFIN_MODES)
     for c in f["cases"]:
         fc = c["forecast"]
-        parts = fc["compute_s"] + fc["read_s"] + fc["prepare_s"] + fc["messages_s"]
+        parts = fc["compute_s"] + fc["rest_s"] + fc["read_s"] + fc["prepare_s"] + fc["messages_s"]
         assert fc["s_per_token"] == pytest.approx(parts)
         assert c["ratio"] == pytest.approx(c["forecast_tok_s"] / c["measured_tok_s"])
 

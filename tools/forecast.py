@@ -12,6 +12,13 @@ router's own policy classes at the slot count; read(m) = m x record / bandwidth(
 from a direct-read probe of the disk at the record size; hop and prepare are measured here with
 the runtime's own sockets and prepare code; compute is given (stand-in waits or ms per token) or
 measured with every expert resident. docs/BENCHMARKS.md compares forecasts with deltafin-bench.
+
+With a store, `--calibrate run` (the default there) measures those constants in situ instead: a
+short run of the real runtime on the store (compute stand-in, a stretch of the trace the forecast
+is not asked about, 5% of the experts) gives the prepare time per expert use, the message time per
+layer, the per-token remainder and the wait per round of reads as the runtime's own processes see
+them on this machine (CRC checks, copies competing with reads, scheduling), then
+    t = compute + rest + layers x hop + uses x prepare + sum over layers of ceil(m / threads) x wait_round
 """
 from __future__ import annotations
 
@@ -160,7 +167,61 @@ def measure_disk(store, threads: int, seconds: float) -> dict:
     return {"gbps_by_queue_depth": out, "record_bytes": store.max_record_bytes}
 
 
+def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac: float = 0.05,
+                  offset: int = 500, prompt: int = 4, tokens: int = 24) -> dict:
+    """Machine constants from a short run of the real runtime on `store` (see the module doc)."""
+    import tempfile
+
+    from deltafin.client import Client
+    from deltafin.runtime.traces import save_trace
+    from deltafin.tools.bench import plan_budget_for_slots
+    from deltafin.tools.run import running_supervisor
+    shape = Shape.of_store(store)
+    n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+    n = prompt + tokens - 1
+    rows = np.take(trace_ids, (np.arange(n) + offset) % len(trace_ids), axis=0)[:, :shape.n_moe, :]
+    moe_ms, dense_ms = 1.0, 0.5
+    budget = plan_budget_for_slots(store, n_slots, 64, "float32")
+    with tempfile.TemporaryDirectory() as td:
+        tpath = save_trace(Path(td) / "calib.npz", rows, [n], ["calibration"])
+        extra = ["--max-slots", str(n_slots), "--max-context", "64", "--dtype", "float32", "--policy", policy,
+                 "--routing-trace", str(tpath), "--standin", "--standin-moe-ms", str(moe_ms),
+                 "--standin-dense-ms", str(dense_ms)]
+        with running_supervisor(store.path, str(budget), extra, stderr=subprocess.DEVNULL) as (endpoint, _):
+            with Client(endpoint, timeout=600) as c:
+                gen = c.generate(list(range(1, prompt + 1)), max_tokens=tokens)
+    d = gen.stats["decode"]
+    steps = routing_steps(shape, rows, n_slots, policy, slice(prompt, n))
+    rounds = float(np.ceil(steps / threads).sum())
+    compute = (shape.n_moe * moe_ms + shape.n_dense * dense_ms) / 1e3
+    t = d["tokens"]
+    return {"how": f"in situ: {t} decode tokens of the runtime on {store.path.name}, stand-in "
+                   f"{moe_ms}/{dense_ms} ms, {n_slots} slots ({frac:.0%}), trace rows from {offset}",
+            "prepare_s_per_use": d["prepare_s"] / max(1, d["uses"]),
+            "hop_s_per_layer": d["ipc_s"] / (t * shape.n_moe),
+            "rest_s_per_token": max(0.0, (d["total_s"] - d["ipc_s"] - d["wait_s"] - d["prepare_s"]) / t - compute),
+            "wait_s_per_round": d["wait_s"] / rounds if rounds else 0.0,
+            "measured_hit_rate": d["hits"] / max(1, d["uses"]), "replayed_hit_rate":
+                1 - float(steps.sum()) / (steps.size * shape.top_k)}
+
+
 # ------------------------------------------------------------------------------------ the model
+
+def forecast_in_situ(shape: Shape, steps: np.ndarray, compute_s: float, cal: dict, threads: int) -> dict:
+    """Decode time per token from misses per step and the constants of `calibrate_run`."""
+    m = steps.astype(np.float64)
+    rounds = np.ceil(m / threads)
+    read = rounds.sum(axis=1) * cal["wait_s_per_round"]
+    prepare = shape.n_moe * shape.top_k * cal["prepare_s_per_use"]
+    messages = shape.n_moe * cal["hop_s_per_layer"]
+    per_token = compute_s + cal["rest_s_per_token"] + messages + prepare + read
+    t = float(per_token.mean())
+    return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": cal["rest_s_per_token"],
+            "read_s": float(read.mean()), "prepare_s": prepare, "messages_s": messages,
+            "misses_per_token": float(m.sum(axis=1).mean()),
+            "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
+            "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
+
 
 def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str, tokens: slice | None) -> np.ndarray:
     """Misses per (token, MoE layer) from a replay of the trace at this slot count. A trace of
@@ -191,7 +252,7 @@ def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, pr
     layer = hop_s + shape.top_k * prepare_s + np.where(m > 0, hop_s + read, 0.0)
     per_token = compute_s + layer.sum(axis=1)
     t = float(per_token.mean())
-    return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s,
+    return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": 0.0,
             "read_s": float(read.sum(axis=1).mean()), "prepare_s": shape.n_moe * shape.top_k * prepare_s,
             "messages_s": float((hop_s + np.where(m > 0, hop_s, 0.0)).sum(axis=1).mean()),
             "misses_per_token": float(m.sum(axis=1).mean()),
@@ -219,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gbps", type=float, help="direct-read bandwidth to assume instead of probing")
     p.add_argument("--hop-ms", type=float, help="message round trip to assume instead of measuring")
     p.add_argument("--prepare-ms", type=float, help="prepare time per expert to assume instead of measuring")
+    p.add_argument("--calibrate", choices=("run", "micro"), help="with a store: 'run' (default) measures the "
+                   "constants in a short run of the runtime; 'micro' from a disk probe, a socket round trip "
+                   "and the prepare code alone (what a preset without a store gets, with --disk-gbps etc.)")
     p.add_argument("--check", help="a deltafin-bench report.json: forecast its stand-in runs and compare")
     p.add_argument("--json", help="write the forecast here")
     p.add_argument("--echo", help=argparse.SUPPRESS)
@@ -250,29 +314,40 @@ def main(argv=None) -> int:
     trace_ids = load_trace(trace_path).ids
 
     # calibrations: measured here unless given
-    calib = {}
-    if a.disk_gbps:
-        gbps = {q: a.disk_gbps for q in range(1, threads + 1)}
-        calib["disk"] = {"gbps_by_queue_depth": gbps, "how": "given"}
-    elif store is not None:
-        log("probing direct reads at queue depths 1..%d" % threads)
-        calib["disk"] = measure_disk(store, threads, 1.5)
-        gbps = calib["disk"]["gbps_by_queue_depth"]
+    mode = a.calibrate or ("run" if store is not None else "micro")
+    calib = {"mode": mode}
+    if mode == "run":
+        if store is None:
+            log("--calibrate run needs a store")
+            return 2
+        log("calibrating: a short run of the runtime on the store (stand-in compute)")
+        cal = calib["run"] = calibrate_run(store, trace_ids, threads, policy)
+
+        def price(steps, compute_s):
+            return forecast_in_situ(shape, steps, compute_s, cal, threads)
     else:
-        log("a preset has no store to probe: give --disk-gbps")
-        return 2
-    if a.hop_ms is not None:
-        hop = {"s": a.hop_ms / 1e3, "how": "given"}
-    else:
-        hop = measure_hop(shape.top_k)
-    if a.prepare_ms is not None:
-        prep = {"s_per_expert": a.prepare_ms / 1e3, "how": "given"}
-    elif store is not None:
-        prep = measure_prepare(store)
-    else:
-        log("a preset has no store to measure prepare on: give --prepare-ms")
-        return 2
-    calib.update(hop=hop, prepare=prep)
+        if a.disk_gbps:
+            gbps = {q: a.disk_gbps for q in range(1, threads + 1)}
+            calib["disk"] = {"gbps_by_queue_depth": gbps, "how": "given"}
+        elif store is not None:
+            log("probing direct reads at queue depths 1..%d" % threads)
+            calib["disk"] = measure_disk(store, threads, 1.5)
+            gbps = calib["disk"]["gbps_by_queue_depth"]
+        else:
+            log("a preset has no store to probe: give --disk-gbps")
+            return 2
+        hop = {"s": a.hop_ms / 1e3, "how": "given"} if a.hop_ms is not None else measure_hop(shape.top_k)
+        if a.prepare_ms is not None:
+            prep = {"s_per_expert": a.prepare_ms / 1e3, "how": "given"}
+        elif store is not None:
+            prep = measure_prepare(store)
+        else:
+            log("a preset has no store to measure prepare on: give --prepare-ms")
+            return 2
+        calib.update(hop=hop, prepare=prep)
+
+        def price(steps, compute_s):
+            return forecast(shape, steps, compute_s, hop["s"], prep["s_per_expert"], gbps, threads)
 
     if report:
         cases = []
@@ -289,7 +364,7 @@ def main(argv=None) -> int:
                     continue
                 pol = next((x for x in ("lfuda", "lru") if x in name), policy)
                 steps = routing_steps(shape, rows, s["n_slots"], pol, slice(n_prompt, n_tokens))
-                f = forecast(shape, steps, compute_s, hop["s"], prep["s_per_expert"], gbps, threads)
+                f = price(steps, compute_s)
                 cases.append({"contender": name, "cache_frac": s["cache_frac"], "policy": pol,
                               "forecast_tok_s": f["tok_s"], "measured_tok_s": c["decode_tok_s"],
                               "ratio": f["tok_s"] / c["decode_tok_s"], "forecast": f})
@@ -328,7 +403,7 @@ def main(argv=None) -> int:
         for frac in fracs:
             n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
             steps = routing_steps(shape, trace_ids, n_slots, policy, None)
-            f = forecast(shape, steps, compute_s, hop["s"], prep["s_per_expert"], gbps, threads)
+            f = price(steps, compute_s)
             cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
                           "cache_bytes": n_slots * shape.record_bytes, **f})
             print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
