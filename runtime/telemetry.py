@@ -202,13 +202,16 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
 
 def window_figures(new: dict, old: dict) -> dict | None:
     """Figures over the interval between two merged snapshots (old earlier): tok/s, hit rate,
-    bytes per token, SSD GB/s (bytes read / wall time) and per-stage p50/p99 from the histograms."""
+    bytes per token, SSD GB/s (bytes read / wall time), stall share (time compute waited for
+    reads / wall time) and per-stage p50/p99 from the histograms."""
     dt = new["clock"] - old["clock"]
     if dt <= 0:
         return None
     a, b = new["totals"], old["totals"]
     d = {k: a.get(k, 0) - b.get(k, 0) for k in a}
     tokens = d["prefill_tokens"] + d["decode_tokens"]
+    stalled = (((new["stage_latency"].get("stall") or {}).get("total_s") or 0)
+               - ((old["stage_latency"].get("stall") or {}).get("total_s") or 0))
     stages = {}
     for s in STAGES:
         h_new = dict(map(tuple, ((new["stage_latency"].get(s) or {}).get("hist") or [])))
@@ -221,6 +224,7 @@ def window_figures(new: dict, old: dict) -> dict | None:
             "bytes_read_per_token": d["bytes_read"] / tokens if tokens else None,
             "ssd_gbps": d["bytes_read"] / dt / 1e9,
             "requests": d["requests"],
+            "stall_share": stalled / dt,
             "stage_latency": stages}
 
 

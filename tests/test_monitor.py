@@ -136,6 +136,8 @@ def check_screen_against(app, collector):
     uses = new["totals"]["uses"] - old["totals"]["uses"]
     hits = new["totals"]["hits"] - old["totals"]["hits"]
     assert through.get_cell("hit rate", "value") == (f"{hits / uses:.1%}" if uses else "–")
+    stalled = (new["stage_latency"]["stall"].get("total_s", 0) - old["stage_latency"]["stall"].get("total_s", 0))
+    assert through.get_cell("stall share", "value") == f"{stalled / dt:.1%}"
     assert through.get_cell("requests", "value") == \
         f"{snap['active_requests']} active, {snap['totals']['requests']} done"
     memory = app.query_one("#memory", DataTable)
@@ -355,12 +357,12 @@ def test_window_percentiles_come_from_the_difference_of_two_histograms():
         lat.add(x)
     old = {"clock": 0.0, "totals": {"prefill_tokens": 0, "decode_tokens": 0, "uses": 10, "hits": 5,
                                     "bytes_read": 0, "reads": 0, "requests": 0},
-           "stage_latency": {"read": lat.summary()}}
+           "stage_latency": {"read": lat.summary(), "stall": {"count": 1, "total_s": 0.5}}}
     for x in fast:
         lat.add(x)
     new = {"clock": 2.0, "totals": {"prefill_tokens": 50, "decode_tokens": 20, "uses": 30, "hits": 20,
                                     "bytes_read": 4_000_000_000, "reads": 3000, "requests": 1},
-           "stage_latency": {"read": lat.summary()}}
+           "stage_latency": {"read": lat.summary(), "stall": {"count": 3, "total_s": 1.5}}}
     w = window_figures(new, old)
     read = w["stage_latency"]["read"]
     assert read["count"] == len(fast)
@@ -368,7 +370,7 @@ def test_window_percentiles_come_from_the_difference_of_two_histograms():
         exact = np.percentile(fast, q) * 1e3
         assert abs(read[f"p{q}_ms"] / exact - 1) < 0.05, (q, read[f"p{q}_ms"], exact)
     assert w["decode_tok_s"] == 10 and w["prefill_tok_s"] == 25 and w["hit_rate"] == 0.75
-    assert w["ssd_gbps"] == 2.0 and w["bytes_read_per_token"] == 4e9 / 70
+    assert w["ssd_gbps"] == 2.0 and w["bytes_read_per_token"] == 4e9 / 70 and w["stall_share"] == 0.5
     assert histogram_percentiles({}) == {"count": 0}
 
 

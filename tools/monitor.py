@@ -36,6 +36,7 @@ LOST_AFTER_S = 2.0      # no snapshot for this long (8 publish intervals): the s
 RESCAN_S = 1.0          # how often the run directories are scanned while looking for a supervisor
 HISTORY_POINTS = 240    # 60 s of snapshots
 SPARK_POINTS = 24       # the sparklines in the tables: the last 6 s
+STEP_S = 1.0            # history points are rates over the last second (per snapshot they comb)
 PROBE_QUEUE_DEPTH = 4
 PROBE_SECONDS = 1.0
 
@@ -131,7 +132,7 @@ class MonitorModel:
     """Snapshots -> figures over the window and sparkline history. `reset()` restarts the window
     and the history (key r). A snapshot of another run (a restarted supervisor) resets too."""
 
-    SERIES = ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps",
+    SERIES = ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps", "stall_share",
               *(f"{s}_p50" for s in STAGES))
 
     def __init__(self, window_s: float = WINDOW_S, points: int = HISTORY_POINTS):
@@ -162,9 +163,11 @@ class MonitorModel:
         first = self.history[0]
         self.window = window_figures(snap, first) if first is not snap else None
         self.window_seqs = (first["seq"], snap["seq"]) if self.window else None
-        step = window_figures(snap, prev) if prev is not None else None
+        ref = next((s for s in reversed(self.history) if snap["clock"] - s["clock"] >= STEP_S), first)
+        step = window_figures(snap, ref) if ref is not snap else None
         if step is not None:
-            for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps"):
+            for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps",
+                      "stall_share"):
                 self.series[k].append(step[k])
             for s in STAGES:
                 self.series[f"{s}_p50"].append(step["stage_latency"][s].get("p50_ms"))
@@ -231,7 +234,7 @@ def throughput_rows(snap: dict, window: dict | None, disk_gbps: float | None) ->
             "bytes/token": fmt_bytes(w.get("bytes_read_per_token")),
             "SSD": fmt_gbps(ssd) + share,
             "requests": f"{snap.get('active_requests', 0)} active, {snap['totals'].get('requests', 0)} done",
-            "stall share": fmt_pct(snap.get("stall_share")),
+            "stall share": fmt_pct(w.get("stall_share")),
             "prefetch": f"precision {fmt_pct(snap.get('prefetch_precision'))}, "
                         f"recall {fmt_pct(snap.get('prefetch_recall'))}"}
 
@@ -366,13 +369,13 @@ def build_app(feed: Feed, disk_gbps: float | None = None, probe: bool = True):
             t = self.query_one("#stages", DataTable)
             t.border_title = "stage latency (ms, over the window)"
             for label, key, width in (("stage", "stage", 8), ("p50", "p50", 8), ("p99", "p99", 8),
-                                      ("n", "n", 8), ("p50 history", "spark", 24)):
+                                      ("n", "n", 8), ("p50 history (1 s)", "spark", 24)):
                 t.add_column(label, key=key, width=width)
             for s in STAGES:
                 t.add_row(s, "–", "–", "0", "", key=s)
             t = self.query_one("#throughput", DataTable)
             t.border_title = "throughput (over the window)"
-            for label, key, width in (("", "name", 11), ("value", "value", 28), ("history", "spark", 24)):
+            for label, key, width in (("", "name", 11), ("value", "value", 28), ("history (1 s)", "spark", 24)):
                 t.add_column(label, key=key, width=width)
             for name in ("decode", "prefill", "hit rate", "bytes/token", "SSD", "requests",
                          "stall share", "prefetch"):
@@ -383,7 +386,7 @@ def build_app(feed: Feed, disk_gbps: float | None = None, probe: bool = True):
                                       ("CPU", "cpu", 16)):
                 t.add_column(label, key=key, width=width)
             self.query_one("#budget").border_title = "memory budget"
-            self.query_one("#chart").border_title = "tokens per second (decode + prefill), one bar per snapshot"
+            self.query_one("#chart").border_title = "tokens per second (decode + prefill) over the last second"
             self.query_one("#heat-box").border_title = "resident experts per layer"
             self.set_interval(0.1, self.tick)
             self.tick()
@@ -446,7 +449,7 @@ def build_app(feed: Feed, disk_gbps: float | None = None, probe: bool = True):
                 t.update_cell(s, "spark", sparkline(series[f"{s}_p50"], SPARK_POINTS))
             t = self.query_one("#throughput", DataTable)
             sparks = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "hit rate": "hit_rate",
-                      "bytes/token": "bytes_read_per_token", "SSD": "ssd_gbps"}
+                      "bytes/token": "bytes_read_per_token", "SSD": "ssd_gbps", "stall share": "stall_share"}
             for name, text in throughput_rows(snap, w, self.disk_gbps).items():
                 t.update_cell(name, "value", text)
                 t.update_cell(name, "spark", sparkline(series[sparks[name]], SPARK_POINTS) if name in sparks else "")
