@@ -134,6 +134,7 @@ class Supervisor:
             raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
         self.endpoint = self.client.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sample_processes()
+        self._synchronize()  # the first stats answer already sees the workers with their pool
         self.log(f"{n_slots} expert slots of {format_size(self.plan.slot_bytes)} "
                  f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
                  f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(measured)}")

@@ -260,8 +260,12 @@ def test_once_json_is_one_snapshot_a_script_can_read(tiny_stores):
     store = tiny_stores(ARCH)
     with running_supervisor(store, BIG) as (ep_a, _):
         with Client(ep_a, timeout=60) as c:
-            c.generate("one request", max_tokens=5)
-            from_client = c.stats()
+            # a stats request sent after a reply counts that reply (the snapshots are synced)
+            for i in range(1, 4):
+                c.generate(f"request {i}", max_tokens=5)
+                from_client = c.stats()
+                assert from_client["totals"]["requests"] == i
+                assert from_client["totals"]["decode_tokens"] == 4 * i
         r = monitor("--once", "--json")
         assert r.returncode == 0, r.stderr
         snap = json.loads(r.stdout)  # one JSON document, nothing else on stdout
@@ -273,7 +277,7 @@ def test_once_json_is_one_snapshot_a_script_can_read(tiny_stores):
         assert {"budget", "tree_bytes", "peak_tree_bytes", "n_slots", "slot_bytes"} <= set(snap["memory"])
         assert set(snap["processes"]) == {"supervisor", "router", "loader", "compute"}
         assert all({"pid", "rss", "pss", "cpu_percent"} <= set(p) for p in snap["processes"].values())
-        assert snap["totals"]["requests"] == 1 and snap["totals"]["decode_tokens"] == 4
+        assert snap["totals"]["requests"] == 3 and snap["totals"]["decode_tokens"] == 12
         assert snap["hit_rate"] == snap["totals"]["hits"] / snap["totals"]["uses"]
         assert sum(n for _, n in snap["slots"]["per_layer"]) == snap["slots"]["resident"] > 0
         # two supervisors: the monitor lists them and takes the one named with --endpoint
