@@ -154,7 +154,7 @@ class MonitorModel:
     def add(self, snap: dict) -> None:
         prev = self.latest
         if prev is not None and (snap.get("run_id") != prev.get("run_id") or snap["seq"] <= prev["seq"]):
-            self.latest, prev = None, None
+            self.latest = None  # another run: nothing of the old one stays
             self.reset()
         self.latest = snap
         self.history.append(snap)
@@ -503,7 +503,9 @@ Heat map: which experts hold a slot, per MoE layer.
 
 [b]q[/b] quit   [b]p[/b] pause the view   [b]r[/b] reset the window   [b]?[/b] this help
 
-The window is the last 10 s, or the time since r was pressed.
+The window is the last 10 s, or the time since r was pressed. History
+points are rates over the last second. Without --endpoint the monitor
+finds the running supervisor and follows it across restarts.
 Close with escape or ?."""
 
 
