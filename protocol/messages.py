@@ -227,14 +227,24 @@ class Forward:
 
 @message("worker_stats")
 class WorkerStats:
+    """supervisor -> worker: send a snapshot now, on the control channel, answering `id`."""
     id: int
 
 
-@message("worker_stats_result")
-class WorkerStatsResult:
-    id: int
-    role: str
+# --------------------------------------------------------------------------------------------
+# Metrics stream (runtime/telemetry.py; the supervisor's is documented in docs/PROTOCOL.md)
+# --------------------------------------------------------------------------------------------
+@message("metrics")
+class Metrics:
+    """A full snapshot of one process's counters, never a delta, so a late or lossy subscriber is
+    right with the next one. Workers publish theirs to the supervisor (and answer `worker_stats`
+    with one, `sync` = its id); the supervisor publishes the merged one as source "supervisor"."""
+    source: str
+    pid: int
+    seq: int
+    time: float
     stats: dict
+    sync: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,3 +345,9 @@ class LoadFailed:
     layer: int
     expert: int
     error: str
+
+
+@message("release")
+class Release:
+    """compute -> router: the pins of the last `need` can go (after a failed request)."""
+    req: int

@@ -4,7 +4,8 @@ Start-up: sweep stale runs, check the budget estimate, start the three workers a
 processes, wait for each one's ready message while watching that none died, measure the tree,
 size and create the slot pool, hand it to the workers, bind the client endpoint, print
 `READY <endpoint>`. Serving: relay client requests to compute and its replies back, answer
-hello/health/stats itself, watch the workers. Any worker death ends the run non-zero with the
+hello/health/stats itself, watch the workers, and merge the workers' metrics snapshots into one
+that it republishes on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md). Any worker death ends the run non-zero with the
 role and exit code; SIGINT/SIGTERM end it with 0. One idempotent shutdown serves every path.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from deltafin.runtime.config import ConfigError, format_size, load_config
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
+from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
 
 ROLES = ("router", "loader", "compute")
 
@@ -69,8 +71,14 @@ class Supervisor:
         self.rundir: RunDir | None = None
         self.closed = False
         self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
-        self.pending_stats: dict[int, dict] = {}
-        self.stats_ids = itertools.count(1)
+        # Stats answers wait (briefly) until every worker's snapshot is newer than the last
+        # finished request: [(client identity, request id, sync id needed, deadline)]
+        self.pending_stats: list[tuple] = []
+        self.sync_ids = itertools.count(1)
+        self.sync = 0
+        self.hub: MetricsHub | None = None
+        self.sampler = ProcessSampler()
+        self.processes: dict[str, dict] = {}
         self.peak_tree_bytes = 0
         self.startup_tree_bytes = 0
         self.ready_info: dict[str, dict] = {}
@@ -84,10 +92,14 @@ class Supervisor:
         self.rundir = RunDir()
         self.control = make_socket(self.ctx, zmq.ROUTER)
         self.control.bind(self.rundir.endpoint("control"))
+        # Workers publish to metrics-in; subscribers (deltafin-monitor) find `metrics` here.
+        self.hub = MetricsHub(self.ctx, self.rundir.endpoint("metrics-in"), self.rundir.endpoint("metrics"))
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
                "endpoints": {"control": self.rundir.endpoint("control"),
-                             "data": self.rundir.endpoint("data")},
+                             "data": self.rundir.endpoint("data"),
+                             "metrics_in": self.rundir.endpoint("metrics-in"),
+                             "metrics": self.rundir.endpoint("metrics")},
                "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache}}
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
         # router first: it binds the data endpoint the others connect to
@@ -120,6 +132,8 @@ class Supervisor:
         except zmq.ZMQError as e:
             raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
         self.endpoint = self.client.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sample_processes()
+        self._synchronize()  # the first stats answer already sees the workers with their pool
         per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
         self.log(f"{n_slots} resident expert slots of {per} "
                  f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
@@ -154,15 +168,19 @@ class Supervisor:
         poller = zmq.Poller()
         poller.register(self.client, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
-        last_mem = 0.0
+        poller.register(self.hub.sub, zmq.POLLIN)
+        last_mem = last_publish = time.monotonic()
         while not stop_flag():
             try:
-                events = dict(poller.poll(100))
+                wait_ms = max(1, int((last_publish + PUBLISH_INTERVAL_S - time.monotonic()) * 1000))
+                events = dict(poller.poll(min(100, wait_ms)))
+                if self.hub.sub in events:
+                    self.hub.drain()
                 if self.client in events:
                     self._on_client()
                 if self.control in events:
                     self._on_control()
-                self._expire_stats()
+                self._answer_stats()
                 self._check_workers()
             except WorkerDied as e:
                 for (ident, rid) in list(self.inflight):
@@ -170,7 +188,17 @@ class Supervisor:
                 raise
             if time.monotonic() - last_mem > 1.0:
                 last_mem = time.monotonic()
-                self.peak_tree_bytes = max(self.peak_tree_bytes, self.tree_bytes())
+                self._sample_processes()
+            if time.monotonic() - last_publish >= PUBLISH_INTERVAL_S:
+                last_publish = time.monotonic()
+                self.hub.publish(self._snapshot())
+
+    def _sample_processes(self) -> None:
+        """Memory and CPU per process, once a second (reading PSS walks the page tables)."""
+        self.processes = self.sampler.sample({"supervisor": os.getpid(),
+                                              **{r: p.pid for r, p in self.procs.items()}})
+        tree = sum((p["pss"] or p["rss"] or 0) for p in self.processes.values())
+        self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
 
     def _to_worker(self, role: str, msg) -> None:
         """ROUTER_MANDATORY makes a send to a dead worker fail at once; name the death."""
@@ -182,9 +210,6 @@ class Supervisor:
                 self._check_workers()
                 time.sleep(0.05)
             raise SupervisorError(f"worker {role} is unreachable") from None
-
-    def tree_bytes(self) -> int:
-        return tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
 
     def _reply(self, ident: bytes, msg) -> None:
         try:
@@ -215,12 +240,10 @@ class Supervisor:
             return self._reply(ident, M.HealthResult(id=msg.id, ok=all(w["alive"] for w in workers.values()),
                                                      workers=workers))
         if isinstance(msg, M.Stats):
-            sid = next(self.stats_ids)
-            self.pending_stats[sid] = {"ident": ident, "id": msg.id, "parts": {},
-                                       "deadline": time.monotonic() + 2.0}
-            for role in ROLES:
-                self._to_worker(role, M.WorkerStats(id=sid))
-            return
+            # Answered from the latest snapshots, at once, even mid-prompt; only right after a
+            # request finished does it wait for the snapshots that include that request.
+            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + 1.0))
+            return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
             self.inflight[(ident, msg.id)] = time.monotonic()
             return self._to_worker("compute", M.Forward(client=ident, payload=raw))
@@ -232,47 +255,53 @@ class Supervisor:
         if isinstance(msg, M.Forward):
             reply = M.decode(msg.payload)
             if isinstance(reply, (M.Done, M.LogitsResult, M.Error)):
-                self.inflight.pop((msg.client, reply.id), None)
+                if self.inflight.pop((msg.client, reply.id), None) is not None:
+                    self._synchronize()
             self._reply(msg.client, reply)
-        elif isinstance(msg, M.WorkerStatsResult):
-            p = self.pending_stats.get(msg.id)
-            if p is not None:
-                p["parts"][msg.role] = msg.stats
-                if len(p["parts"]) == len(ROLES):
-                    self._finish_stats(msg.id)
+        elif isinstance(msg, M.Metrics):
+            self.hub.offer(msg)
 
-    def _expire_stats(self) -> None:
+    def _synchronize(self) -> None:
+        """A request finished: each worker answers with a snapshot on the control channel, queued
+        behind all it did for the request, so a stats request from now on includes the request."""
+        self.sync = next(self.sync_ids)
+        for role in ROLES:
+            self._to_worker(role, M.WorkerStats(id=self.sync))
+
+    def _answer_stats(self) -> None:
+        if not self.pending_stats:
+            return
+        self.hub.drain()
         now = time.monotonic()
-        for sid in [s for s, p in self.pending_stats.items() if p["deadline"] < now]:
-            self._finish_stats(sid)
+        waiting = []
+        for ident, rid, sync, deadline in self.pending_stats:
+            if self.hub.synced_all(sync) or now > deadline:
+                self._finish_stats(ident, rid)
+            else:
+                waiting.append((ident, rid, sync, deadline))
+        self.pending_stats = waiting
 
-    def _finish_stats(self, sid: int) -> None:
-        p = self.pending_stats.pop(sid)
-        parts = p["parts"]
-        tree = self.tree_bytes()
-        self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
-        router, loader, compute = (parts.get(r, {}) for r in ROLES)
-        stats = {
-            "decode_tok_s": compute.get("decode_tok_s"), "prefill_tok_s": compute.get("prefill_tok_s"),
-            "hit_rate": router.get("hit_rate", compute.get("hit_rate")),
-            "stall_share": compute.get("stall_share"),
-            "stage_latency": {"read": loader.get("read"), "prepare": compute.get("prepare"),
-                              "compute": compute.get("forward")},
-            "bytes_read": loader.get("bytes", 0),
-            "bytes_read_per_token": (loader.get("bytes", 0) /
-                                     max(1, compute.get("prompt_tokens", 0) + compute.get("generated_tokens", 0))),
-            "ssd_gbps": loader.get("ssd_gbps"),
-            "prefetch_precision": None, "prefetch_recall": None,  # no prefetcher yet
-            "memory": {"budget": self.plan.budget, "tree_bytes": tree, "peak_tree_bytes": self.peak_tree_bytes,
-                       "n_slots": self.plan.n_slots, "resident": self.plan.resident,
-                       "resident_bytes": self.plan.resident_bytes,
-                       "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
-                       "staging_bytes": self.plan.staging,
-                       "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves},
-            "bench_mode": compute.get("bench_mode"),
-            "workers": parts, "missing": [r for r in ROLES if r not in parts],
-        }
-        self._reply(p["ident"], M.StatsResult(id=p["id"], stats=stats))
+    def _snapshot(self) -> dict:
+        """The merged snapshot: what the metrics endpoint publishes and `stats` answers."""
+        parts, missing, ages = self.hub.parts()
+        procs = self.processes
+        memory = {"budget": self.plan.budget,
+                  "tree_bytes": sum((p["pss"] or p["rss"] or 0) for p in procs.values()),
+                  "peak_tree_bytes": self.peak_tree_bytes,
+                  "n_slots": self.plan.n_slots, "resident": self.plan.resident,
+                  "resident_bytes": self.plan.resident_bytes,
+                  "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
+                  "staging_bytes": self.plan.staging,
+                  "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves}
+        model = {"store": str(self.store.path), "architecture": self.store.manifest["architecture"],
+                 "moe_layers": self.store.moe_layers, "n_experts": self.store.n_experts,
+                 "top_k": self.store.top_k}
+        return self.hub.stamp(merge(parts, missing, {
+            "memory": memory, "processes": procs, "active_requests": len(self.inflight),
+            "model": model, "run_id": self.rundir.run_id, "ages": ages}))
+
+    def _finish_stats(self, ident: bytes, rid: int) -> None:
+        self._reply(ident, M.StatsResult(id=rid, stats=self._snapshot()))
 
     # -- shutdown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -220,6 +220,8 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "bytes_read_per_token": (dec["miss_bytes"] / n_dec) if n_dec and "miss_bytes" in dec else None,
         "bytes_read_per_token_all": stats.get("bytes_read_per_token"),
         "ssd_gbps": stats.get("ssd_gbps"),
+        "ssd_share_of_probe": (stats["ssd_gbps"] / s.disk["gbps"]) if stats.get("ssd_gbps") and s.disk.get("gbps") else None,
+        "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall"),
         "time_per_token_s": (1.0 / g["decode_tok_s"]) if g.get("decode_tok_s") else None,
         "split_per_token_s": split, "n_slots": (stats.get("memory") or {}).get("n_slots"),
         "bench_mode": g.get("bench_mode"), **mem,

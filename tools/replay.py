@@ -74,11 +74,12 @@ def future_uses(ids: np.ndarray) -> np.ndarray:
 
 
 def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
-           record_bytes: int = DSV2_LITE_RECORD_BYTES) -> dict:
+           record_bytes: int = DSV2_LITE_RECORD_BYTES, per_step: bool = False) -> dict:
     """Replays the trace through a `Router`; returns the hit rate and read volume.
 
     `policy`: a registered name (an offline one such as "belady" is given the trace's future
-    here) or a Policy instance."""
+    here) or a Policy instance. per_step: also return "reads_per_step", the reads of every
+    (token, layer) as an int array [tokens, layers] (what the forecast prices)."""
     ids = trace_or_ids.ids if isinstance(trace_or_ids, Trace) else np.asarray(trace_or_ids)
     if ids.ndim != 3:
         raise TraceError(f"ids must be [tokens, moe_layers, top_k], got shape {ids.shape}")
@@ -96,11 +97,15 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
     n_layers = ids.shape[1]
     t0 = time.perf_counter()
     req = 0
-    for token in ids:
+    steps = np.zeros(ids.shape[:2], dtype=np.int32) if per_step else None
+    for t, token in enumerate(ids):
         row = token.tolist()  # per token: python ints for the router, without a list of the whole trace
         for layer in range(n_layers):
+            before = router.counters.get("reads")
             drive_need(router, req, layer, row[layer], instant_read, ignore)
             req += 1
+            if steps is not None:
+                steps[t, layer] = router.counters.get("reads") - before
         router.release()  # end of the token's forward pass
     stats = router.stats()
     uses, hits, reads, tokens = stats.get("uses", 0), stats.get("hits", 0), stats.get("reads", 0), ids.shape[0]
@@ -108,7 +113,8 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
             "reads": reads, "hit_rate": hits / uses if uses else None,
             "reads_per_token": reads / tokens if tokens else None,
             "bytes_read_per_token": reads * record_bytes / tokens if tokens else None,
-            "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0}
+            "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0,
+            **({"reads_per_step": steps} if per_step else {})}
 
 
 def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",

@@ -2,13 +2,22 @@
 
 A role's wrapper subclasses WorkerProcess and adds its own sockets; the role's logic stays in
 its plain class (Router, Loader, Compute).
+
+Metrics: once ready, a publisher thread (runtime/telemetry.py) sends a full snapshot of the
+role's `stats()` to the supervisor every 250 ms, also while compute's main thread is inside a
+long forward pass. `stats()` therefore runs on that thread: the shell holds `state_lock` around
+every handler except `on_forward` (compute's whole request), and the metrics classes
+(runtime/metrics.py) lock themselves, so what compute's stats() reads is safe mid-request.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -17,6 +26,7 @@ import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime.shm import Segment
 from deltafin.runtime.sockets import make_socket, recv, send
+from deltafin.runtime.telemetry import SnapshotPublisher
 
 RUN_CONFIG = "run-config.json"
 
@@ -49,6 +59,10 @@ class WorkerProcess:
         self.poller.register(self.control, zmq.POLLIN)
         self.pool: Segment | None = None
         self.running = True
+        self.state_lock = threading.RLock()
+        self._seq = itertools.count(1)
+        self.synced = 0  # the last worker_stats request answered
+        self.publisher: SnapshotPublisher | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
     def setup(self) -> None: ...
@@ -70,6 +84,10 @@ class WorkerProcess:
         try:
             self.setup()
             send(self.control, M.WorkerReady(role=self.role, pid=os.getpid(), info=self.ready_info()))
+            endpoint = self.run["endpoints"].get("metrics_in")
+            if endpoint:
+                self.publisher = SnapshotPublisher(self.ctx, endpoint, self.snapshot)
+                self.publisher.start()
             while self.running:
                 events = dict(self.poller.poll(0 if self.busy() else 200))
                 if not self.parent_alive():
@@ -79,16 +97,20 @@ class WorkerProcess:
                         if sock is self.control:
                             self.handle_control()
                         else:
-                            self.on_socket(sock)
+                            with self.state_lock:
+                                self.on_socket(sock)
                     except M.ProtocolError as e:
                         print(f"deltafin {self.role}: dropped a bad message: {e}", file=sys.stderr)
-                self.idle()
+                with self.state_lock:
+                    self.idle()
         except SystemExit:
             pass
         except BaseException:
             traceback.print_exc()
             code = 1
         finally:
+            if self.publisher is not None:
+                self.publisher.stop()  # its socket closes before the context goes
             self.teardown()
             if self.pool is not None:
                 self.pool.close()
@@ -100,13 +122,30 @@ class WorkerProcess:
         if isinstance(msg, M.Shutdown):
             self.running = False
         elif isinstance(msg, M.AttachPool):
-            self.pool = Segment.attach(msg.segment, msg.n_slots * msg.slot_bytes)
-            self.on_pool(msg)
+            with self.state_lock:
+                self.pool = Segment.attach(msg.segment, msg.n_slots * msg.slot_bytes)
+                self.on_pool(msg)
             send(self.control, M.PoolAttached(role=self.role))
         elif isinstance(msg, M.WorkerStats):
-            send(self.control, M.WorkerStatsResult(id=msg.id, role=self.role, stats=self.stats()))
+            # After each finished request: the snapshot goes on the control channel, behind
+            # everything this worker did for the request, so the next stats answer includes it.
+            send(self.control, self.snapshot(sync=msg.id))
         elif isinstance(msg, M.Forward):
-            self.on_forward(msg)
+            self.on_forward(msg)  # not under state_lock: compute's stats() must stay readable
+
+    def snapshot(self, sync: int | None = None) -> M.Metrics:
+        """The role's stats() as one numbered full snapshot (from any thread)."""
+        with self.state_lock:
+            if sync is not None:
+                self.synced = max(self.synced, sync)
+            stats = self.stats()
+            seq = next(self._seq)
+            synced = self.synced
+        p = self.publisher
+        if p is not None and p.failures:
+            stats = {**stats, "metrics_failures": p.failures, "metrics_last_error": p.last_error}
+        return M.Metrics(source=self.role, pid=os.getpid(), seq=seq, time=time.time(), stats=stats,
+                         sync=synced)
 
     def connect_data_plane(self) -> zmq.Socket:
         """DEALER to the router; returns once the router has answered our hello, so the

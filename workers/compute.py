@@ -144,7 +144,8 @@ class RouterClient:
         self.messages.add("used")
 
     def release(self) -> None:
-        self.used([])
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Release(req=self.req))
 
 
 # -- expert providers: what the model calls at each MoE layer --------------------------------------------
@@ -396,9 +397,9 @@ class MmapExperts(ExpertProvider):
     at most top_k experts at a time, then runs the same gather_qmm kernels."""
 
     def __init__(self, store: Store, pool_buf, slot_bytes: int, source: MmapSource, dtype,
-                 routing: Routing | None = None):
+                 routing: Routing | None = None, max_chunk: int | None = None):
         super().__init__(store, source, dtype, routing)
-        self.max_chunk = store.top_k
+        self.max_chunk = max_chunk or store.top_k
 
     def weights(self, layer: int, expert: int) -> dict:
         layout = self.store.layout(layer, expert)
@@ -564,6 +565,7 @@ class Scheduler:
             if c.recorder is not None:
                 c.request_rows.append(rows)
             c.forward_latency.add(time.perf_counter() - step.t0)
+            c.counters.add("decode_forward_tokens")  # live progress for the metrics stream
         return tok
 
     def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
@@ -659,7 +661,7 @@ class Compute:
         mx.clear_cache()
 
     # -- passes --------------------------------------------------------------------------------
-    def forward(self, ids: list[int], cache):
+    def forward(self, ids: list[int], cache, phase: str = "prefill"):
         """One pass over ids, evaluated and committed before returning (prefill, logits)."""
         t0 = time.perf_counter()
         p = self.experts.begin_pass(len(ids))
@@ -669,6 +671,7 @@ class Compute:
         if self.recorder is not None:
             self.request_rows.append(rows)
         self.forward_latency.add(time.perf_counter() - t0)
+        self.counters.add(f"{phase}_forward_tokens", len(ids))  # live progress for the metrics stream
         return logits
 
     def preload(self) -> int:

@@ -70,6 +70,8 @@ class ResidentTier:
             self.pools[g] = {t["name"]: mx.zeros((n, *t["shape"]), dtype=self._dtype(t))
                              for t in self.layouts[g]["tensors"]}
             mx.eval(list(self.pools[g].values()))  # committed now, so the budget's measurement sees it
+        # read by the metrics thread too: a plain int, not the MLX arrays
+        self.nbytes = sum(a.nbytes for pools in self.pools.values() for a in pools.values())
         self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
         self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
         self.count = dict.fromkeys(self.group_of, 0)
@@ -81,10 +83,6 @@ class ResidentTier:
 
     def _dtype(self, t: dict):
         return mx.uint32 if t["dtype"] == "uint32" else self.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for pools in self.pools.values() for a in pools.values())
 
     def quant(self, layer: int) -> dict:
         return self.layouts[self.group_of[layer]]["quant"]

@@ -21,7 +21,7 @@ from collections import deque
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
-from deltafin.runtime.metrics import Counter
+from deltafin.runtime.metrics import Counter, Latency
 
 
 class RouterError(RuntimeError):
@@ -61,6 +61,7 @@ class Router:
         self.queued: deque = deque()              # reads waiting for a staging slot
         self.pending: dict | None = None
         self.counters = Counter()
+        self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
         # Routing history, the raw material of policies and predictors: how often each
         # (layer, expert) was used, and the most recent layers' uses in order.
         self.uses: Tally = Tally()
@@ -212,7 +213,11 @@ class Router:
 
     def _reply(self) -> M.Slots:
         p = self.pending
-        wait_us = int((time.perf_counter() - p["t0"]) * 1e6) if p["hits"] < len(p["slots"]) else 0
+        wait_us = 0
+        if p["hits"] < len(p["slots"]):
+            wait = time.perf_counter() - p["t0"]
+            self.stall.add(wait)
+            wait_us = int(wait * 1e6)
         return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us)
 
     def stats(self) -> dict:
@@ -225,7 +230,15 @@ class Router:
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
                 "distinct_experts_used": len(self.uses),
-                "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)]}
+                "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)],
+                "stall": self.stall.summary(), "resident_experts": self.residency()}
+
+    def residency(self) -> list:
+        """[[layer, [expert, ...]], ...]: the experts holding a slot (ready or loading), by layer."""
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in (key for t in self.tables.values() for key in t.where):
+            by_layer.setdefault(layer, []).append(e)
+        return [[layer, sorted(es)] for layer, es in sorted(by_layer.items())]
 
 
 def drive_need(router: Router, req: int, layer: int, experts: list[int], read, fill,
@@ -288,6 +301,8 @@ def run_router_process(run_dir: str) -> None:
                     out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch)
                 elif isinstance(msg, M.Used):
                     self.router.used(msg.uses)
+                elif isinstance(msg, M.Release):
+                    self.router.release()
                 elif isinstance(msg, M.Filled):
                     out = self.router.filled(msg)
                 elif isinstance(msg, M.Loaded):

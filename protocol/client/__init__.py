@@ -150,6 +150,8 @@ class Client:
         return np.frombuffer(r.data, dtype=np.dtype(r.dtype)).reshape(r.shape).copy()
 
     def stats(self) -> dict:
+        """The latest merged metrics snapshot (docs/PROTOCOL.md): answered at once, also in the
+        middle of a long prompt, and counting every request whose reply came before."""
         return self._call(M.Stats(id=self._next())).stats
 
     def health(self) -> dict:

@@ -1,0 +1,173 @@
+"""deltafin-bench, deltafin-forecast and the memory cap, run for real on a tiny store.
+
+No timing is asserted: the tests check that every contender ran (or says why not), that the
+report holds the design notes' metrics, and that the bound and shares are the arithmetic the
+docs promise, recomputed here from the report's own fields.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltafin.runtime.store import Store
+from deltafin.runtime.traces import save_trace
+from deltafin.tools import bench, forecast
+from deltafin.tools.memcap import MemoryCap
+
+
+def _trace(path: Path, store: Store, tokens: int = 64) -> Path:
+    rng = np.random.default_rng(3)
+    ids = np.stack([np.stack([rng.choice(store.n_experts, store.top_k, replace=False)
+                              for _ in store.moe_layers]) for _ in range(tokens)]).astype(np.uint8)
+    return save_trace(path, ids, [tokens], ["synthetic"])
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_stores, tmp_path_factory):
+    store = Store(tiny_stores("deepseek_v2"))
+    out = tmp_path_factory.mktemp("bench")
+    trace = _trace(out / "trace.npz", store)
+    argv = ["--store", str(store.path), "--trace", str(trace), "--quick", "--prompt-tokens", "4",
+            "--max-tokens", "4", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(out / "run"),
+            "--standin-moe-ms", "2", "--standin-dense-ms", "1"]
+    assert bench.main(argv) == 0
+    return store, trace, json.loads((out / "run" / "report.json").read_text()), out / "run"
+
+
+def test_every_contender_runs_or_says_why(bench_run):
+    _, _, report, _ = bench_run
+    assert set(report["regimes"]) == {"standin", "real"}
+    for regime, rr in report["regimes"].items():
+        assert set(rr["contenders"]) == set(bench.CONTENDERS)
+        for name, r in rr["contenders"].items():
+            if name == "mlx-lm" and regime == "standin":
+                assert not r["ok"] and "not applicable" in r["cause"]
+                continue
+            assert r["ok"], f"{regime}/{name}: {r.get('cause')}"
+            assert r["generated_tokens"] == rr["max_tokens"]
+            assert r["decode_tok_s"] > 0 and r["peak_tree_pss_bytes"] > 0
+        for name in bench.DELTAFIN_MODES:
+            r = rr["contenders"][name]
+            assert r["bench_mode"]["routing"].startswith("trace:")
+            assert (r["bench_mode"]["standin"] is not None) == (regime == "standin")
+            assert 0 <= r["hit_rate"] <= 1 and r["stage_latency"]["prepare"]["count"] > 0
+
+
+def test_the_bound_and_shares_are_the_documented_arithmetic(bench_run):
+    store, _, report, _ = bench_run
+    s = report["setup"]
+    for regime, rr in report["regimes"].items():
+        b = rr["bound"]
+        assert b["s_per_token"] == max(b["compute_s_per_token"], b["read_s_per_token"])
+        reads = b["reads"]
+        assert reads["bytes_per_token"] == pytest.approx(reads["reads_per_token"] * s["record_bytes"])
+        assert b["read_s_per_token"] == pytest.approx(reads["bytes_per_token"] / (reads["gbps"] * 1e9))
+        if regime == "standin":
+            n_dense = s["layers"] - s["moe_layers"]
+            assert b["compute_s_per_token"] == pytest.approx((s["moe_layers"] * 2 + n_dense * 1) / 1e3)
+        for r in rr["contenders"].values():
+            if r.get("ok"):
+                assert r["share_of_bound"] == pytest.approx(r["decode_tok_s"] * b["s_per_token"])
+
+
+def test_greedy_tokens_agree_across_deltafin_modes_and_mmap(bench_run):
+    """Policy and expert source never change the output (real compute, same routing)."""
+    _, _, report, _ = bench_run
+    real = report["regimes"]["real"]["contenders"]
+    tokens = {n: real[n]["token_ids"] for n in (*bench.DELTAFIN_MODES, "mmap")}
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+
+
+def test_chart_and_table(bench_run):
+    pytest.importorskip("matplotlib")
+    _, _, report, run = bench_run
+    png = run / "chart.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = bench.table(report)
+    for name in bench.CONTENDERS:
+        assert name in text
+
+
+@pytest.mark.parametrize("calibrate", ["run", "micro"])
+def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
+    store, trace, _, run = bench_run
+    out = tmp_path / "f.json"
+    assert forecast.main(["--check", str(run / "report.json"), "--trace", str(trace), "--json", str(out),
+                          "--disk-gbps", "1.0", "--calibrate", calibrate]) == 0
+    f = json.loads(out.read_text())
+    assert f["calibration"]["mode"] == calibrate
+    if calibrate == "run":  # constants measured by a real run of the runtime on the store
+        cal = f["calibration"]["run"]
+        assert cal["prepare_s_per_use"] > 0 and cal["hop_s_per_layer"] > 0
+    assert {c["contender"] for c in f["cases"]} == set(bench.DELTAFIN_MODES)
+    for c in f["cases"]:
+        fc = c["forecast"]
+        parts = fc["compute_s"] + fc["rest_s"] + fc["read_s"] + fc["prepare_s"] + fc["messages_s"]
+        assert fc["s_per_token"] == pytest.approx(parts)
+        assert c["ratio"] == pytest.approx(c["forecast_tok_s"] / c["measured_tok_s"])
+
+
+def test_forecast_model_prices_misses():
+    """More misses cost more time, by the read formula; no misses cost only hops and prepare."""
+    shape = forecast.Shape("t", n_moe=2, n_dense=1, n_experts=8, top_k=2, record_bytes=1_000_000)
+    gbps = {1: 1.0, 2: 2.0}
+    none = forecast.forecast(shape, np.zeros((3, 2)), 0.01, 1e-4, 1e-3, gbps, 2)
+    assert none["s_per_token"] == pytest.approx(0.01 + 2 * (1e-4 + 2 * 1e-3))
+    one = forecast.forecast(shape, np.array([[1, 0]] * 3), 0.01, 1e-4, 1e-3, gbps, 2)
+    assert one["s_per_token"] - none["s_per_token"] == pytest.approx(1e-4 + 1e6 / 1e9)
+    two = forecast.forecast(shape, np.array([[2, 0]] * 3), 0.01, 1e-4, 1e-3, gbps, 2)
+    assert two["read_s"] == pytest.approx(2e6 / 2e9)
+    assert two["hit_rate"] == pytest.approx(1 - 6 / 12)
+
+
+def test_forecast_for_a_preset_uses_the_trace_at_the_same_cache_fraction(tmp_path):
+    trace_dir = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    if not (trace_dir / "dsv2lite-test.npz").exists():
+        pytest.skip("../shared/traces is not here")
+    out = tmp_path / "k.json"
+    assert forecast.main(["--preset", "kimi-k2", "--cache-frac", "0.1", "--cache-frac", "0.5",
+                          "--trace", str(trace_dir / "dsv2lite-test.npz"), "--disk-gbps", "5",
+                          "--hop-ms", "0.1", "--prepare-ms", "0", "--compute-ms-per-token", "30",
+                          "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert cases[0]["tok_s"] < cases[1]["tok_s"]  # a larger cache reads less
+    assert cases[0]["misses_per_token"] > cases[1]["misses_per_token"]
+
+
+def _cgroups_usable() -> bool:
+    cap = MemoryCap(64 << 20, f"deltafin-test-probe-{os.getpid()}")
+    ok = cap.enforced
+    cap.remove()
+    return ok
+
+
+def test_memory_cap_kills_a_process_that_exceeds_it():
+    if not _cgroups_usable():
+        pytest.skip("no memory cgroup can be made here (not root, or not Linux)")
+    cap = MemoryCap(96 << 20, f"deltafin-test-{os.getpid()}")
+    try:
+        grow = "b = bytearray(400 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('survived')"
+        p = subprocess.run([sys.executable, "-c", grow], preexec_fn=cap.enter, capture_output=True, timeout=60)
+        assert p.returncode != 0 and b"survived" not in p.stdout
+        assert cap.oom_kills() >= 1
+        assert cap.peak_bytes() <= (96 << 20) + (1 << 20)
+    finally:
+        cap.remove()
+
+
+def test_memory_cap_lets_a_small_process_live():
+    if not _cgroups_usable():
+        pytest.skip("no memory cgroup can be made here (not root, or not Linux)")
+    cap = MemoryCap(256 << 20, f"deltafin-test-small-{os.getpid()}")
+    try:
+        p = subprocess.run([sys.executable, "-c", "b = bytearray(8 << 20); print('ok')"], preexec_fn=cap.enter,
+                           capture_output=True, timeout=60)
+        assert p.returncode == 0 and cap.oom_kills() == 0
+    finally:
+        cap.remove()

@@ -1,0 +1,420 @@
+"""deltafin-forecast: decode tok/s of a model at a memory budget on this machine, before the download.
+
+The runtime today handles each MoE layer in turn: ask the router (one message round trip), wait
+for the layer's misses to be read (read in parallel by the loader's threads, plus the hops
+router -> loader -> router), copy the layer's experts into MLX arrays (prepare), compute. So per
+decode token
+
+    t = compute + sum over MoE layers of [ hop + prepare(k) + (m > 0) * (hop + read(m)) ]
+
+where m, a layer's misses at that token, comes from replaying a routing trace through the
+router's own policy classes at the slot count; read(m) = m x record / bandwidth(min(m, threads))
+from a direct-read probe of the disk at the record size; hop and prepare are measured here with
+the runtime's own sockets and prepare code; compute is given (stand-in waits or ms per token) or
+measured with every expert resident. docs/BENCHMARKS.md compares forecasts with deltafin-bench.
+
+With a store, `--calibrate run` (the default there) measures those constants in situ instead: a
+short run of the real runtime on the store (compute stand-in, a stretch of the trace the forecast
+is not asked about, 5% of the experts) gives the prepare time per expert use, the message time per
+layer, the per-token remainder and the wait per round of reads as the runtime's own processes see
+them on this machine (CRC checks, copies competing with reads, scheduling), then
+    t = compute + rest + layers x hop + uses x prepare + sum over layers of ceil(m / threads) x wait_round
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deltafin.runtime.config import format_size, load_config
+
+
+def log(msg: str) -> None:
+    print(f"deltafin-forecast: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ shapes
+
+class Shape:
+    """What the forecast needs of a model: layers, experts, top-k, record bytes."""
+
+    def __init__(self, name, n_moe, n_dense, n_experts, top_k, record_bytes, store=None):
+        self.name, self.n_moe, self.n_dense = name, n_moe, n_dense
+        self.n_experts, self.top_k, self.record_bytes, self.store = n_experts, top_k, record_bytes, store
+
+    @classmethod
+    def of_store(cls, store):
+        n_layers = int(store.config["num_hidden_layers"])
+        return cls(store.path.name, len(store.moe_layers), n_layers - len(store.moe_layers), store.n_experts,
+                   store.top_k, store.max_record_bytes, store)
+
+    @classmethod
+    def of_preset(cls, preset: str, layers: int | None = None, bits: int = 4, group_size: int = 64):
+        from deltafin.runtime import archinfo
+        from deltafin.tools.replay import expert_record_bytes
+        from deltafin.tools.synth import PRESETS
+        if preset not in PRESETS:
+            raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        c = PRESETS[preset]
+        n_layers = layers or int(c["num_hidden_layers"])
+        n_dense = min(n_layers, int(c.get("first_k_dense_replace") or 0))
+        rec = expert_record_bytes(int(c["hidden_size"]), int(c["moe_intermediate_size"]), bits, group_size)
+        return cls(preset, n_layers - n_dense, n_dense, archinfo.n_experts(c), archinfo.top_k(c), rec)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "moe_layers": self.n_moe, "dense_layers": self.n_dense,
+                "experts_per_layer": self.n_experts, "top_k": self.top_k, "record_bytes": self.record_bytes,
+                "expert_bytes_total": self.record_bytes * self.n_moe * self.n_experts}
+
+
+# ------------------------------------------------------------------------------------ calibration
+
+def measure_prepare(store, dtype: str = "float32", repeats: int = 15) -> dict:
+    """Seconds to prepare one expert (record bytes -> stacked MLX arrays), with compute's own code
+    (SlotExperts.chunks) over page-cache-resident record bytes, top-k experts at a time."""
+    import mlx.core as mx
+
+    from deltafin.runtime.models.base import resolve_dtype
+    from deltafin.workers.compute import MmapExperts, MmapSource
+    src = MmapSource(store)
+    try:
+        experts = MmapExperts(store, None, 0, src, resolve_dtype(dtype, {}), max_chunk=store.top_k)
+        layer = store.moe_layers[0]
+        ids = list(range(store.top_k))
+        for _ in experts.chunks(layer, ids):  # warm: the records into the page cache, kernels set up
+            pass
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in experts.chunks(layer, ids):
+                pass
+            times.append((time.perf_counter() - t0) / len(ids))
+        mx.clear_cache()
+    finally:
+        src.close()
+    return {"s_per_expert": float(np.median(times)), "how": f"SlotExperts.chunks, {store.top_k} experts, "
+            f"median of {repeats}"}
+
+
+def _echo(endpoint: str) -> None:
+    """The far end of the hop measurement: answers every Need with a Slots, like the router on a hit."""
+    import zmq
+
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.sockets import make_socket, recv, send
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER)
+    sock.bind(endpoint)
+    print("ready", flush=True)
+    while sock.poll(10_000):
+        sender, msg = recv(sock, routed=True)
+        if not isinstance(msg, M.Need):
+            break
+        send(sock, M.Slots(req=msg.req, layer=msg.layer, slots=[[e, e, 1] for e in msg.experts], hits=len(msg.experts),
+                           wait_us=0), to=sender)
+    ctx.destroy(linger=0)
+
+
+def measure_hop(top_k: int, n: int = 400) -> dict:
+    """Seconds of one Need -> Slots round trip between two processes over the runtime's sockets."""
+    import tempfile
+
+    import zmq
+
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.sockets import make_socket, recv, send
+    with tempfile.TemporaryDirectory() as td:
+        endpoint = f"ipc://{td}/hop.ipc"
+        child = subprocess.Popen([sys.executable, "-m", "deltafin.tools.forecast", "--echo", endpoint],
+                                 stdout=subprocess.PIPE, text=True)
+        ctx = zmq.Context()
+        try:
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError("the echo process did not start")
+            sock = make_socket(ctx, zmq.DEALER, identity="compute")
+            sock.connect(endpoint)
+            times = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                send(sock, M.Need(req=i, layer=0, experts=list(range(top_k))))
+                if not sock.poll(5000):
+                    raise RuntimeError("no answer from the echo process within 5 s")
+                recv(sock)
+                times.append(time.perf_counter() - t0)
+            send(sock, M.Release(req=n))  # tells the echo process to stop
+        finally:
+            ctx.destroy(linger=0)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=5)
+    return {"s": float(np.median(times[n // 10:])), "how": f"median Need->Slots round trip over ipc, {n} trips"}
+
+
+def measure_disk(store, threads: int, seconds: float) -> dict:
+    """Direct-read bandwidth at the record size for queue depths 1..threads."""
+    from deltafin.runtime.diskprobe import probe_disk
+    out = {}
+    for q in range(1, threads + 1):
+        r = probe_disk(store.path, store.max_record_bytes, q, seconds=seconds, drop_cache=(q == 1))
+        out[q] = r["gbps"]
+    return {"gbps_by_queue_depth": out, "record_bytes": store.max_record_bytes}
+
+
+def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac: float = 0.05,
+                  offset: int = 500, prompt: int = 4, tokens: int = 24) -> dict:
+    """Machine constants from a short run of the real runtime on `store` (see the module doc)."""
+    import tempfile
+
+    from deltafin.client import Client
+    from deltafin.runtime.traces import save_trace
+    from deltafin.tools.bench import plan_budget_for_slots
+    from deltafin.tools.run import running_supervisor
+    shape = Shape.of_store(store)
+    n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+    n = prompt + tokens - 1
+    rows = np.take(trace_ids, (np.arange(n) + offset) % len(trace_ids), axis=0)[:, :shape.n_moe, :]
+    moe_ms, dense_ms = 1.0, 0.5
+    budget = plan_budget_for_slots(store, n_slots, 64, "float32")
+    with tempfile.TemporaryDirectory() as td:
+        tpath = save_trace(Path(td) / "calib.npz", rows, [n], ["calibration"])
+        extra = ["--max-slots", str(n_slots), "--max-context", "64", "--dtype", "float32", "--policy", policy,
+                 "--routing-trace", str(tpath), "--standin", "--standin-moe-ms", str(moe_ms),
+                 "--standin-dense-ms", str(dense_ms)]
+        with running_supervisor(store.path, str(budget), extra, stderr=subprocess.DEVNULL) as (endpoint, _):
+            with Client(endpoint, timeout=600) as c:
+                gen = c.generate(list(range(1, prompt + 1)), max_tokens=tokens)
+    d = gen.stats["decode"]
+    steps = routing_steps(shape, rows, n_slots, policy, slice(prompt, n))
+    rounds = float(np.ceil(steps / threads).sum())
+    compute = (shape.n_moe * moe_ms + shape.n_dense * dense_ms) / 1e3
+    t = d["tokens"]
+    return {"how": f"in situ: {t} decode tokens of the runtime on {store.path.name}, stand-in "
+                   f"{moe_ms}/{dense_ms} ms, {n_slots} slots ({frac:.0%}), trace rows from {offset}",
+            "prepare_s_per_use": d["prepare_s"] / max(1, d["uses"]),
+            "hop_s_per_layer": d["ipc_s"] / (t * shape.n_moe),
+            "rest_s_per_token": max(0.0, (d["total_s"] - d["ipc_s"] - d["wait_s"] - d["prepare_s"]) / t - compute),
+            "wait_s_per_round": d["wait_s"] / rounds if rounds else 0.0,
+            "measured_hit_rate": d["hits"] / max(1, d["uses"]), "replayed_hit_rate":
+                1 - float(steps.sum()) / (steps.size * shape.top_k)}
+
+
+# ------------------------------------------------------------------------------------ the model
+
+def forecast_in_situ(shape: Shape, steps: np.ndarray, compute_s: float, cal: dict, threads: int) -> dict:
+    """Decode time per token from misses per step and the constants of `calibrate_run`."""
+    m = steps.astype(np.float64)
+    rounds = np.ceil(m / threads)
+    read = rounds.sum(axis=1) * cal["wait_s_per_round"]
+    prepare = shape.n_moe * shape.top_k * cal["prepare_s_per_use"]
+    messages = shape.n_moe * cal["hop_s_per_layer"]
+    per_token = compute_s + cal["rest_s_per_token"] + messages + prepare + read
+    t = float(per_token.mean())
+    return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": cal["rest_s_per_token"],
+            "read_s": float(read.mean()), "prepare_s": prepare, "messages_s": messages,
+            "misses_per_token": float(m.sum(axis=1).mean()),
+            "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
+            "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
+
+
+def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str, tokens: slice | None) -> np.ndarray:
+    """Misses per (token, MoE layer) from a replay of the trace at this slot count. A trace of
+    another shape (e.g. the DeepSeek-V2-Lite trace for Kimi-K2) is replayed at the same cache
+    fraction and its misses scaled by top-k and tiled over the layers: an assumption, reported."""
+    from deltafin.tools.replay import replay
+    same = trace_ids.shape[1] >= shape.n_moe and trace_ids.shape[2] == shape.top_k and \
+        int(trace_ids.max()) < shape.n_experts
+    if same:
+        ids = trace_ids[:, :shape.n_moe, :]
+        steps = replay(ids, n_slots, policy, record_bytes=shape.record_bytes, per_step=True)["reads_per_step"]
+    else:
+        frac = n_slots / (shape.n_moe * shape.n_experts)
+        t_layers, t_k = trace_ids.shape[1], trace_ids.shape[2]
+        t_slots = max(t_k, round(frac * t_layers * 64))
+        raw = replay(trace_ids, t_slots, policy, per_step=True)["reads_per_step"] * (shape.top_k / t_k)
+        steps = np.tile(raw, (1, -(-shape.n_moe // t_layers)))[:, :shape.n_moe]
+    return steps if tokens is None else steps[tokens]
+
+
+def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, prepare_s: float,
+             gbps: dict, threads: int) -> dict:
+    """Decode time per token from misses per step [tokens, layers] and the calibrations."""
+    m = steps.astype(np.float64)
+    q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
+    bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
+    read = np.where(m > 0, m * shape.record_bytes / bw, 0.0)
+    layer = hop_s + shape.top_k * prepare_s + np.where(m > 0, hop_s + read, 0.0)
+    per_token = compute_s + layer.sum(axis=1)
+    t = float(per_token.mean())
+    return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": 0.0,
+            "read_s": float(read.sum(axis=1).mean()), "prepare_s": shape.n_moe * shape.top_k * prepare_s,
+            "messages_s": float((hop_s + np.where(m > 0, hop_s, 0.0)).sum(axis=1).mean()),
+            "misses_per_token": float(m.sum(axis=1).mean()),
+            "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
+            "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
+
+
+# ------------------------------------------------------------------------------------ main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltafin-forecast", description=__doc__.splitlines()[0])
+    p.add_argument("--store", help="an expert store (its shapes; calibrations measured on its records)")
+    p.add_argument("--preset", help="a preset shape instead of a store: kimi-k2, dsv2-lite, qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, help="layers of the preset (default: the preset's own)")
+    p.add_argument("--cache-frac", type=float, action="append",
+                   help="expert slots as a share of all experts (repeatable: 0.1 --cache-frac 0.25 ...)")
+    p.add_argument("--memory-budget", help="a whole-tree budget instead (with --store): slots as the runtime sizes them")
+    p.add_argument("--trace", help="routing trace (default: ../shared/traces/dsv2lite-test.npz when present)")
+    p.add_argument("--policy", default=None, help="cache policy (default: the config's)")
+    p.add_argument("--compute-ms-per-token", type=float, help="compute time per token (real compute, given)")
+    p.add_argument("--standin-moe-ms", type=float, help="compute as the stand-in: ms per MoE layer")
+    p.add_argument("--standin-dense-ms", type=float, help="compute as the stand-in: ms per dense layer")
+    p.add_argument("--measure-compute", action="store_true", help="measure compute with every expert resident "
+                   "(loads the whole store into memory)")
+    p.add_argument("--disk-gbps", type=float, help="direct-read bandwidth to assume instead of probing")
+    p.add_argument("--hop-ms", type=float, help="message round trip to assume instead of measuring")
+    p.add_argument("--prepare-ms", type=float, help="prepare time per expert to assume instead of measuring")
+    p.add_argument("--calibrate", choices=("run", "micro"), help="with a store: 'run' (default) measures the "
+                   "constants in a short run of the runtime; 'micro' from a disk probe, a socket round trip "
+                   "and the prepare code alone (what a preset without a store gets, with --disk-gbps etc.)")
+    p.add_argument("--check", help="a deltafin-bench report.json: forecast its stand-in runs and compare")
+    p.add_argument("--json", help="write the forecast here")
+    p.add_argument("--echo", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.echo:
+        _echo(a.echo)
+        return 0
+    from deltafin.runtime.store import Store
+    from deltafin.runtime.traces import load_trace
+    from deltafin.tools.bench import find_default_trace
+    cfg = load_config()
+    threads = cfg.loader.threads
+    policy = a.policy or cfg.cache.policy
+    report = json.loads(Path(a.check).read_text()) if a.check else None
+    store_path = a.store or (report["setup"]["store"] if report else None)
+    if not store_path and not a.preset:
+        log("give --store, --preset or --check")
+        return 2
+    store = Store(store_path) if store_path else None
+    shape = Shape.of_store(store) if store else Shape.of_preset(a.preset, a.layers)
+    trace_path = Path(a.trace) if a.trace else find_default_trace()
+    if trace_path is None:
+        log("no routing trace found: give --trace")
+        return 2
+    trace_ids = load_trace(trace_path).ids
+
+    # calibrations: measured here unless given
+    mode = a.calibrate or ("run" if store is not None else "micro")
+    calib = {"mode": mode}
+    if mode == "run":
+        if store is None:
+            log("--calibrate run needs a store")
+            return 2
+        log("calibrating: a short run of the runtime on the store (stand-in compute)")
+        cal = calib["run"] = calibrate_run(store, trace_ids, threads, policy)
+
+        def price(steps, compute_s):
+            return forecast_in_situ(shape, steps, compute_s, cal, threads)
+    else:
+        if a.disk_gbps:
+            gbps = {q: a.disk_gbps for q in range(1, threads + 1)}
+            calib["disk"] = {"gbps_by_queue_depth": gbps, "how": "given"}
+        elif store is not None:
+            log("probing direct reads at queue depths 1..%d" % threads)
+            calib["disk"] = measure_disk(store, threads, 1.5)
+            gbps = calib["disk"]["gbps_by_queue_depth"]
+        else:
+            log("a preset has no store to probe: give --disk-gbps")
+            return 2
+        hop = {"s": a.hop_ms / 1e3, "how": "given"} if a.hop_ms is not None else measure_hop(shape.top_k)
+        if a.prepare_ms is not None:
+            prep = {"s_per_expert": a.prepare_ms / 1e3, "how": "given"}
+        elif store is not None:
+            prep = measure_prepare(store)
+        else:
+            log("a preset has no store to measure prepare on: give --prepare-ms")
+            return 2
+        calib.update(hop=hop, prepare=prep)
+
+        def price(steps, compute_s):
+            return forecast(shape, steps, compute_s, hop["s"], prep["s_per_expert"], gbps, threads)
+
+    if report:
+        cases = []
+        for regime, rr in report["regimes"].items():
+            if regime != "standin":
+                continue
+            st = rr["standin"]
+            compute_s = (shape.n_moe * st["moe_ms"] + shape.n_dense * st["dense_ms"]) / 1e3
+            s = report["setup"]
+            n_prompt, n_tokens = s["prompt_tokens"], s["prompt_tokens"] + rr["max_tokens"] - 1
+            rows = np.take(trace_ids, np.arange(n_tokens) % len(trace_ids), axis=0)
+            for name, c in rr["contenders"].items():
+                if not name.startswith("deltafin") or not c.get("ok"):
+                    continue
+                pol = next((x for x in ("lfuda", "lru") if x in name), policy)
+                steps = routing_steps(shape, rows, s["n_slots"], pol, slice(n_prompt, n_tokens))
+                f = price(steps, compute_s)
+                cases.append({"contender": name, "cache_frac": s["cache_frac"], "policy": pol,
+                              "forecast_tok_s": f["tok_s"], "measured_tok_s": c["decode_tok_s"],
+                              "ratio": f["tok_s"] / c["decode_tok_s"], "forecast": f})
+        out = {"check": a.check, "shape": shape.to_dict(), "calibration": calib, "cases": cases}
+        for c in cases:
+            print(f"{c['contender']:<20} cache {c['cache_frac']:.0%}: forecast {c['forecast_tok_s']:.2f} tok/s, "
+                  f"measured {c['measured_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}")
+    else:
+        if a.compute_ms_per_token is not None:
+            compute_s, how = a.compute_ms_per_token / 1e3, "given"
+        elif a.measure_compute and store is not None:
+            from deltafin.tools.bench import Setup, resident_compute_s_per_token
+            log("measuring compute with every expert resident")
+            s = Setup(store=store, trace_path=None, trace_ids=None, n_slots=0, budget=0, prompt_ids=[1, 2, 3, 4],
+                      max_tokens=0, max_context=64, dtype="float32", standin_moe_ms=0, standin_dense_ms=0,
+                      timeout_s=0, out=Path("."))
+            compute_s, how = resident_compute_s_per_token(s, 3)["s_per_token"], "measured, every expert resident"
+        else:
+            moe = a.standin_moe_ms if a.standin_moe_ms is not None else cfg.bench.standin_moe_ms
+            dense = a.standin_dense_ms if a.standin_dense_ms is not None else cfg.bench.standin_dense_ms
+            compute_s = (shape.n_moe * moe + shape.n_dense * dense) / 1e3
+            how = f"stand-in: {moe} ms per MoE layer, {dense} ms per dense layer"
+        calib["compute"] = {"s_per_token": compute_s, "how": how}
+        fracs = a.cache_frac or [0.25]
+        if a.memory_budget:
+            if store is None:
+                log("--memory-budget needs --store")
+                return 2
+            from deltafin.tools.bench import plan_budget_for_slots
+            from deltafin.runtime.config import parse_size
+            budget = parse_size(a.memory_budget)
+            base = plan_budget_for_slots(store, 0, cfg.compute.max_context, "float32")
+            n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
+            fracs = [n / (shape.n_moe * shape.n_experts)]
+        cases = []
+        for frac in fracs:
+            n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+            steps = routing_steps(shape, trace_ids, n_slots, policy, None)
+            f = price(steps, compute_s)
+            cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
+                          "cache_bytes": n_slots * shape.record_bytes, **f})
+            print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
+                  f"{policy}: {f['tok_s']:.2f} tok/s (compute {f['compute_s'] * 1e3:.1f} ms, reads "
+                  f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
+                  f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
+        out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,590 @@
+"""deltafin-monitor: a live terminal view of a running supervisor, fed by its metrics stream.
+
+    deltafin-monitor                      # the one supervisor running now (lists them if several)
+    deltafin-monitor --endpoint EP        # a given metrics endpoint (ipc:// or tcp://)
+    deltafin-monitor --once --json        # one merged snapshot as JSON, for scripts
+    deltafin-monitor --json               # one JSON line per snapshot until interrupted
+
+The supervisor publishes a merged snapshot a few times a second (docs/PROTOCOL.md, "metrics").
+`Feed` subscribes to it and notices when the supervisor goes away and when one comes back;
+`MonitorModel` turns the snapshots into what is shown (figures over the window, sparkline
+history); `MonitorApp` is the Textual view of both. The window is the last WINDOW_S seconds or
+the time since `r` was pressed, whichever is shorter; its figures are differences of two full
+snapshots (runtime/telemetry.window_figures), the same computation as the snapshot's own `window`.
+
+SSD throughput is shown against the disk's direct-read bandwidth: `--disk-gbps` when given,
+otherwise measured once at start by a one-second probe of the store's expert files at queue depth
+4 (runtime/diskprobe.py, the loader's default reads in flight); `--no-probe` skips it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import zmq
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.shm import pid_alive
+from deltafin.runtime.telemetry import STAGES, WINDOW_S, RunInfo, live_runs, window_figures
+
+LOST_AFTER_S = 2.0      # no snapshot for this long (8 publish intervals): the supervisor is gone
+RESCAN_S = 1.0          # how often the run directories are scanned while looking for a supervisor
+HISTORY_POINTS = 240    # 60 s of snapshots
+SPARK_POINTS = 24       # the sparklines in the tables: the last 6 s
+STEP_S = 1.0            # history points are rates over the last second (per snapshot they comb)
+PROBE_QUEUE_DEPTH = 4
+PROBE_SECONDS = 1.0
+
+
+# -- where snapshots come from ------------------------------------------------------------------------
+class Feed:
+    """One SUB socket, made and used by the caller's thread. With a fixed endpoint ZeroMQ
+    reconnects by itself; without one the run directories are scanned for the one live supervisor
+    (a restarted supervisor has a new run directory, so a lost one is dropped and searched anew).
+
+    state: "searching" (no supervisor found yet or waiting for its first snapshot), "connected",
+    "lost" (it went away; `lost_at` says when), "several" (`runs` lists them)."""
+
+    def __init__(self, endpoint: str | None = None, root: Path | None = None,
+                 lost_after: float = LOST_AFTER_S, rescan: float = RESCAN_S):
+        self.fixed, self.root, self.lost_after, self.rescan = endpoint, root, lost_after, rescan
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket | None = None
+        self.run: RunInfo | None = None
+        self.runs: list[RunInfo] = []
+        self.state = "searching"
+        self.lost_at: float | None = None     # wall time the supervisor was found gone
+        self.last_at: float | None = None     # monotonic time of the last snapshot
+        self.since = time.monotonic()          # monotonic time of the (re)connection
+        self.last_scan = -math.inf
+        self.received = 0
+        if endpoint:
+            self._connect(endpoint)
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.fixed or (self.run.metrics if self.run else None)
+
+    def _connect(self, endpoint: str) -> None:
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 64)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.since = time.monotonic()
+
+    def _disconnect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self.run = None
+
+    def close(self) -> None:
+        self._disconnect()
+        self.ctx.term()
+
+    def poll(self) -> list[dict]:
+        """The snapshots received since the last call, oldest first; never blocks."""
+        now = time.monotonic()
+        if self.sock is None and now - self.last_scan >= self.rescan:
+            self._search(now)
+        out = []
+        while self.sock is not None and self.sock.poll(0):
+            try:
+                msg = M.decode(self.sock.recv())
+            except M.ProtocolError:
+                continue
+            if isinstance(msg, M.Metrics) and msg.source == "supervisor":
+                out.append(msg.stats)
+        if out:
+            self.received += len(out)
+            self.last_at = now
+            self.state, self.lost_at = "connected", None
+            return out
+        dead = self.run is not None and not pid_alive(self.run.pid)
+        silent = self.state == "connected" and now - self.last_at > self.lost_after
+        if dead or silent:
+            if self.state == "connected":
+                self.state, self.lost_at = "lost", time.time()
+            if self.fixed is None:
+                self._disconnect()
+        return out
+
+    def _search(self, now: float) -> None:
+        self.last_scan = now
+        self.runs = live_runs(self.root)
+        if len(self.runs) == 1:
+            self.run = self.runs[0]
+            self._connect(self.run.metrics)
+            if self.state != "lost":
+                self.state = "searching"
+        elif len(self.runs) > 1:
+            self.state = "several"
+
+
+# -- what is shown ----------------------------------------------------------------------------------
+class MonitorModel:
+    """Snapshots -> figures over the window and sparkline history. `reset()` restarts the window
+    and the history (key r). A snapshot of another run (a restarted supervisor) resets too."""
+
+    SERIES = ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps", "stall_share",
+              *(f"{s}_p50" for s in STAGES))
+
+    def __init__(self, window_s: float = WINDOW_S, points: int = HISTORY_POINTS):
+        self.window_s, self.points = window_s, points
+        self.latest: dict | None = None
+        self.history: deque = deque()
+        self.window: dict | None = None
+        self.window_seqs: tuple[int, int] | None = None  # (first, last) snapshot of the window
+        self.series = {k: deque(maxlen=points) for k in self.SERIES}
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.history = deque([self.latest] if self.latest else [])
+        self.window, self.window_seqs = None, None
+        for s in self.series.values():
+            s.clear()
+        self.resets += 1
+
+    def add(self, snap: dict) -> None:
+        prev = self.latest
+        if prev is not None and (snap.get("run_id") != prev.get("run_id") or snap["seq"] <= prev["seq"]):
+            self.latest = None  # another run: nothing of the old one stays
+            self.reset()
+        self.latest = snap
+        self.history.append(snap)
+        while len(self.history) > 1 and self.history[0]["clock"] < snap["clock"] - self.window_s:
+            self.history.popleft()
+        first = self.history[0]
+        self.window = window_figures(snap, first) if first is not snap else None
+        self.window_seqs = (first["seq"], snap["seq"]) if self.window else None
+        ref = next((s for s in reversed(self.history) if snap["clock"] - s["clock"] >= STEP_S), first)
+        step = window_figures(snap, ref) if ref is not snap else None
+        if step is not None:
+            for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps",
+                      "stall_share"):
+                self.series[k].append(step[k])
+            for s in STAGES:
+                self.series[f"{s}_p50"].append(step["stage_latency"][s].get("p50_ms"))
+
+
+# -- formatting (shared by the view, --once and the tests) ------------------------------------------
+def fmt_ms(v) -> str:
+    return "–" if v is None else (f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}")
+
+
+def fmt_rate(v, unit: str = "") -> str:
+    return "–" if v is None else f"{v:,.1f}{unit}"
+
+
+def fmt_pct(v) -> str:
+    return "–" if v is None else f"{v:.1%}"
+
+
+def fmt_bytes(v) -> str:
+    if v is None:
+        return "–"
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(v) >= scale:
+            return f"{v / scale:.1f} {unit}"
+    return f"{v:.0f} B"
+
+
+def fmt_gbps(v) -> str:
+    return "–" if v is None else f"{v:.3f} GB/s" if v < 10 else f"{v:.1f} GB/s"
+
+
+def sparkline(values, width: int = SPARK_POINTS) -> str:
+    """Block characters scaled to the largest value shown; a gap where a value is missing."""
+    vals = list(values)[-width:]
+    top = max((v for v in vals if v is not None), default=0) or 1
+    blocks = "▁▂▃▄▅▆▇█"
+    return "".join(" " if v is None else blocks[min(7, int(v / top * 7.999))] for v in vals)
+
+
+def bar(share: float | None, width: int = 20) -> str:
+    if share is None:
+        return " " * width
+    filled = min(width, int(round(max(0.0, share) * width)))
+    return "█" * filled + "░" * (width - filled)
+
+
+def stage_rows(window: dict | None) -> dict:
+    """{stage: (p50, p99, n)} as shown, over the window."""
+    rows = {}
+    for s in STAGES:
+        w = (window or {}).get("stage_latency", {}).get(s) or {}
+        rows[s] = (fmt_ms(w.get("p50_ms")), fmt_ms(w.get("p99_ms")), str(w.get("count", 0)))
+    return rows
+
+
+def throughput_rows(snap: dict, window: dict | None, disk_gbps: float | None) -> dict:
+    """{row: value text}: figures over the window, and the run's own totals."""
+    w = window or {}
+    ssd = w.get("ssd_gbps")
+    share = f" of {disk_gbps:.2f} ({ssd / disk_gbps:.0%})" if ssd is not None and disk_gbps else ""
+    return {"decode": fmt_rate(w.get("decode_tok_s"), " tok/s"),
+            "prefill": fmt_rate(w.get("prefill_tok_s"), " tok/s"),
+            "hit rate": fmt_pct(w.get("hit_rate")),
+            "bytes/token": fmt_bytes(w.get("bytes_read_per_token")),
+            "SSD": fmt_gbps(ssd) + share,
+            "requests": f"{snap.get('active_requests', 0)} active, {snap['totals'].get('requests', 0)} done",
+            "stall share": fmt_pct(w.get("stall_share")),
+            "prefetch": f"precision {fmt_pct(snap.get('prefetch_precision'))}, "
+                        f"recall {fmt_pct(snap.get('prefetch_recall'))}"}
+
+
+def memory_rows(snap: dict) -> dict:
+    """{process: (PSS, RSS, CPU)} and the tree against the budget."""
+    rows = {}
+    for name, p in (snap.get("processes") or {}).items():
+        cpu = p.get("cpu_percent")
+        rows[name] = (fmt_bytes(p.get("pss")), fmt_bytes(p.get("rss")), "–" if cpu is None else f"{cpu:.0f} %")
+    mem = snap["memory"]
+    budget, tree = mem.get("budget"), mem.get("tree_bytes")
+    rows["tree"] = (fmt_bytes(tree), f"peak {fmt_bytes(mem.get('peak_tree_bytes'))}",
+                    f"{tree / budget:.0%} of {fmt_bytes(budget)}" if budget and tree is not None else "–")
+    return rows
+
+
+def budget_line(snap: dict) -> str:
+    mem = snap["memory"]
+    budget, tree = mem.get("budget"), mem.get("tree_bytes")
+    share = tree / budget if budget and tree is not None else None
+    return (f"tree {bar(share, 24)} {fmt_pct(share)} of {fmt_bytes(budget)}, "
+            f"{mem.get('n_slots')} slots of {fmt_bytes(mem.get('slot_bytes'))}")
+
+
+def chart(values, width: int, height: int) -> list[str]:
+    """Vertical bars, `height` rows of eighth blocks, the newest on the right, and a scale line."""
+    vals = [v or 0.0 for v in list(values)[-width:]]
+    top = max(vals, default=0.0)
+    scale = top or 1.0
+    eighths = [int(round(v / scale * height * 8)) for v in vals]
+    blocks = " ▁▂▃▄▅▆▇█"
+    rows = []
+    for r in range(height - 1, -1, -1):
+        rows.append("".join(blocks[max(0, min(8, e - r * 8))] for e in eighths).rjust(width))
+    rows[0] += f"  {top:,.0f}"
+    rows[-1] += "  0"
+    return rows
+
+
+def heat_rows(snap: dict, width: int = 64) -> list[tuple[str, str, str]]:
+    """Per MoE layer: (label, cells, count). One cell per expert, or per group of experts shaded
+    by the share resident when a layer has more experts than `width`."""
+    model = snap.get("model") or {}
+    n = int(model.get("n_experts") or 0)
+    resident = {layer: set(ids) for layer, ids in (snap.get("slots") or {}).get("experts", [])}
+    group = max(1, math.ceil(n / width)) if n else 1
+    shades = " ░▒▓█"
+    rows = []
+    for layer in model.get("moe_layers", []):
+        have = resident.get(layer, set())
+        if group == 1:
+            gap = " " if 2 * n <= width else ""  # few experts: spaced, so each one reads apart
+            cells = gap.join("■" if e in have else "·" for e in range(n))
+        else:
+            cells = "".join(shades[math.ceil(sum(e in have for e in range(g, min(n, g + group)))
+                                             / min(group, n - g) * 4)]
+                            for g in range(0, n, group))
+        rows.append((f"L{layer:<3d}", cells, f"{len(have)}/{n}"))
+    return rows
+
+
+def format_text(snap: dict, disk_gbps: float | None = None) -> str:
+    """--once without --json: the snapshot as plain text (window = the supervisor's own)."""
+    w = snap.get("window")
+    lines = [f"run {snap.get('run_id')}  pid {snap.get('supervisor_pid')}  "
+             f"{(snap.get('model') or {}).get('architecture')}  seq {snap['seq']}",
+             f"stage      p50 ms    p99 ms        n   (last {w['seconds']:.1f} s)" if w else
+             "stage      p50 ms    p99 ms        n   (no window yet)"]
+    for s, (p50, p99, n) in stage_rows(w).items():
+        lines.append(f"{s:8s} {p50:>9s} {p99:>9s} {n:>8s}")
+    lines += [f"{k:12s} {v}" for k, v in throughput_rows(snap, w, disk_gbps).items()]
+    lines += [f"{k:12s} {' '.join(v)}" for k, v in memory_rows(snap).items()]
+    return "\n".join(lines)
+
+
+# -- the Textual view -----------------------------------------------------------------------------
+def build_app(feed: Feed, disk_gbps: float | None = None, probe: bool = True):
+    from textual.app import App, ComposeResult
+    from textual.binding import Binding
+    from textual.containers import Horizontal, Vertical, VerticalScroll
+    from textual.screen import ModalScreen
+    from textual.widgets import DataTable, Footer, Static
+
+    class HelpScreen(ModalScreen):
+        BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "close")]
+        DEFAULT_CSS = "HelpScreen { align: center middle; } #help { width: 76; padding: 1 2; border: round $accent; background: $panel; }"
+
+        def compose(self) -> ComposeResult:
+            yield Static(HELP_TEXT, id="help")
+
+    class MonitorApp(App):
+        TITLE = "deltafin-monitor"
+        CSS = """
+        #status { height: 2; padding: 0 1; background: $boost; }
+        #columns { height: 1fr; }
+        #left, #right { width: 1fr; height: 1fr; }
+        DataTable { height: auto; border: round $primary; scrollbar-size: 0 0; }
+        #budget { height: auto; padding: 0 1; border: round $primary; }
+        #heat-box { border: round $primary; height: 1fr; }
+        #chart { border: round $primary; height: 1fr; padding: 0 1; }
+        """
+        BINDINGS = [Binding("q", "quit", "quit"), Binding("p", "pause", "pause"),
+                    Binding("r", "reset", "reset window"), Binding("question_mark", "help", "help")]
+
+        def __init__(self):
+            super().__init__()
+            self.feed, self.model = feed, MonitorModel()
+            self.disk_gbps = disk_gbps
+            self.probe = probe and disk_gbps is None
+            self.disk_source = ("--disk-gbps" if disk_gbps else
+                                "waiting for the store's path" if self.probe else "not measured (--no-probe)")
+            self.paused = False
+            self.shown: dict | None = None       # the snapshot on screen
+            self.shown_window: dict | None = None
+
+        def compose(self) -> ComposeResult:
+            yield Static("", id="status")
+            with Horizontal(id="columns"):
+                with Vertical(id="left"):
+                    yield DataTable(id="stages", cursor_type="none", zebra_stripes=True)
+                    yield DataTable(id="throughput", cursor_type="none", zebra_stripes=True)
+                    yield Static("", id="chart")
+                with Vertical(id="right"):
+                    yield DataTable(id="memory", cursor_type="none", zebra_stripes=True)
+                    yield Static("", id="budget")
+                    with VerticalScroll(id="heat-box"):
+                        yield Static("", id="heat")
+            yield Footer()
+
+        def on_mount(self) -> None:
+            t = self.query_one("#stages", DataTable)
+            t.border_title = "stage latency (ms, over the window)"
+            for label, key, width in (("stage", "stage", 8), ("p50", "p50", 8), ("p99", "p99", 8),
+                                      ("n", "n", 8), ("p50 history (1 s)", "spark", 24)):
+                t.add_column(label, key=key, width=width)
+            for s in STAGES:
+                t.add_row(s, "–", "–", "0", "", key=s)
+            t = self.query_one("#throughput", DataTable)
+            t.border_title = "throughput (over the window)"
+            for label, key, width in (("", "name", 11), ("value", "value", 28), ("history (1 s)", "spark", 24)):
+                t.add_column(label, key=key, width=width)
+            for name in ("decode", "prefill", "hit rate", "bytes/token", "SSD", "requests",
+                         "stall share", "prefetch"):
+                t.add_row(name, "–", "", key=name)
+            t = self.query_one("#memory", DataTable)
+            t.border_title = "memory and CPU per process"
+            for label, key, width in (("process", "name", 11), ("PSS", "pss", 11), ("RSS", "rss", 16),
+                                      ("CPU", "cpu", 16)):
+                t.add_column(label, key=key, width=width)
+            self.query_one("#budget").border_title = "memory budget"
+            self.query_one("#chart").border_title = "tokens per second (decode + prefill) over the last second"
+            self.query_one("#heat-box").border_title = "resident experts per layer"
+            self.set_interval(0.1, self.tick)
+            self.tick()
+
+        # -- updates ------------------------------------------------------------------------------
+        def tick(self) -> None:
+            for snap in self.feed.poll():
+                self.model.add(snap)
+            if self.probe and self.model.latest is not None:
+                self.probe = False
+                self.disk_source = "probing the store's disk"
+                self.run_worker(lambda: self._probe(self.model.latest["model"]["store"]),
+                                thread=True, exit_on_error=False)
+            if not self.paused and self.model.latest is not None and self.model.latest is not self.shown:
+                self.render_snapshot()
+            self.render_status()
+
+        def _probe(self, store: str) -> None:
+            from deltafin.runtime.diskprobe import probe_disk
+            try:
+                r = probe_disk(store, None, PROBE_QUEUE_DEPTH, PROBE_SECONDS, drop_cache=False)
+            except (OSError, ValueError) as e:
+                self.disk_source = f"probe failed: {e}"
+                return
+            self.disk_gbps, self.disk_source = r["gbps"], f"probed {PROBE_SECONDS:.0f} s at start"
+
+        def render_status(self) -> None:
+            f, snap = self.feed, self.model.latest
+            if f.state == "connected":
+                state = "[b green]● live[/]" if not self.paused else "[b yellow]‖ paused[/] (p resumes)"
+            elif f.state == "lost":
+                state = (f"[b red]✕ supervisor gone since {time.strftime('%H:%M:%S', time.localtime(f.lost_at))}"
+                         f"[/], waiting for one")
+            elif f.state == "several":
+                state = (f"[b yellow]{len(f.runs)} supervisors running[/]: pick one with --endpoint "
+                         + "; ".join(r.metrics for r in f.runs))
+            else:
+                state = f"[b yellow]looking for a supervisor[/] {f.endpoint or ''}"
+            line1 = state
+            if snap is not None:
+                age = time.time() - snap["time"]
+                m = snap.get("model") or {}
+                line1 += (f"   run {snap.get('run_id')}  pid {snap.get('supervisor_pid')}  "
+                          f"{m.get('architecture')}  seq {snap['seq']}  {age:.1f} s ago")
+            w = self.model.window
+            line2 = (f"window: last {w['seconds']:.1f} s" if w else "window: waiting for a second snapshot")
+            line2 += f" (of {self.model.window_s:.0f} s, r resets)   disk: "
+            line2 += f"{self.disk_gbps:.2f} GB/s ({self.disk_source})" if self.disk_gbps else self.disk_source
+            if snap is not None and snap.get("missing"):
+                line2 += f"   [red]no snapshot from {', '.join(snap['missing'])}[/]"
+            self.query_one("#status", Static).update(line1 + "\n" + line2)
+
+        def render_snapshot(self) -> None:
+            snap, w, series = self.model.latest, self.model.window, self.model.series
+            t = self.query_one("#stages", DataTable)
+            for s, (p50, p99, n) in stage_rows(w).items():
+                t.update_cell(s, "p50", p50)
+                t.update_cell(s, "p99", p99)
+                t.update_cell(s, "n", n)
+                t.update_cell(s, "spark", sparkline(series[f"{s}_p50"], SPARK_POINTS))
+            t = self.query_one("#throughput", DataTable)
+            sparks = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "hit rate": "hit_rate",
+                      "bytes/token": "bytes_read_per_token", "SSD": "ssd_gbps", "stall share": "stall_share"}
+            for name, text in throughput_rows(snap, w, self.disk_gbps).items():
+                t.update_cell(name, "value", text)
+                t.update_cell(name, "spark", sparkline(series[sparks[name]], SPARK_POINTS) if name in sparks else "")
+            t = self.query_one("#memory", DataTable)
+            for name, (pss, rss, cpu) in memory_rows(snap).items():
+                if name not in t.rows:
+                    t.add_row(name, pss, rss, cpu, key=name)
+                else:
+                    t.update_cell(name, "pss", pss)
+                    t.update_cell(name, "rss", rss)
+                    t.update_cell(name, "cpu", cpu)
+            self.query_one("#budget", Static).update(budget_line(snap))
+            box = self.query_one("#chart", Static).content_region
+            tok = [None if d is None else d + (p or 0) for d, p in zip(series["decode_tok_s"], series["prefill_tok_s"])]
+            self.query_one("#chart", Static).update(
+                "\n".join(chart(tok, max(8, box.width - 10), max(2, box.height - 1))))
+            rows = heat_rows(snap)
+            slots = snap.get("slots") or {}
+            lines = [f"[dim]{label}[/] [green]{cells}[/]  {count}" for label, cells, count in rows]
+            lines.append(f"[dim]{slots.get('resident', 0)} of {slots.get('n_slots')} slots hold an expert[/]")
+            self.query_one("#heat", Static).update("\n".join(lines))
+            self.shown, self.shown_window = snap, w
+
+        # -- keys ---------------------------------------------------------------------------------
+        def action_pause(self) -> None:
+            self.paused = not self.paused
+            self.render_status()
+
+        def action_reset(self) -> None:
+            self.model.reset()
+            self.shown = None  # redraw with the emptied window at the next tick
+
+        def action_help(self) -> None:
+            self.push_screen(HelpScreen())
+
+        def on_unmount(self) -> None:
+            self.feed.close()
+
+    return MonitorApp()
+
+
+HELP_TEXT = """[b]deltafin-monitor[/b]
+
+Stage latency: p50 and p99 over the window, per expert for read and
+prepare, per forward pass for compute, per waiting layer for stall.
+Throughput: tokens, hit rate, bytes read per token and SSD throughput
+over the window; SSD against the disk's direct-read bandwidth.
+Memory: proportional set size, resident set and CPU per process; the
+tree's total against the memory budget.
+Heat map: which experts hold a slot, per MoE layer.
+
+[b]q[/b] quit   [b]p[/b] pause the view   [b]r[/b] reset the window   [b]?[/b] this help
+
+The window is the last 10 s, or the time since r was pressed. History
+points are rates over the last second. Without --endpoint the monitor
+finds the running supervisor and follows it across restarts.
+Close with escape or ?."""
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _next_snapshots(feed: Feed, timeout: float) -> list[dict]:
+    """The snapshots that arrive first within timeout; [] if none came (feed.state says why)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = feed.poll()
+        if got or feed.state == "several":
+            return got
+        time.sleep(0.05)
+    return []
+
+
+def _no_snapshot(feed: Feed, timeout: float) -> int:
+    if feed.state == "several":
+        print("deltafin-monitor: several supervisors are running; pick one with --endpoint:",
+              file=sys.stderr)
+        for r in feed.runs:
+            print(f"  {r.describe()}", file=sys.stderr)
+        return 2
+    where = feed.endpoint or "no running supervisor found"
+    print(f"deltafin-monitor: no snapshot within {timeout:.0f} s ({where})", file=sys.stderr)
+    return 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-monitor",
+                                description="Live view of a running deltafin supervisor: stage latencies, "
+                                            "throughput, cache, SSD, memory, resident experts.")
+    p.add_argument("--endpoint", help="metrics endpoint (default: the one running supervisor, found in "
+                                      "its run directory)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="JSON output (one line per snapshot; with --once, one)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a snapshot (--once, --json)")
+    p.add_argument("--disk-gbps", type=float, help="the disk's direct-read bandwidth (skips the probe)")
+    p.add_argument("--no-probe", action="store_true", help="do not measure the disk at start")
+    p.add_argument("--screenshot", metavar="OUT.svg", help="run headless, save an SVG after --after seconds")
+    p.add_argument("--after", type=float, default=10.0, help="seconds before --screenshot (default 10)")
+    a = p.parse_args(argv)
+    feed = Feed(a.endpoint)
+    try:
+        if a.once or a.json:
+            return _print_snapshots(feed, a)
+        if a.screenshot:
+            import asyncio
+            return asyncio.run(_screenshot(feed, a))
+        if not a.endpoint:  # say which supervisor before the screen takes over, or why none
+            feed.poll()
+            if feed.state == "several":
+                return _no_snapshot(feed, 0)
+        build_app(feed, a.disk_gbps, probe=not a.no_probe).run()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if not feed.ctx.closed:
+            feed.close()
+
+
+def _print_snapshots(feed: Feed, a) -> int:
+    while True:
+        got = _next_snapshots(feed, a.timeout)
+        if not got:
+            return _no_snapshot(feed, a.timeout)
+        for snap in got[-1:] if a.once else got:
+            print(json.dumps(snap) if a.json else format_text(snap, a.disk_gbps), flush=True)
+        if a.once:
+            return 0
+
+
+async def _screenshot(feed: Feed, a) -> int:
+    app = build_app(feed, a.disk_gbps, probe=not a.no_probe)
+    async with app.run_test(size=(150, 48)) as pilot:
+        await pilot.pause(a.after)
+        app.save_screenshot(Path(a.screenshot).name, str(Path(a.screenshot).parent or "."))
+    return 0 if app.model.latest is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
