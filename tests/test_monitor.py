@@ -296,7 +296,10 @@ def test_stats_answer_at_once_in_the_middle_of_a_long_prefill(tiny_stores, tmp_p
     looks at its control channel (as inside MLX during a real long prompt)."""
     config = tmp_path / "long-prefill.toml"
     config.write_text("[compute]\nprefill_chunk = 1\n")
-    args = ["--config", str(config), "--standin", "--standin-moe-ms", "40", "--standin-dense-ms", "0"]
+    # 4 resident slots of 16: random routing keeps filling them, so the prepare stage (the fill of
+    # the resident tier) moves during the prompt too
+    args = ["--config", str(config), "--standin", "--standin-moe-ms", "40", "--standin-dense-ms", "0",
+            "--max-slots", "4"]
     with running_supervisor(tiny_stores(ARCH), BIG, args) as (endpoint, _):
         finished = threading.Event()
 

@@ -222,3 +222,12 @@ def test_resident_slots_split_among_layouts():
     assert out == {"A": 50, "B": 10}  # the same half of each
     assert tiers.split_resident(sizes, per, room=10**9) == sizes
     assert sum(tiers.split_resident(sizes, per, room=10**9, cap=60).values()) == 60
+
+
+def test_resident_compare_tool_runs_both_with_nothing_read_while_generating(mlx_lm_stores):
+    from deltafin.tools import resident_compare
+    qpath, store = mlx_lm_stores("qwen3_moe")
+    out = resident_compare.run(str(store), str(qpath), PROMPT, tokens=5, rounds=1, log=lambda m: None)
+    assert out["all_same_tokens"] and len(out["rounds"]) == 1
+    assert out["fills_while_generating"] == 0 and out["needs_while_generating"] == 0
+    assert out["median_ratio"] > 0 and out["median_cpu_ratio"] > 0
