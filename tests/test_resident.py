@@ -230,4 +230,24 @@ def test_resident_compare_tool_runs_both_with_nothing_read_while_generating(mlx_
     out = resident_compare.run(str(store), str(qpath), PROMPT, tokens=5, rounds=1, log=lambda m: None)
     assert out["all_same_tokens"] and len(out["rounds"]) == 1
     assert out["fills_while_generating"] == 0 and out["needs_while_generating"] == 0
+    assert out["gate_syncs_while_generating"] == 0  # every layer resident: ids never read back
+    assert out["preloaded_layers"] == len(Store(store).moe_layers)
     assert out["median_ratio"] > 0 and out["median_cpu_ratio"] > 0
+
+
+def test_the_runtime_allocates_the_resident_tier_the_budget_counted(tiny_stores):
+    """The supervisor sizes the resident tier at the bytes a resident expert takes; compute's pools
+    are exactly that, and the staging segment is the small ring."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    store = Store(tiny_stores(ARCH))
+    with running_supervisor(store.path, "4GiB", ["--max-slots", "5"]) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            c.generate(PROMPT, max_tokens=3)
+            s = c.stats()
+    mem, tier = s["memory"], s["workers"]["compute"]["expert_tier"]
+    (group, per), = mem["resident_bytes"].items()
+    assert mem["n_slots"] == 5 and mem["resident"] == {group: 5} == tier["resident_slots"]
+    assert tier["resident_bytes"] == 5 * per and tier["kind"] == "owned"
+    assert mem["staging_bytes"] == mem["staging_slots"] * mem["slot_bytes"]
+    assert mem["staging_slots"] == max(2 * store.top_k, 2 * 4)  # 2 x loader.threads (4)

@@ -38,7 +38,7 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
     store = Store(store_path)
     source, staging, loader = local_router(store, config, len(store.records))
     compute = Compute(store, config, source, staging, store.max_record_bytes)
-    compute.preload()
+    preloaded = compute.preload()
     compute.experts.force_sync = sync_every_layer
 
     def mlx_lm() -> tuple[float, list, float]:
@@ -66,6 +66,7 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
     try:
         mlx_lm(), deltafin()  # warm both: kernels, allocator
         fills, needs = compute.experts.tier.fills, source.messages.get("need")
+        syncs = compute.experts.counters.get("gate_syncs")
         rows = []
         for r in range(rounds):
             order = (("mlx-lm", mlx_lm), ("deltafin", deltafin))
@@ -83,8 +84,10 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
                 "median_cpu_ratio": float(np.median([r["cpu_ratio"] for r in rows])),
                 "all_same_tokens": all(r["same_tokens"] for r in rows),
                 "sync_every_layer": sync_every_layer, "device": str(mx.default_device()),
+                "preloaded_layers": preloaded,
                 "fills_while_generating": compute.experts.tier.fills - fills,
-                "needs_while_generating": source.messages.get("need") - needs}
+                "needs_while_generating": source.messages.get("need") - needs,
+                "gate_syncs_while_generating": compute.experts.counters.get("gate_syncs") - syncs}
     finally:
         loader.close()
 
