@@ -40,7 +40,9 @@ class RequestError(ValueError):
 
 
 class ExpertUnavailable(RuntimeError):
-    code = "expert_unavailable"
+    def __init__(self, message: str, code: str = "expert_unavailable"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -537,8 +539,8 @@ class RouterClient:
             except (TimeoutError, ConnectionError) as e:
                 raise ExpertUnavailable(str(e)) from None
             msg = recv(self.sock)
-            if isinstance(msg, M.Error):
-                raise ExpertUnavailable(f"{msg.code}: {msg.message}")
+            if isinstance(msg, M.Error):  # the router's own code (budget_too_small, expert_read_failed)
+                raise ExpertUnavailable(msg.message, code=msg.code)
             if isinstance(msg, M.Slots) and msg.req == self.req:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
 
