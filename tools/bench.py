@@ -318,6 +318,7 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
     try:
         if cap is not None:
             cap.reset_peak()
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         if name in DELTAFIN_MODES:
             r = run_deltafin(s, regime, name, cap)
@@ -326,6 +327,8 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
         else:
             r = run_mlxlm(s, regime, cap, ckpt, mlxlm_dtype)
         r["run_s"] = time.perf_counter() - t0
+        # this machine is shared: the 1-minute load average before and after says how much
+        r["load_average"] = [load0, os.getloadavg()[0]]
         r["page_cache"] = "dropped" if dropped is None else f"not dropped: {dropped}"
         if cap is not None:
             r["cap"] = {**cap.describe(), "cgroup_peak_bytes": cap.peak_bytes(), "oom_kills": cap.oom_kills()}
