@@ -221,6 +221,10 @@ class Supervisor:
         self.plan: BudgetPlan = plan_budget(self.store, config)
         self.plan.check()
         self.endpoint_arg = endpoint or rc.endpoint
+        # Runs killed earlier go first: their segments, and a socket file at our endpoint's path.
+        swept = sweep_stale_runs()
+        if swept:
+            self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
         self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
@@ -253,9 +257,6 @@ class Supervisor:
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> str:
-        swept = sweep_stale_runs()
-        if swept:
-            self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         self.rundir = RunDir()
         self.control = make_socket(self.ctx, zmq.ROUTER)
         # A restarted worker connects with the identity of the dead one: it takes the route over.
