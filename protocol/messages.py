@@ -8,17 +8,32 @@ docs/PROTOCOL.md documents the client-facing types for peers in any language.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import msgpack
 
 PROTOCOL_VERSION = 1
+# The largest frame any deltafin socket takes (zmq.MAXMSGSIZE, runtime/sockets.py) and decode
+# accepts. The client endpoint takes less (runtime.max_request_bytes): requests are small.
 MAX_MESSAGE_BYTES = 256 << 20
+# Room a bulk result leaves for the rest of its message and the supervisor-compute envelope, so
+# a logits reply admitted by `check_request` always fits in one frame on every hop.
+ENVELOPE_BYTES = 1 << 20
+MAX_RESULT_BYTES = MAX_MESSAGE_BYTES - ENVELOPE_BYTES
+# Elements of one msgpack array or map: token ids are bounded by max_context long before this,
+# and without a bound a small frame of one-byte elements becomes a huge Python list.
+MAX_ITEMS = 1 << 20
+MAX_STOP_STRINGS = 64
 
 
 class ProtocolError(ValueError):
     """A message that cannot be decoded or does not match its schema."""
+
+
+class BadRequest(ValueError):
+    """A well-formed request the runtime refuses (answered with code `bad_request`)."""
 
 
 _KINDS = {int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
@@ -77,11 +92,15 @@ def encode(msg) -> bytes:
     return msgpack.packb(data, use_bin_type=True)
 
 
-def decode(raw: bytes):
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+def decode(raw: bytes, limit: int = MAX_MESSAGE_BYTES):
+    if len(raw) > limit:
+        raise ProtocolError(f"message of {len(raw)} bytes exceeds the {limit} byte limit")
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        # Explicit limits: msgpack's defaults scale with the frame, so a frame of one-byte array
+        # elements would become a list of millions of objects. Ext types are never used.
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limit,
+                               max_bin_len=limit, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS,
+                               max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise ProtocolError(f"not a msgpack message: {e}") from None
     if not isinstance(data, dict):
@@ -111,6 +130,7 @@ class Welcome:
     architecture: str
     vocab_size: int
     max_context: int
+    max_request_bytes: int = 0  # the largest request frame the endpoint takes (0: not said)
 
 
 @message("generate")
@@ -179,6 +199,8 @@ class HealthResult:
     id: int
     ok: bool
     workers: dict
+    state: str = "serving"  # or "restarting" (workers being replaced after a death)
+    restarts: int = 0       # worker restarts since the supervisor started
 
 
 @message("error")
@@ -186,6 +208,61 @@ class Error:
     id: int | None
     code: str
     message: str
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of this runtime: `check_request` refuses the rest up front."""
+    vocab_size: int
+    max_context: int
+    max_result_bytes: int = MAX_RESULT_BYTES
+
+
+def _check_token_ids(ids: list, limits: RequestLimits, what: str) -> None:
+    if not ids:
+        raise BadRequest("empty prompt")
+    # bool is an int subclass in Python (and msgpack has its own true/false): refused by type
+    if any(type(i) is not int or not 0 <= i < limits.vocab_size for i in ids):
+        raise BadRequest(f"{what}: token ids must be integers in [0, {limits.vocab_size})")
+    if len(ids) > limits.max_context:
+        raise BadRequest(f"{what}: {len(ids)} tokens exceed max_context={limits.max_context}")
+
+
+def check_request(msg, limits: RequestLimits) -> None:
+    """Raises BadRequest for a generate or logits request that cannot be served as asked, before
+    any work starts: mixed or missing prompt, token ids of the wrong type or range, lengths past
+    max_context, sampling parameters that are not finite numbers in range, a logits reply that
+    would not fit in one message. (Prompt text is measured in tokens by compute.)"""
+    if isinstance(msg, Generate):
+        if (msg.prompt is None) == (msg.token_ids is None):
+            raise BadRequest("generate takes exactly one of prompt and token_ids")
+        if msg.prompt == "":
+            raise BadRequest("empty prompt")
+        if not 0 <= msg.max_tokens < limits.max_context:
+            raise BadRequest(f"max_tokens must be within [0, {limits.max_context}) "
+                             f"(max_context={limits.max_context} holds the prompt too)")
+        if msg.token_ids is not None:
+            _check_token_ids(msg.token_ids, limits, "generate")
+            if len(msg.token_ids) + msg.max_tokens > limits.max_context:
+                raise BadRequest(f"prompt ({len(msg.token_ids)} tokens) + max_tokens ({msg.max_tokens}) "
+                                 f"exceeds max_context={limits.max_context}")
+        if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
+            raise BadRequest(f"temperature must be a finite number >= 0, got {msg.temperature}")
+        if not (math.isfinite(msg.top_p) and 0 < msg.top_p <= 1):
+            raise BadRequest(f"top_p must be within (0, 1], got {msg.top_p}")
+        if msg.seed is not None and msg.seed < 0:
+            raise BadRequest(f"seed must be an integer >= 0, got {msg.seed}")
+        if msg.stop is not None:
+            if len(msg.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in msg.stop):
+                raise BadRequest(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+    elif isinstance(msg, Logits):
+        _check_token_ids(msg.token_ids, limits, "logits")
+        need = len(msg.token_ids) * limits.vocab_size * 4
+        if need > limits.max_result_bytes:
+            most = limits.max_result_bytes // (limits.vocab_size * 4)
+            raise BadRequest(f"logits of {len(msg.token_ids)} tokens x {limits.vocab_size} vocabulary "
+                             f"would be a {need} byte reply, over the {limits.max_result_bytes} byte "
+                             f"message limit; ask for at most {most} tokens per request")
 
 
 # --------------------------------------------------------------------------------------------

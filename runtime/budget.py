@@ -94,7 +94,7 @@ class BudgetPlan:
     def check(self) -> None:
         if self.budget < self.minimum:
             raise BudgetError(f"memory budget {format_size(self.budget)} is below the minimum "
-                              f"{format_size(self.minimum)} for this model ({self.describe()})")
+                              f"{format_size(self.minimum, up=True)} for this model ({self.describe()})")
 
     def size_pool(self, measured_tree: int, cap: int = 0) -> int:
         """Resident slots that fit once the workers are up (measured_tree already holds the dense

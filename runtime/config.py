@@ -30,13 +30,16 @@ def parse_size(text) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m[2].lower() not in _UNITS:
         raise ConfigError(f"cannot read size {text!r} (examples: 512MiB, 8GiB, 6GB)")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+    return round(float(m[1]) * _UNITS[m[2].lower()])
 
 
-def format_size(n: int) -> str:
+def format_size(n: int, up: bool = False) -> str:
+    """Two decimals in the largest fitting unit; up=True rounds up, for a minimum that must
+    still be enough when a user passes the printed figure back."""
     for unit, div in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
+            value = -(-n * 100 // div) / 100 if up else n / div
+            return f"{value:.2f} {unit}"
     return f"{n} B"
 
 
@@ -48,6 +51,15 @@ class RuntimeConfig:
     startup_timeout_s: float = 180.0
     control_timeout_s: float = 30.0
     record_trace: str = ""
+    restart_max: int = 3
+    restart_window_s: float = 300.0
+    max_request_bytes: str = "16MiB"
+    max_inflight: int = 64
+    keys_dir: str = ""
+
+    @property
+    def request_bytes(self) -> int:
+        return parse_size(self.max_request_bytes)
 
     @property
     def budget_bytes(self) -> int:
@@ -134,6 +146,13 @@ class Config:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
+        if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:
+            raise ConfigError("runtime.restart_max must be >= 0 and runtime.restart_window_s > 0")
+        from deltafin.protocol.messages import MAX_MESSAGE_BYTES
+        if not 1024 <= parse_size(self.runtime.max_request_bytes) <= MAX_MESSAGE_BYTES:
+            raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
+        if self.runtime.max_inflight < 1:
+            raise ConfigError("runtime.max_inflight must be >= 1")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:

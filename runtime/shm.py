@@ -13,6 +13,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -82,17 +83,38 @@ class RunDir:
     def __init__(self, root: Path | None = None):
         self.root = root or runs_root()
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(self.root)
+        # The root sits in a shared temporary directory: one made by another user (or a link)
+        # would let that user reach our sockets, so it is refused rather than used.
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(f"{self.root} is not a directory of this user; remove it or set "
+                                  f"DELTAFIN_RUN_ROOT to a private directory")
         os.chmod(self.root, 0o700)
         self.run_id = secrets.token_hex(4)
         self.path = self.root / self.run_id
         self.path.mkdir(mode=0o700)
         self.segments: list[str] = []
+        self.files: list[str] = []  # socket files outside the directory (a user-given ipc endpoint)
         self._write()
 
     def _write(self) -> None:
         tmp = self.path / "run.json.tmp"
-        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": self.segments}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": self.segments, "files": self.files}))
         os.replace(tmp, self.path / "run.json")
+
+    def record_file(self, path) -> None:
+        """A socket file this run creates elsewhere: recorded before it exists, so a start after a
+        crash removes it (only if it is still a socket)."""
+        self.files.append(str(path))
+        self._write()
+
+    def drop_segment(self, segment: Segment) -> None:
+        """Unmaps and unlinks one segment of this run (a worker restart replaces the pool)."""
+        segment.close()
+        unlink(segment.name)
+        if segment.name in self.segments:
+            self.segments.remove(segment.name)
+            self._write()
 
     def segment_name(self, what: str) -> str:
         return f"{SEGMENT_PREFIX}{self.run_id}{what}"[:30]
@@ -113,21 +135,31 @@ class RunDir:
 
 
 def sweep_stale_runs(root: Path | None = None) -> list[str]:
-    """Unlinks the segments and removes the directories of runs whose supervisor is gone."""
+    """Unlinks the segments and socket files and removes the directories of runs whose
+    supervisor is gone. A socket file a live run records (the same path reused) stays."""
     root = root or runs_root()
     swept = []
     if not root.exists():
         return swept
+    runs = []
     for run in root.iterdir():
-        meta = run / "run.json"
         try:
-            info = json.loads(meta.read_text())
+            info = json.loads((run / "run.json").read_text())
         except (OSError, json.JSONDecodeError):
             info = None
-        if info is not None and pid_alive(int(info.get("pid", 0))):
+        runs.append((run, info, info is not None and pid_alive(int(info.get("pid", 0)))))
+    live_files = {f for _, info, alive in runs if alive for f in info.get("files", [])}
+    for run, info, alive in runs:
+        if alive:
             continue
         for name in (info or {}).get("segments", []):
             if unlink(name):
                 swept.append(name)
+        for path in (info or {}).get("files", []):
+            try:
+                if path not in live_files and stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass
         shutil.rmtree(run, ignore_errors=True)
     return swept

@@ -1,4 +1,5 @@
-"""One socket factory: every socket gets LINGER, high-water marks and, for ROUTER, MANDATORY.
+"""One socket factory: every socket gets LINGER, high-water marks, a message size limit and, for
+ROUTER, MANDATORY.
 
 Sockets are not thread-safe: each is made and used by one thread.
 """
@@ -11,11 +12,15 @@ import zmq
 from deltafin.protocol import messages as M
 
 
-def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None, hwm: int = 10000) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None, hwm: int = 10000,
+                max_bytes: int = M.MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """max_bytes: the largest inbound frame; a peer that sends a larger one is disconnected by
+    ZeroMQ before the frame is buffered (it never reaches our memory or our decoder)."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)  # shutdown never blocks on undelivered messages
     s.setsockopt(zmq.SNDHWM, hwm)
     s.setsockopt(zmq.RCVHWM, hwm)
+    s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if kind == zmq.ROUTER:
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
     if identity:

@@ -210,18 +210,65 @@ class Store:
             raise StoreError(f"{mpath}: store format version {m.get('version')} is not supported "
                              f"(this deltafin reads version {VERSION}); re-run deltafin-convert")
         self.manifest = m
-        self.config = m["config"]
-        self.layouts = m["layouts"]
-        self.records = {(r["layer"], r["expert"]): ExpertRecord(**r) for r in m["experts"]}
-        self.moe_layers = list(m["model"]["moe_layers"])
-        self.n_experts = int(m["model"]["n_experts"])
-        self.top_k = int(m["model"]["top_k"])
-        self.bits = int(m["quantization"]["bits"])
-        self.group_size = int(m["quantization"]["group_size"])
+        try:
+            self.config = m["config"]
+            self.layouts = m["layouts"]
+            self.records = {(r["layer"], r["expert"]): ExpertRecord(**r) for r in m["experts"]}
+            self.moe_layers = list(m["model"]["moe_layers"])
+            self.n_experts = int(m["model"]["n_experts"])
+            self.top_k = int(m["model"]["top_k"])
+            self.bits = int(m["quantization"]["bits"])
+            self.group_size = int(m["quantization"]["group_size"])
+            m["tokenizer"]["files"], m["dense_files"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
         for layer in self.moe_layers:
             for e in range(self.n_experts):
                 if (layer, e) not in self.records:
                     raise StoreError(f"{mpath}: no record for layer {layer} expert {e}")
+
+    def check_files(self) -> None:
+        """Cheap start-up check that the files are the ones the manifest describes: sizes and
+        headers only, no data read (the loader checks every record's CRC-32 when it reads it).
+        Raises StoreError naming the first thing wrong."""
+        from deltafin.runtime.tensorfile import TensorFileError, read_header
+        for name in self.manifest.get("dense_files", []):
+            path = self.path / name
+            if not path.is_file():
+                raise StoreError(f"{self.path}: dense weight file {name} is missing")
+            try:
+                read_header(path)  # also refuses a tensor that ends past the end of the file
+            except (OSError, TensorFileError, KeyError, TypeError, ValueError) as e:
+                raise StoreError(f"{path}: unreadable dense weights: {e}") from None
+        for fname in self.manifest["tokenizer"]["files"]:
+            if not (self.tokenizer_dir / fname).is_file():
+                raise StoreError(f"{self.path}: tokenizer file {fname} is missing")
+        by_file: dict[str, list[ExpertRecord]] = {}
+        for rec in self.records.values():
+            by_file.setdefault(rec.file, []).append(rec)
+        for fname, recs in sorted(by_file.items()):
+            path = self.path / fname
+            if Path(fname).is_absolute() or ".." in Path(fname).parts:
+                raise StoreError(f"{self.path}: manifest names expert file {fname!r} outside the store")
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise StoreError(f"{self.path}: expert file {fname} is missing") from None
+            end = 0
+            for rec in sorted(recs, key=lambda r: r.offset):
+                where = f"{fname}: layer {rec.layer} expert {rec.expert}"
+                layout = self.layouts.get(rec.layout)
+                if layout is None or layout.get("nbytes") != rec.nbytes or rec.nbytes <= 0:
+                    raise StoreError(f"{where}: the record's layout {rec.layout!r} does not match "
+                                     f"its {rec.nbytes} bytes in the manifest")
+                if rec.offset % ALIGN or rec.offset < end:
+                    raise StoreError(f"{where}: offset {rec.offset} is not {ALIGN}-aligned or "
+                                     f"overlaps the record before it")
+                if rec.offset + rec.nbytes > size:
+                    raise StoreError(f"{where}: the record needs bytes {rec.offset}..{rec.offset + rec.nbytes} "
+                                     f"but the file has {size} bytes (truncated, or not this "
+                                     f"manifest's file)")
+                end = rec.offset + rec.nbytes
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
         return self.records[(layer, expert)]

@@ -1,12 +1,20 @@
 """deltafin-supervisor: launches router, loader and compute, owns endpoints and shared memory.
 
-Start-up: sweep stale runs, check the budget estimate, start the three workers as separate OS
-processes, wait for each one's ready message while watching that none died, measure the tree,
-size and create the slot pool, hand it to the workers, bind the client endpoint, print
-`READY <endpoint>`. Serving: relay client requests to compute and its replies back, answer
-hello/health/stats itself, watch the workers, and merge the workers' metrics snapshots into one
-that it republishes on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md). Any worker death ends the run non-zero with the
-role and exit code; SIGINT/SIGTERM end it with 0. One idempotent shutdown serves every path.
+Start-up: sweep stale runs, check the store's files and the budget estimate, start the three
+workers as separate OS processes, wait for each one's ready message while watching that none
+died, measure the tree, size and create the slot pool, hand it to the workers, bind the client
+endpoint, print `READY <endpoint>`. Serving: check each client request against the limits and
+answer what is wrong at once, relay the rest to compute and its replies back, answer
+hello/health/stats itself, and merge the workers' metrics snapshots into one that it republishes
+on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
+
+Worker deaths: one thread per worker waits for its exit, so a death wakes the serving loop at
+once and the first role to die is the one named. Every request in flight then fails with
+`worker_died`, the other workers are killed, the pool segment is unlinked, and all three start
+again on a fresh segment while the client endpoint stays bound (requests meanwhile get
+`restarting`), up to `runtime.restart_max` times in `runtime.restart_window_s`; beyond that the
+supervisor exits 1 naming the role. SIGINT/SIGTERM end it with 0. One idempotent shutdown serves
+every path.
 """
 from __future__ import annotations
 
@@ -18,7 +26,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict, deque
+from pathlib import Path
 
 import zmq
 from deltafin.protocol import messages as M
@@ -26,12 +37,15 @@ from deltafin.runtime import archinfo
 from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size, load_config
+from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
+                                       default_keys_dir, file_identity, ipc_path, remove_socket_file)
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
 
 ROLES = ("router", "loader", "compute")
+STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
 
 
 class SupervisorError(RuntimeError):
@@ -39,37 +53,194 @@ class SupervisorError(RuntimeError):
 
 
 class WorkerDied(SupervisorError):
-    def __init__(self, role: str, pid: int, code: int):
-        super().__init__(f"worker {role} (pid {pid}) exited with code {code}")
-        self.role, self.code = role, code
+    def __init__(self, role: str, pid: int, code: int | None, at: float = 0.0):
+        self.role, self.pid, self.code, self.at = role, pid, code, at
+        if code is None:
+            how = "is unreachable on the control channel"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name} (exit code {code})"
+            except ValueError:
+                how = f"was killed by signal {-code} (exit code {code})"
+        else:
+            how = f"exited with code {code}"
+        super().__init__(f"worker {role} (pid {pid}) {how}")
 
 
-def check_endpoint(endpoint: str, allow_remote: bool) -> None:
-    if endpoint.startswith("tcp://"):
-        host = endpoint[6:].rsplit(":", 1)[0]
-        if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not allow_remote:
-            raise SupervisorError(f"{endpoint} is not a loopback address; pass --allow-remote to "
-                                  f"expose the runtime to other machines")
-    elif not endpoint.startswith("ipc://"):
-        raise SupervisorError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
+class Workers:
+    """One generation of the three worker processes: started together, stopped together, and
+    watched by one thread each, which records each exit the moment the OS reports it (so the
+    first role to die is the one named, not one that died of its loss) and wakes the serving
+    loop through a pipe (its read end is polled with the sockets)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.deaths: list[WorkerDied] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+
+    def start(self) -> None:
+        """Router first: it binds the data endpoint the others connect to."""
+        deaths: list[WorkerDied] = []
+        self.procs, self.deaths, self._threads = {}, deaths, []
+        for role in ROLES:
+            p = subprocess.Popen([sys.executable, "-m", f"deltafin.workers.{role}", str(self.run_dir)],
+                                 stdin=subprocess.DEVNULL, stdout=sys.stderr)
+            self.procs[role] = p
+            t = threading.Thread(target=self._watch, args=(role, p, deaths), name=f"watch-{role}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _watch(self, role: str, p: subprocess.Popen, deaths: list) -> None:
+        code = p.wait()
+        with self._lock:
+            deaths.append(WorkerDied(role, p.pid, code, time.monotonic()))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # closed at shutdown, or full: the loop is awake anyway
+            pass
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def first_death(self) -> WorkerDied | None:
+        with self._lock:
+            return min(self.deaths, key=lambda d: d.at) if self.deaths else None
+
+    def alive(self, role: str) -> bool:
+        p = self.procs.get(role)
+        return p is not None and p.returncode is None and p.poll() is None
+
+    def pids(self) -> dict[str, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def stop(self, grace_s: float) -> None:
+        """Waits up to grace_s for the workers to exit by themselves (after a polite message
+        from the caller), then SIGTERM, then SIGKILL: one shared, short deadline."""
+        deadline = time.monotonic() + grace_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        for sig, wait_s in ([(signal.SIGTERM, 1.0)] if grace_s else []) + [(signal.SIGKILL, 5.0)]:
+            left = [p for p in self.procs.values() if p.returncode is None and p.poll() is None]
+            if not left:
+                break
+            for p in left:
+                try:
+                    p.send_signal(sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            for t in self._threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for fd in (self.wake_fd, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class ClientEndpoint:
+    """The client-facing ROUTER socket. A request is one frame; a DEALER sends it alone, a REQ
+    after an empty delimiter frame, and each gets its replies in the same envelope (a REQ peer
+    takes exactly one reply per request, so it gets no `token` messages). Frames over
+    runtime.max_request_bytes are refused by ZeroMQ itself (the peer is disconnected)."""
+
+    REQ_PEERS_KEPT = 4096
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, curve: CurveServer | None):
+        self.sock = make_socket(ctx, zmq.ROUTER, max_bytes=max_bytes)
+        self.max_bytes = max_bytes
+        self.req_peers: OrderedDict[bytes, None] = OrderedDict()
+        self.socket_file: Path | None = None
+        self._identity = None
+        if curve is not None:
+            curve.apply(self.sock)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self.sock.close(0)
+            raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith("ipc://"):
+            self.socket_file = ipc_path(endpoint)
+            self._identity = file_identity(self.socket_file)
+
+    def receive(self) -> tuple[bytes, bytes | None, str | None]:
+        """(peer, request frame or None, why it cannot be read)."""
+        frames = self.sock.recv_multipart()
+        ident, body = frames[0], frames[1:]
+        if len(body) > 1 and body[0] == b"":  # a REQ envelope (a lone empty frame is a message)
+            self.req_peers[ident] = None
+            self.req_peers.move_to_end(ident)
+            while len(self.req_peers) > self.REQ_PEERS_KEPT:
+                self.req_peers.popitem(last=False)
+            body = body[1:]
+        else:
+            self.req_peers.pop(ident, None)
+        if len(body) != 1:
+            return ident, None, (f"a request is one frame (after an empty delimiter frame for REQ "
+                                 f"sockets); got {len(body)}")
+        return ident, body[0], None
+
+    def reply(self, ident: bytes, msg) -> bool:
+        """False when the peer is gone (nothing to deliver to)."""
+        req = ident in self.req_peers
+        if req and isinstance(msg, M.Token):
+            return True
+        frames = [ident, b"", M.encode(msg)] if req else [ident, M.encode(msg)]
+        try:
+            self.sock.send_multipart(frames)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self.socket_file is not None:  # ZeroMQ leaves the ipc socket file behind
+            remove_socket_file(self.socket_file, self._identity)
 
 
 class Supervisor:
     def __init__(self, store_path: str, config, endpoint: str | None = None, log=None):
         self.config = config
+        rc = config.runtime
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
         self.store = Store(store_path)
+        self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.plan: BudgetPlan = plan_budget(self.store, config)
         self.plan.check()
-        self.endpoint_arg = endpoint or config.runtime.endpoint
+        self.endpoint_arg = endpoint or rc.endpoint
+        # Runs killed earlier go first: their segments, and a socket file at our endpoint's path.
+        swept = sweep_stale_runs()
+        if swept:
+            self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         if self.endpoint_arg:
-            check_endpoint(self.endpoint_arg, config.runtime.allow_remote)
-        self.procs: dict[str, subprocess.Popen] = {}
+            check_endpoint(self.endpoint_arg, rc.allow_remote)
+        self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
+                                      max_context=config.compute.max_context)
+        self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
         self.rundir: RunDir | None = None
+        self.client: ClientEndpoint | None = None
+        self.curve: CurveServer | None = None
         self.closed = False
+        self.clean_stop = True   # False after a death: survivors are killed, not waited for
+        self.state = "starting"  # -> serving <-> restarting
+        self.generation = 0
+        self.restart_times: deque = deque()
+        self.last_death: WorkerDied | None = None
         self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
         # Stats answers wait (briefly) until every worker's snapshot is newer than the last
         # finished request: [(client identity, request id, sync id needed, deadline)]
@@ -86,11 +257,10 @@ class Supervisor:
 
     # -- start-up -----------------------------------------------------------------------------------
     def start(self) -> str:
-        swept = sweep_stale_runs()
-        if swept:
-            self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         self.rundir = RunDir()
         self.control = make_socket(self.ctx, zmq.ROUTER)
+        # A restarted worker connects with the identity of the dead one: it takes the route over.
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.control.bind(self.rundir.endpoint("control"))
         # Workers publish to metrics-in; subscribers (deltafin-monitor) find `metrics` here.
         self.hub = MetricsHub(self.ctx, self.rundir.endpoint("metrics-in"), self.rundir.endpoint("metrics"))
@@ -102,13 +272,43 @@ class Supervisor:
                              "metrics": self.rundir.endpoint("metrics")},
                "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache}}
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
-        # router first: it binds the data endpoint the others connect to
-        for role in ROLES:
-            self.procs[role] = subprocess.Popen(
-                [sys.executable, "-m", f"deltafin.workers.{role}", str(self.rundir.path)],
-                stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=False)
+        self.workers = Workers(self.rundir.path)
+        self.poller = zmq.Poller()
+        for sock in (self.control, self.hub.sub, self.workers.wake_fd):
+            self.poller.register(sock, zmq.POLLIN)
+        self._start_workers()
+        self._bind_client()
+        self.state = "serving"
+        self._sample_processes()
+        self._synchronize()  # the first stats answer already sees the workers with their pool
+        n_slots = self.plan.n_slots
+        per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
+        self.log(f"{n_slots} resident expert slots of {per} "
+                 f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
+                 f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
+                 f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(self.startup_tree_bytes)}")
+        return self.client.endpoint
+
+    def _start_workers(self) -> None:
+        """Starts a generation of workers and hands them a new pool. The first generation's
+        measurement sizes the pool; a restart keeps that size (the output never depends on it)."""
+        self.generation += 1
+        self.ready_info = {}
+        self.workers.start()
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
-        measured = self.startup_tree_bytes = tree_memory([os.getpid()] + [p.pid for p in self.procs.values()])
+        if not self.plan.n_slots:
+            self._size_pool()
+        self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
+        attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
+                              slot_bytes=self.plan.slot_bytes, resident=self.plan.resident)
+        for role in ROLES:
+            self._to_worker(role, attach)
+        self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
+
+    def _size_pool(self) -> None:
+        """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,
+        then the resident tier at the bytes compute's dtype gives a resident expert."""
+        measured = self.startup_tree_bytes = tree_memory([os.getpid(), *self.workers.pids().values()])
         self.plan.set_dtype(self.ready_info.get("compute", {}).get("dtype", ""))
         try:
             n_slots = self.plan.size_pool(measured, cap=self.config.cache.max_slots)
@@ -119,29 +319,24 @@ class Supervisor:
             raise BudgetError(f"{min(self.plan.resident.values())} resident expert slots cannot hold one "
                               f"token's {self.plan.min_slots} experts of a layer; raise cache.max_slots "
                               f"or the memory budget")
-        self.segment = self.rundir.create_segment("staging", self.plan.staging)
-        attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
-                              slot_bytes=self.plan.slot_bytes, resident=self.plan.resident)
-        for role in ROLES:
-            send(self.control, attach, to=role.encode())
-        self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
-        self.client = make_socket(self.ctx, zmq.ROUTER)
+
+    def _bind_client(self) -> None:
+        rc = self.config.runtime
         endpoint = self.endpoint_arg or self.rundir.endpoint("client")
-        try:
-            self.client.bind(endpoint)
-        except zmq.ZMQError as e:
-            raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
-        self.endpoint = self.client.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sample_processes()
-        self._synchronize()  # the first stats answer already sees the workers with their pool
-        per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
-        self.log(f"{n_slots} resident expert slots of {per} "
-                 f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
-                 f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
-                 f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(measured)}")
-        return self.endpoint
+        if rc.allow_remote and endpoint.startswith("tcp://"):
+            keys = KeyDir(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir())
+            self.curve = CurveServer(self.ctx, keys)
+            self.log(f"CURVE on: server public key {keys.path / 'server.key'}, clients allowed in "
+                     f"{keys.clients} (docs/SECURITY.md)")
+        if self.endpoint_arg and endpoint.startswith("ipc://"):
+            check_endpoint(endpoint, rc.allow_remote)  # again: the path may have appeared since
+            self.rundir.record_file(ipc_path(endpoint))
+        self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve)
+        self.poller.register(self.client.sock, zmq.POLLIN)
 
     def _await(self, match, what: str, timeout_s: float) -> None:
+        """Waits for every worker's `what`, failing at once when one dies. Clients keep being
+        answered meanwhile (during a restart: `restarting` for work, the rest as usual)."""
         waiting = set(ROLES)
         deadline = time.monotonic() + timeout_s
         while waiting:
@@ -149,43 +344,54 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise SupervisorError(f"timed out after {timeout_s:.0f} s waiting for {what} from "
                                       f"{', '.join(sorted(waiting))}")
-            if self.control.poll(100):
-                sender, msg = recv(self.control, routed=True)
-                role = sender.decode()
+            events = dict(self.poller.poll(100))
+            if self.workers.wake_fd in events:
+                self.workers.drain_wake()
+            if self.hub.sub in events:
+                self.hub.drain()
+            if self.client is not None and self.client.sock in events:
+                self._on_client()
+            self._answer_stats()
+            if self.control in events:
+                try:
+                    sender, msg = recv(self.control, routed=True)
+                except M.ProtocolError as e:
+                    self.log(f"dropped a bad control message: {e}")
+                    continue
+                role = sender.decode(errors="replace")
                 if match(msg):
                     waiting.discard(role)
                     if isinstance(msg, M.WorkerReady):
                         self.ready_info[role] = {"pid": msg.pid, **msg.info}
+                elif isinstance(msg, M.Metrics):
+                    self.hub.offer(msg)
 
     def _check_workers(self) -> None:
-        for role, p in self.procs.items():
-            code = p.poll()
-            if code is not None:
-                raise WorkerDied(role, p.pid, code)
+        death = self.workers.first_death()
+        if death is not None:
+            self.clean_stop = False  # until a restart succeeds: the survivors are not waited for
+            raise death
 
     # -- serving ------------------------------------------------------------------------------------
     def serve_forever(self, stop_flag) -> None:
-        poller = zmq.Poller()
-        poller.register(self.client, zmq.POLLIN)
-        poller.register(self.control, zmq.POLLIN)
-        poller.register(self.hub.sub, zmq.POLLIN)
         last_mem = last_publish = time.monotonic()
         while not stop_flag():
             try:
                 wait_ms = max(1, int((last_publish + PUBLISH_INTERVAL_S - time.monotonic()) * 1000))
-                events = dict(poller.poll(min(100, wait_ms)))
+                events = dict(self.poller.poll(min(100, wait_ms)))
+                if self.workers.wake_fd in events:
+                    self.workers.drain_wake()
+                self._check_workers()
                 if self.hub.sub in events:
                     self.hub.drain()
-                if self.client in events:
+                if self.client.sock in events:
                     self._on_client()
                 if self.control in events:
                     self._on_control()
                 self._answer_stats()
                 self._check_workers()
-            except WorkerDied as e:
-                for (ident, rid) in list(self.inflight):
-                    self._reply(ident, M.Error(id=rid, code="worker_died", message=str(e)))
-                raise
+            except WorkerDied as death:
+                self._restart(death)
             if time.monotonic() - last_mem > 1.0:
                 last_mem = time.monotonic()
                 self._sample_processes()
@@ -193,10 +399,53 @@ class Supervisor:
                 last_publish = time.monotonic()
                 self.hub.publish(self._snapshot())
 
+    def _restart(self, death: WorkerDied) -> None:
+        """Fails what was in flight, replaces all three workers and the pool, and returns once
+        they serve again; raises WorkerDied when the restart budget is spent (exit 1)."""
+        while True:
+            self.last_death = death
+            self.state = "restarting"
+            t0 = time.monotonic()
+            window = self.config.runtime.restart_window_s
+            while self.restart_times and t0 - self.restart_times[0] > window:
+                self.restart_times.popleft()
+            may_restart = len(self.restart_times) < self.config.runtime.restart_max
+            then = ("the runtime is restarting its workers" if may_restart else
+                    f"the runtime stops: {len(self.restart_times)} restart(s) in the last {window:.0f} s "
+                    f"(runtime.restart_max = {self.config.runtime.restart_max})")
+            self.log(f"{death}; {then}")
+            for (ident, rid) in list(self.inflight):
+                self._reply(ident, M.Error(id=rid, code="worker_died", message=f"{death}; {then}"))
+            self.inflight.clear()
+            for ident, rid, _, _ in self.pending_stats:
+                self._finish_stats(ident, rid)
+            self.pending_stats = []
+            # The others hold nothing a restart keeps (the supervisor owns the segment), so they
+            # are killed at once rather than waited for (compute may be deep in a computation).
+            self.workers.stop(grace_s=0)
+            if self.segment is not None:
+                self.rundir.drop_segment(self.segment)
+                self.segment = None
+            if not may_restart:
+                self.clean_stop = False
+                raise death
+            self.restart_times.append(t0)
+            self.hub.history.clear()  # the new workers count from zero: no window across the restart
+            try:
+                self._start_workers()
+            except WorkerDied as again:
+                death = again
+                continue
+            self.state = "serving"
+            self.clean_stop = True
+            self._synchronize()
+            self.log(f"workers restarted in {time.monotonic() - t0:.2f} s (restart "
+                     f"{len(self.restart_times)} of {self.config.runtime.restart_max} in {window:.0f} s)")
+            return
+
     def _sample_processes(self) -> None:
         """Memory and CPU per process, once a second (reading PSS walks the page tables)."""
-        self.processes = self.sampler.sample({"supervisor": os.getpid(),
-                                              **{r: p.pid for r, p in self.procs.items()}})
+        self.processes = self.sampler.sample({"supervisor": os.getpid(), **self.workers.pids()})
         tree = sum((p["pss"] or p["rss"] or 0) for p in self.processes.values())
         self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
 
@@ -205,55 +454,91 @@ class Supervisor:
         try:
             send(self.control, msg, to=role.encode())
         except zmq.ZMQError:
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:  # the watcher reports a death within moments
                 self._check_workers()
-                time.sleep(0.05)
-            raise SupervisorError(f"worker {role} is unreachable") from None
+                time.sleep(0.02)
+            p = self.workers.procs.get(role)
+            raise WorkerDied(role, p.pid if p else 0, None, time.monotonic()) from None
 
-    def _reply(self, ident: bytes, msg) -> None:
-        try:
-            send(self.client, msg, to=ident)
-        except zmq.ZMQError:  # the client went away; nothing to deliver to
-            pass
+    def _reply(self, ident: bytes, msg) -> bool:
+        return self.client.reply(ident, msg) if self.client is not None else False
 
     def _on_client(self) -> None:
-        frames = self.client.recv_multipart()
-        ident, raw = frames[0], frames[-1]
+        ident, raw, problem = self.client.receive()
+        if problem:
+            return self._reply(ident, M.Error(id=None, code="bad_message", message=problem))
         try:
-            msg = M.decode(raw)
+            msg = M.decode(raw, limit=self.client.max_bytes)
         except M.ProtocolError as e:
             return self._reply(ident, M.Error(id=None, code="bad_message", message=str(e)))
+        try:
+            self._on_request(ident, raw, msg)
+        except WorkerDied:
+            raise
+        except Exception as e:  # a bug answering one request must not stop the runtime
+            self.log(f"error answering a {msg.TYPE}: {type(e).__name__}: {e}")
+            self._reply(ident, M.Error(id=getattr(msg, "id", None), code="internal",
+                                       message=f"{type(e).__name__}: {e}"))
+
+    def _on_request(self, ident: bytes, raw: bytes, msg) -> None:
         if isinstance(msg, M.Hello):
             if msg.version != M.PROTOCOL_VERSION:
                 return self._reply(ident, M.Error(id=msg.id, code="version_mismatch",
                                                   message=f"runtime speaks protocol {M.PROTOCOL_VERSION}, "
                                                           f"client {msg.version}"))
-            cfg = self.store.config
             return self._reply(ident, M.Welcome(id=msg.id, version=M.PROTOCOL_VERSION,
                                                 model=str(self.store.path), architecture=self.store.manifest["architecture"],
-                                                vocab_size=int(cfg["vocab_size"]),
-                                                max_context=self.config.compute.max_context))
+                                                vocab_size=self.limits.vocab_size,
+                                                max_context=self.limits.max_context,
+                                                max_request_bytes=self.client.max_bytes))
         if isinstance(msg, M.Health):
-            workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": p.poll() is None}
-                       for r, p in self.procs.items()}
-            return self._reply(ident, M.HealthResult(id=msg.id, ok=all(w["alive"] for w in workers.values()),
-                                                     workers=workers))
+            workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": self.workers.alive(r)}
+                       for r, p in self.workers.procs.items()}
+            ok = self.state == "serving" and all(w["alive"] for w in workers.values())
+            return self._reply(ident, M.HealthResult(id=msg.id, ok=ok, workers=workers, state=self.state,
+                                                     restarts=self.restart_count))
         if isinstance(msg, M.Stats):
             # Answered from the latest snapshots, at once, even mid-prompt; only right after a
             # request finished does it wait for the snapshots that include that request.
-            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + 1.0))
+            wait = 1.0 if self.state == "serving" else 0.0
+            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait))
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
+            # Everything refused here is answered at once, whatever compute is busy with.
+            if self.state != "serving":
+                why = f" after {self.last_death}" if self.last_death else ""
+                return self._reply(ident, M.Error(id=msg.id, code="restarting",
+                                                  message=f"the runtime is restarting its workers{why}; "
+                                                          f"retry in a few seconds"))
+            try:
+                M.check_request(msg, self.limits)
+            except M.BadRequest as e:
+                return self._reply(ident, M.Error(id=msg.id, code="bad_request", message=str(e)))
+            if (ident, msg.id) in self.inflight:
+                return self._reply(ident, M.Error(id=msg.id, code="bad_request",
+                                                  message=f"request id {msg.id} is already in flight"))
+            if len(self.inflight) >= self.config.runtime.max_inflight:
+                return self._reply(ident, M.Error(id=msg.id, code="busy",
+                                                  message=f"{len(self.inflight)} requests are in flight "
+                                                          f"(runtime.max_inflight); retry later"))
             self.inflight[(ident, msg.id)] = time.monotonic()
             return self._to_worker("compute", M.Forward(client=ident, payload=raw))
         self._reply(ident, M.Error(id=getattr(msg, "id", None), code="bad_message",
                                    message=f"{msg.TYPE} is not a request"))
 
+    @property
+    def restart_count(self) -> int:
+        return max(0, self.generation - 1)
+
     def _on_control(self) -> None:
-        sender, msg = recv(self.control, routed=True)
-        if isinstance(msg, M.Forward):
-            reply = M.decode(msg.payload)
+        try:
+            sender, msg = recv(self.control, routed=True)
+            reply = M.decode(msg.payload) if isinstance(msg, M.Forward) else None
+        except M.ProtocolError as e:  # a worker's bug: logged, and the runtime keeps serving
+            self.log(f"dropped a bad message from a worker: {e}")
+            return
+        if reply is not None:
             if isinstance(reply, (M.Done, M.LogitsResult, M.Error)):
                 if self.inflight.pop((msg.client, reply.id), None) is not None:
                     self._synchronize()
@@ -296,37 +581,36 @@ class Supervisor:
         model = {"store": str(self.store.path), "architecture": self.store.manifest["architecture"],
                  "moe_layers": self.store.moe_layers, "n_experts": self.store.n_experts,
                  "top_k": self.store.top_k}
-        return self.hub.stamp(merge(parts, missing, {
+        snap = merge(parts, missing, {
             "memory": memory, "processes": procs, "active_requests": len(self.inflight),
-            "model": model, "run_id": self.rundir.run_id, "ages": ages}))
+            "model": model, "run_id": self.rundir.run_id, "ages": ages})
+        snap.update(state=self.state, restarts=self.restart_count)
+        return self.hub.stamp(snap)
 
     def _finish_stats(self, ident: bytes, rid: int) -> None:
         self._reply(ident, M.StatsResult(id=rid, stats=self._snapshot()))
 
     # -- shutdown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Polite message, then SIGTERM, then SIGKILL, under one shared deadline; idempotent."""
+        """Polite message, then SIGTERM, then SIGKILL, under one short deadline; after a worker
+        death the others are killed at once. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        for role, p in self.procs.items():
-            if p.poll() is None and hasattr(self, "control"):
-                try:
-                    send(self.control, M.Shutdown(reason="supervisor stopping"), to=role.encode())
-                except zmq.ZMQError:
-                    pass
-        deadline = time.monotonic() + 5.0
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5.0)
+        if self.workers is not None:
+            if self.clean_stop and hasattr(self, "control"):
+                for role in ROLES:
+                    if self.workers.alive(role):
+                        try:
+                            send(self.control, M.Shutdown(reason="supervisor stopping"), to=role.encode())
+                        except zmq.ZMQError:
+                            pass
+            self.workers.stop(grace_s=STOP_GRACE_S if self.clean_stop else 0)
+            self.workers.close()
+        if self.client is not None:
+            self.client.close()
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.destroy(linger=0)
         if self.segment is not None:
             self.segment.close()
@@ -340,9 +624,12 @@ def main(argv=None) -> int:
                                             "over shared memory, serving clients on a ZeroMQ endpoint.")
     p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
     p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config)")
-    p.add_argument("--endpoint", help="client endpoint, ipc://PATH or tcp://127.0.0.1:PORT "
+    p.add_argument("--endpoint", help="client endpoint, ipc://PATH (in a directory only you can open; "
+                                      "the path must not exist) or tcp://127.0.0.1:PORT "
                                       "(default: ipc socket in a private run directory)")
-    p.add_argument("--allow-remote", action="store_true", help="allow tcp:// on non-loopback addresses")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow tcp:// on non-loopback addresses; turns CURVE authentication on "
+                        "(keys in runtime.keys_dir, docs/SECURITY.md)")
     p.add_argument("--config", help="TOML file overriding configs/default.toml")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
@@ -378,7 +665,9 @@ def main(argv=None) -> int:
                                         "bench.standin": True if a.standin else None,
                                         "bench.standin_moe_ms": a.standin_moe_ms,
                                         "bench.standin_dense_ms": a.standin_dense_ms})
-        check_bench_config(Store(a.model), config.to_dict())  # a trace that does not fit: refused now
+        store = Store(a.model)
+        store.check_files()
+        check_bench_config(store, config.to_dict())  # a trace that does not fit: refused now
         sup = Supervisor(a.model, config, a.endpoint, log=log)
         endpoint = sup.start()
         if stop["flag"]:
@@ -390,7 +679,8 @@ def main(argv=None) -> int:
     except WorkerDied as e:
         log(str(e))
         return 1
-    except (ConfigError, StoreError, BudgetError, SupervisorError, archinfo.UnsupportedArchitecture) as e:
+    except (ConfigError, StoreError, BudgetError, SupervisorError, SecurityError, PermissionError,
+            archinfo.UnsupportedArchitecture) as e:
         log(f"error: {e}")
         return 2
     finally:

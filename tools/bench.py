@@ -85,8 +85,11 @@ class TreeSampler:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        listed = -1.0
         while not self._stop.is_set():
-            pids = self._pids()
+            tick = time.perf_counter()
+            if tick - listed > 0.25:  # listing the tree scans every process: not on every sample
+                pids, listed = self._pids(), tick
             if not pids:
                 break
             if sys.platform.startswith("linux"):
@@ -96,7 +99,7 @@ class TreeSampler:
                 total = tree_memory(pids)
             self.peak = max(self.peak, total)
             self.samples += 1
-            self._stop.wait(self.interval)
+            self._stop.wait(max(0.0, self.interval - (time.perf_counter() - tick)))  # a period, not a gap
         self.elapsed = time.perf_counter() - t0
 
     def start(self):
@@ -331,6 +334,7 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
     try:
         if cap is not None:
             cap.reset_peak()
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         if name in DELTAFIN_MODES:
             r = run_deltafin(s, regime, name, cap)
@@ -339,6 +343,8 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
         else:
             r = run_mlxlm(s, regime, cap, ckpt, mlxlm_dtype)
         r["run_s"] = time.perf_counter() - t0
+        # this machine is shared: the 1-minute load average before and after says how much
+        r["load_average"] = [load0, os.getloadavg()[0]]
         r["page_cache"] = "dropped" if dropped is None else f"not dropped: {dropped}"
         if cap is not None:
             r["cap"] = {**cap.describe(), "cgroup_peak_bytes": cap.peak_bytes(), "oom_kills": cap.oom_kills()}

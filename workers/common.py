@@ -31,14 +31,37 @@ from deltafin.runtime.telemetry import SnapshotPublisher
 RUN_CONFIG = "run-config.json"
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM when the supervisor dies, even by SIGKILL."""
+PARENT_CHECK_S = 0.2  # a worker outlives its supervisor by at most this (plus scheduling)
+
+
+def die_with_parent(supervisor_pid: int) -> None:
+    """A worker must not outlive its supervisor, even one killed by SIGKILL, and even while its
+    main thread is inside a long MLX computation that no Python signal handler interrupts.
+    Linux: the kernel sends SIGKILL when the supervisor dies (PR_SET_PDEATHSIG). Everywhere
+    (macOS has no such call): a watchdog thread polls the parent pid and ends the process with
+    os._exit. Workers own no segment and no file the supervisor does not clean, so nothing is
+    lost by exiting without cleanup."""
     if sys.platform.startswith("linux"):
         import ctypes
         try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+    # Also covers a supervisor that died before prctl took effect: getppid has changed already.
+    watch_parent(supervisor_pid)
+
+
+def watch_parent(parent_pid: int) -> threading.Thread:
+    """A daemon thread that ends the process once its parent is gone. MLX releases the GIL while
+    it computes, so the thread runs even while the main thread is inside a long evaluation."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+    t = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    t.start()
+    return t
 
 
 class WorkerProcess:
@@ -49,7 +72,7 @@ class WorkerProcess:
         self.run = json.loads((self.run_dir / RUN_CONFIG).read_text())
         self.config = self.run["config"]
         self.supervisor_pid = int(self.run["supervisor_pid"])
-        die_with_parent()
+        die_with_parent(self.supervisor_pid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         self.ctx = zmq.Context()
@@ -101,6 +124,13 @@ class WorkerProcess:
                                 self.on_socket(sock)
                     except M.ProtocolError as e:
                         print(f"deltafin {self.role}: dropped a bad message: {e}", file=sys.stderr)
+                    except zmq.ZMQError as e:
+                        # A data-plane peer that died (EHOSTUNREACH under ROUTER_MANDATORY): the
+                        # supervisor sees that death and restarts the workers; dying here too
+                        # would only blur which role failed first.
+                        if e.errno != zmq.EHOSTUNREACH:
+                            raise
+                        print(f"deltafin {self.role}: a peer is gone: {e}", file=sys.stderr)
                 with self.state_lock:
                     self.idle()
         except SystemExit:

@@ -52,7 +52,9 @@ class RequestError(ValueError):
 
 
 class ExpertUnavailable(RuntimeError):
-    code = "expert_unavailable"
+    def __init__(self, message: str, code: str = "expert_unavailable"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -94,7 +96,7 @@ class LocalExpertSource:
         try:
             reply = drive_need(self.router, self.req, layer, experts, self.loader.read, fill, prefetch)
         except RouterError as e:
-            raise ExpertUnavailable(str(e)) from None
+            raise ExpertUnavailable(str(e), code=e.code) from None
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
@@ -132,9 +134,9 @@ class RouterClient:
             elif isinstance(msg, M.FillFailed):
                 apply(msg)
                 if msg.req == self.req:
-                    raise ExpertUnavailable(f"expert_read_failed: {msg.error}")
-            elif isinstance(msg, M.Error):
-                raise ExpertUnavailable(f"{msg.code}: {msg.message}")
+                    raise ExpertUnavailable(msg.error, code="expert_read_failed")
+            elif isinstance(msg, M.Error):  # the router's own code (budget_too_small)
+                raise ExpertUnavailable(msg.message, code=msg.code)
             elif isinstance(msg, M.Slots) and msg.req == self.req:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
 

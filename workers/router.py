@@ -25,7 +25,9 @@ from deltafin.runtime.metrics import Counter, Latency
 
 
 class RouterError(RuntimeError):
-    pass
+    def __init__(self, message: str, code: str = "budget_too_small"):
+        super().__init__(message)
+        self.code = code  # what the client's error says
 
 
 class Router:
@@ -263,7 +265,7 @@ def drive_need(router: Router, req: int, layer: int, experts: list[int], read, f
         elif isinstance(msg, M.Slots) and msg.req == req:
             reply = msg
     if failure is not None:
-        raise RouterError(failure.error)
+        raise RouterError(failure.error, code="expert_read_failed")
     if reply is None:
         raise RouterError(f"need {req} of layer {layer} ended without an answer")
     return reply
@@ -313,8 +315,7 @@ def run_router_process(run_dir: str) -> None:
                     send(self.data, M.Error(id=None, code="bad_message",
                                             message=f"router does not take {msg.TYPE}"), to=sender)
             except RouterError as e:
-                out = [("compute", M.Error(id=getattr(msg, "req", None), code="budget_too_small",
-                                           message=str(e)))]
+                out = [("compute", M.Error(id=getattr(msg, "req", None), code=e.code, message=str(e)))]
             for to, m in out:
                 send(self.data, m, to=to.encode())
 

@@ -7,7 +7,13 @@
             print(piece, end="", flush=True)
 
 Every wait has a deadline (`timeout`, seconds, measured since the last message received), and a
-runtime that stops answering raises RuntimeUnavailable instead of hanging.
+runtime that stops answering raises RuntimeUnavailable instead of hanging. A worker that dies
+mid-request raises RuntimeDeadError at once; while the runtime restarts its workers, requests
+raise RuntimeRestarting (`wait_until_serving` waits for the end of a restart).
+
+A runtime served to other machines (`--allow-remote`) needs CURVE keys (docs/SECURITY.md):
+`Client("tcp://host:5555", keys="~/.config/deltafin/keys")`, a directory holding the server's
+`server.key` and this client's `NAME.key_secret`.
 """
 from __future__ import annotations
 
@@ -51,10 +57,18 @@ class RuntimeUnavailable(DeltafinError):
     """No answer within the timeout."""
 
 
+class RuntimeRestarting(DeltafinError):
+    """The runtime is replacing its workers after one died; retry in a few seconds."""
+
+
+class RuntimeBusy(DeltafinError):
+    """Too many requests in flight (runtime.max_inflight); retry later."""
+
+
 _ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError,
            "expert_unavailable": ExpertUnavailableError, "expert_read_failed": ExpertUnavailableError,
            "budget_too_small": ExpertUnavailableError, "version_mismatch": ProtocolMismatch,
-           "bad_message": ProtocolMismatch}
+           "bad_message": ProtocolMismatch, "restarting": RuntimeRestarting, "busy": RuntimeBusy}
 
 
 def _raise(err: M.Error):
@@ -70,11 +84,25 @@ class Generation:
 
 
 class Client:
-    def __init__(self, endpoint: str, timeout: float = 120.0, handshake: bool = True):
+    def __init__(self, endpoint: str, timeout: float = 120.0, handshake: bool = True,
+                 keys: str | None = None):
+        """keys: CURVE credentials for a runtime started with --allow-remote (a directory with
+        `server.key` and one client `*.key_secret`, or the path of that secret file)."""
         self.endpoint, self.timeout = endpoint, timeout
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_MESSAGE_BYTES)
+        if keys is not None:
+            from deltafin.runtime.security import client_credentials
+            try:
+                server_public, public, secret = client_credentials(keys)
+            except Exception:
+                self.close()
+                raise
+            self.sock.curve_serverkey = server_public
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
         self.info: M.Welcome | None = None
@@ -113,8 +141,16 @@ class Client:
             if getattr(msg, "id", None) == rid:
                 return msg
 
+    def _send(self, msg) -> None:
+        raw = M.encode(msg)
+        limit = self.info.max_request_bytes if self.info else 0
+        if limit and len(raw) > limit:  # the runtime would drop the connection, not answer
+            raise RequestError(f"a {len(raw)} byte request exceeds the runtime's {limit} byte "
+                               f"limit (runtime.max_request_bytes)", "bad_request")
+        self.sock.send(raw)
+
     def _call(self, msg):
-        self.sock.send(M.encode(msg))
+        self._send(msg)
         return self._recv(msg.id)
 
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
@@ -134,7 +170,7 @@ class Client:
                top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False):
         """Yields text pieces as they are produced; `self.last` holds the final Generation."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True)
-        self.sock.send(M.encode(msg))
+        self._send(msg)
         self.last = None
         while True:
             reply = self._recv(msg.id)
@@ -156,7 +192,19 @@ class Client:
 
     def health(self) -> dict:
         r = self._call(M.Health(id=self._next()))
-        return {"ok": r.ok, "workers": r.workers}
+        return {"ok": r.ok, "workers": r.workers, "state": r.state, "restarts": r.restarts}
+
+    def wait_until_serving(self, timeout: float = 60.0) -> dict:
+        """After a worker death: returns health once the restarted workers serve again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if h["ok"]:
+                return h
+            if time.monotonic() > deadline:
+                raise RuntimeUnavailable(f"the runtime did not serve again within {timeout:.0f} s "
+                                         f"(state {h['state']})")
+            time.sleep(0.1)
 
 
 def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
@@ -171,4 +219,5 @@ def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
 
 
 __all__ = ["Client", "Generation", "DeltafinError", "RequestError", "RuntimeDeadError",
-           "ExpertUnavailableError", "ProtocolMismatch", "RuntimeUnavailable", "wait_until_ready"]
+           "ExpertUnavailableError", "ProtocolMismatch", "RuntimeUnavailable", "RuntimeRestarting",
+           "RuntimeBusy", "wait_until_ready"]
