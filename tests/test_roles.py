@@ -175,3 +175,16 @@ def test_router_keeps_routing_history():
     assert list(router.recent) == [(1, (2, 3)), (0, (1, 3)), (1, (2, 0))]
     assert router.uses[(0, 1)] == 2 and router.uses[(1, 2)] == 2
     assert router.stats()["distinct_experts_used"] == 6
+
+
+def test_a_need_that_cannot_be_met_leaves_no_slot_behind():
+    """Every slot pinned or loading: the need fails, and the slots it had taken are free again
+    (no slot waits forever for a read that was never ordered)."""
+    router = Router(n_slots=3, n_staging=3)
+    out = router.need(1, layer=0, experts=[0, 1])
+    assert len(_sent(out, M.Read)) == 2  # 0 and 1 loading; their reads are in flight
+    with pytest.raises(RouterError, match="pinned or loading"):
+        router.need(2, layer=0, experts=[5, 6])  # one free slot, then nothing evictable
+    assert router.table.where.keys() == {(0, 0), (0, 1)} and len(router.table.free) == 1
+    seen = _serve(router, router.need(3, layer=0, experts=[5]))
+    assert any(isinstance(m, M.Slots) for m in seen)

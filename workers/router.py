@@ -111,20 +111,25 @@ class Router:
         if len(wanted) > table.n_slots:
             raise RouterError(f"layer {layer} needs {len(wanted)} experts at once but its resident "
                               f"pool has {table.n_slots} slots")
-        out, waiting, slots, hits = [], set(), [], 0
+        out, waiting, slots, hits, fresh = [], set(), [], 0, []
         for e in wanted:
             try:
                 slot, new = table.acquire((layer, e))
             except CacheError as err:
+                for f_slot, f_gen, f_e in fresh:  # nothing half-done stays behind: slots free again
+                    table.failed(f_slot, (layer, f_e), f_gen)
+                self.release()
                 raise RouterError(str(err)) from None
             gen = table.generation[slot]
             if new:
-                out += self._read(g, slot, gen, layer, e)
+                fresh.append((slot, gen, e))
             if table.ready(slot):
                 hits += 1
             else:
                 waiting.add(slot)
             slots.append([e, slot, gen])
+        for slot, gen, e in fresh:  # the reads go out once every expert has its slot
+            out += self._read(g, slot, gen, layer, e)
         if prefetch:
             self.counters.add("prefetched", len(slots) - hits)
         else:
