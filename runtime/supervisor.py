@@ -283,7 +283,7 @@ class Supervisor:
         self._synchronize()  # the first stats answer already sees the workers with their pool
         n_slots = self.plan.n_slots
         per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
-        self.log(f"{n_slots} resident expert slots of {per} "
+        self.log(f"{n_slots} expert slots of {per} in the resident tier "
                  f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
                  f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
                  f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(self.startup_tree_bytes)}")
