@@ -179,7 +179,7 @@ def test_a_pass_launched_ahead_and_dropped_leaves_no_trace(tiny_stores, tmp_path
         sampled = compute.generate(M.Generate(id=3, token_ids=PROMPT, max_tokens=8, temperature=0.9,
                                               top_p=0.8, seed=5, stream=False))
         runs[name] = (first.token_ids, done.token_ids, done.finish_reason, sampled.token_ids,
-                      Counter(router.uses), np.load(tmp_path / f"{name}.npz")["ids"],
+                      Counter(router.uses), np.load(tmp_path / f"{name}.npz", allow_pickle=False)["ids"],
                       compute.experts.counters.get("gate_syncs"))
         loader.close()
     ahead, in_step = runs["ahead"], runs["in_step"]
