@@ -104,7 +104,7 @@ def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
     assert f["calibration"]["mode"] == calibrate
     if calibrate == "run":  # constants measured by a real run of the runtime on the store
         cal = f["calibration"]["run"]
-        assert cal["prepare_s_per_use"] > 0 and cal["hop_s_per_layer"] > 0
+        assert cal["prepare_s_per_miss"] > 0 and cal["hop_s_per_missing_layer"] > 0
     assert {c["contender"] for c in f["cases"]} == set(bench.DELTAFIN_MODES)
     for c in f["cases"]:
         fc = c["forecast"]
@@ -114,16 +114,21 @@ def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
 
 
 def test_forecast_model_prices_misses():
-    """More misses cost more time, by the read formula; no misses cost only hops and prepare."""
+    """All-resident layers cost only compute; a miss costs two round trips, its read and a fill."""
     shape = forecast.Shape("t", n_moe=2, n_dense=1, n_experts=8, top_k=2, record_bytes=1_000_000)
     gbps = {1: 1.0, 2: 2.0}
     none = forecast.forecast(shape, np.zeros((3, 2)), 0.01, 1e-4, 1e-3, gbps, 2)
-    assert none["s_per_token"] == pytest.approx(0.01 + 2 * (1e-4 + 2 * 1e-3))
+    assert none["s_per_token"] == pytest.approx(0.01)
     one = forecast.forecast(shape, np.array([[1, 0]] * 3), 0.01, 1e-4, 1e-3, gbps, 2)
-    assert one["s_per_token"] - none["s_per_token"] == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert one["s_per_token"] - none["s_per_token"] == pytest.approx(2e-4 + 1e6 / 1e9 + 1e-3)
     two = forecast.forecast(shape, np.array([[2, 0]] * 3), 0.01, 1e-4, 1e-3, gbps, 2)
     assert two["read_s"] == pytest.approx(2e6 / 2e9)
+    assert two["prepare_s"] == pytest.approx(2e-3)
     assert two["hit_rate"] == pytest.approx(1 - 6 / 12)
+    cal = {"prepare_s_per_miss": 1e-3, "hop_s_per_missing_layer": 1e-4, "rest_s_per_token": 0.002,
+           "wait_s_per_round": 5e-3}
+    situ = forecast.forecast_in_situ(shape, np.array([[3, 0]] * 3), 0.01, cal, 2)
+    assert situ["s_per_token"] == pytest.approx(0.01 + 0.002 + 1e-4 + 2 * 5e-3 + 3 * 1e-3)
 
 
 def test_forecast_for_a_preset_uses_the_trace_at_the_same_cache_fraction(tmp_path):

@@ -1,24 +1,23 @@
 """deltafin-forecast: decode tok/s of a model at a memory budget on this machine, before the download.
 
-The runtime today handles each MoE layer in turn: ask the router (one message round trip), wait
-for the layer's misses to be read (read in parallel by the loader's threads, plus the hops
-router -> loader -> router), copy the layer's experts into MLX arrays (prepare), compute. So per
+The runtime handles each MoE layer in turn: when every chosen expert is resident, compute runs it
+with no message and no copy; when m of them are not, compute asks the router, the loader's threads
+read them in parallel into staging slots, and compute fills its resident tier from them. So per
 decode token
 
-    t = compute + sum over MoE layers of [ hop + prepare(k) + (m > 0) * (hop + read(m)) ]
+    t = compute + rest + sum over layers with m > 0 of [messages + reads(m) + m x fill]
 
 where m, a layer's misses at that token, comes from replaying a routing trace through the
-router's own policy classes at the slot count; read(m) = m x record / bandwidth(min(m, threads))
-from a direct-read probe of the disk at the record size; hop and prepare are measured here with
-the runtime's own sockets and prepare code; compute is given (stand-in waits or ms per token) or
-measured with every expert resident. docs/BENCHMARKS.md compares forecasts with deltafin-bench.
-
-With a store, `--calibrate run` (the default there) measures those constants in situ instead: a
-short run of the real runtime on the store (compute stand-in, a stretch of the trace the forecast
-is not asked about, 5% of the experts) gives the prepare time per expert use, the message time per
-layer, the per-token remainder and the wait per round of reads as the runtime's own processes see
-them on this machine (CRC checks, copies competing with reads, scheduling), then
-    t = compute + rest + layers x hop + uses x prepare + sum over layers of ceil(m / threads) x wait_round
+router's own policy classes at the slot count. With a store, `--calibrate run` (the default there)
+measures the constants in situ: a short run of the real runtime on the store (compute stand-in, a
+stretch of the trace the forecast is not asked about, 5% of the experts) gives the fill time per
+miss, the message time per missing layer, the per-token remainder and the wait per round of
+ceil(m / threads) reads, as the runtime's own processes see them on this machine (CRC checks,
+copies competing with reads, scheduling). `--calibrate micro` (what a preset without a store gets,
+with --disk-gbps etc.) prices reads from a direct-read probe at the record size and queue depths
+1..threads, messages from a socket round trip between two processes, fills from the prepare code
+alone. Compute is given (stand-in waits or ms per token) or measured with every expert resident.
+docs/BENCHMARKS.md compares forecasts with deltafin-bench.
 """
 from __future__ import annotations
 
@@ -193,12 +192,14 @@ def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac:
     d = gen.stats["decode"]
     steps = routing_steps(shape, rows, n_slots, policy, slice(prompt, n))
     rounds = float(np.ceil(steps / threads).sum())
+    missing_layers = float((steps > 0).sum())
+    misses = max(1.0, float(d["uses"] - d["hits"]))
     compute = (shape.n_moe * moe_ms + shape.n_dense * dense_ms) / 1e3
     t = d["tokens"]
     return {"how": f"in situ: {t} decode tokens of the runtime on {store.path.name}, stand-in "
                    f"{moe_ms}/{dense_ms} ms, {n_slots} slots ({frac:.0%}), trace rows from {offset}",
-            "prepare_s_per_use": d["prepare_s"] / max(1, d["uses"]),
-            "hop_s_per_layer": d["ipc_s"] / (t * shape.n_moe),
+            "prepare_s_per_miss": d["prepare_s"] / misses,
+            "hop_s_per_missing_layer": d["ipc_s"] / max(1.0, missing_layers),
             "rest_s_per_token": max(0.0, (d["total_s"] - d["ipc_s"] - d["wait_s"] - d["prepare_s"]) / t - compute),
             "wait_s_per_round": d["wait_s"] / rounds if rounds else 0.0,
             "measured_hit_rate": d["hits"] / max(1, d["uses"]), "replayed_hit_rate":
@@ -208,16 +209,17 @@ def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac:
 # ------------------------------------------------------------------------------------ the model
 
 def forecast_in_situ(shape: Shape, steps: np.ndarray, compute_s: float, cal: dict, threads: int) -> dict:
-    """Decode time per token from misses per step and the constants of `calibrate_run`."""
+    """Decode time per token from misses per step and the constants of `calibrate_run`: a layer
+    with m > 0 misses costs a message exchange, ceil(m / threads) rounds of reads and m fills of
+    the resident tier; a layer whose experts are all resident costs nothing beyond compute."""
     m = steps.astype(np.float64)
-    rounds = np.ceil(m / threads)
-    read = rounds.sum(axis=1) * cal["wait_s_per_round"]
-    prepare = shape.n_moe * shape.top_k * cal["prepare_s_per_use"]
-    messages = shape.n_moe * cal["hop_s_per_layer"]
+    read = np.ceil(m / threads).sum(axis=1) * cal["wait_s_per_round"]
+    prepare = m.sum(axis=1) * cal["prepare_s_per_miss"]
+    messages = (m > 0).sum(axis=1) * cal["hop_s_per_missing_layer"]
     per_token = compute_s + cal["rest_s_per_token"] + messages + prepare + read
     t = float(per_token.mean())
     return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": cal["rest_s_per_token"],
-            "read_s": float(read.mean()), "prepare_s": prepare, "messages_s": messages,
+            "read_s": float(read.mean()), "prepare_s": float(prepare.mean()), "messages_s": float(messages.mean()),
             "misses_per_token": float(m.sum(axis=1).mean()),
             "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
             "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
@@ -227,7 +229,7 @@ def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str
     """Misses per (token, MoE layer) from a replay of the trace at this slot count. A trace of
     another shape (e.g. the DeepSeek-V2-Lite trace for Kimi-K2) is replayed at the same cache
     fraction and its misses scaled by top-k and tiled over the layers: an assumption, reported."""
-    from deltafin.tools.replay import replay
+    from deltafin.tools.replay import infer_experts, replay
     same = trace_ids.shape[1] >= shape.n_moe and trace_ids.shape[2] == shape.top_k and \
         int(trace_ids.max()) < shape.n_experts
     if same:
@@ -236,7 +238,7 @@ def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str
     else:
         frac = n_slots / (shape.n_moe * shape.n_experts)
         t_layers, t_k = trace_ids.shape[1], trace_ids.shape[2]
-        t_slots = max(t_k, round(frac * t_layers * 64))
+        t_slots = max(t_k, round(frac * t_layers * infer_experts(trace_ids)))
         raw = replay(trace_ids, t_slots, policy, per_step=True)["reads_per_step"] * (shape.top_k / t_k)
         steps = np.tile(raw, (1, -(-shape.n_moe // t_layers)))[:, :shape.n_moe]
     return steps if tokens is None else steps[tokens]
@@ -244,17 +246,20 @@ def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str
 
 def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, prepare_s: float,
              gbps: dict, threads: int) -> dict:
-    """Decode time per token from misses per step [tokens, layers] and the calibrations."""
+    """Decode time per token from misses per step [tokens, layers] and the micro calibrations: a
+    layer with m > 0 misses costs two message round trips (compute <-> router, router <-> loader),
+    its reads at the bandwidth of min(m, threads) reads in flight, and m fills."""
     m = steps.astype(np.float64)
     q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
     bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
     read = np.where(m > 0, m * shape.record_bytes / bw, 0.0)
-    layer = hop_s + shape.top_k * prepare_s + np.where(m > 0, hop_s + read, 0.0)
-    per_token = compute_s + layer.sum(axis=1)
+    messages = np.where(m > 0, 2 * hop_s, 0.0)
+    fills = m * prepare_s
+    per_token = compute_s + (read + messages + fills).sum(axis=1)
     t = float(per_token.mean())
     return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": 0.0,
-            "read_s": float(read.sum(axis=1).mean()), "prepare_s": shape.n_moe * shape.top_k * prepare_s,
-            "messages_s": float((hop_s + np.where(m > 0, hop_s, 0.0)).sum(axis=1).mean()),
+            "read_s": float(read.sum(axis=1).mean()), "prepare_s": float(fills.sum(axis=1).mean()),
+            "messages_s": float(messages.sum(axis=1).mean()),
             "misses_per_token": float(m.sum(axis=1).mean()),
             "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
             "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
