@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from deltafin.runtime.config import format_size, load_config
+from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.store import Store
 
 # deltafin's named modes. Each speed feature gets a mode with that feature off as it lands;
@@ -581,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "record size and the loader's queue depth (otherwise a short probe runs anyway)")
     p.add_argument("--quick", action="store_true", help="short runs: under 10 minutes on a 2-core machine")
     p.add_argument("--no-cap", action="store_true", help="do not cap memory (cgroup)")
+    p.add_argument("--memory-budget", help="the budget (and cap) instead of the estimate for --cache-frac's "
+                   "slots; the slot count stays capped at --cache-frac (GPU backends measure larger processes "
+                   "than the CPU estimate)")
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before contenders")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per contender before it is failed")
     p.add_argument("--out", help="output directory (default: ./deltafin-bench-<time>)")
@@ -610,7 +613,7 @@ def main(argv=None) -> int:
     n_prompt = a.prompt_tokens or preset["prompt_tokens"]
     max_tokens = {r: a.max_tokens or preset["max_tokens"][r] for r in REGIMES}
     max_context = max(64, n_prompt + max(max_tokens.values()) + 16)
-    budget = plan_budget_for_slots(store, n_slots, max_context, a.dtype)
+    budget = parse_size(a.memory_budget) if a.memory_budget else plan_budget_for_slots(store, n_slots, max_context, a.dtype)
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(1, int(store.config["vocab_size"]), n_prompt).tolist()
     moe_ms = a.standin_moe_ms if a.standin_moe_ms is not None else cfg.bench.standin_moe_ms
