@@ -18,7 +18,8 @@ from deltafin.runtime.config import Config, format_size
 from deltafin.runtime.store import Store
 from deltafin.runtime.tensorfile import FLOAT_DTYPES, read_header
 
-PROCESS_OVERHEAD_ESTIMATE = 96 << 20  # 4 interpreters + MLX, before dense weights: measured 66 MiB PSS on Linux
+PROCESS_OVERHEAD_FLOOR = 64 << 20  # the smallest tree measured (no metrics threads, small MLX heap)
+PROCESS_OVERHEAD_ESTIMATE = 128 << 20  # 4 interpreters + MLX + metrics threads, before dense weights: measured 98-105 MiB PSS on Linux
 MARGIN = 32 << 20
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -90,6 +91,19 @@ class BudgetPlan:
                 f"processes {format_size(self.processes)} + {self.staging_slots} staging slots of "
                 f"{format_size(self.slot_bytes)} + {self.min_slots} resident experts of {per}"
                 f"{' per layout' if len(self.resident_bytes) > 1 else ''}")
+
+    def check_before_start(self) -> None:
+        """Before the workers exist their size is an estimate: refuse only a budget that cannot hold
+        even the smallest process tree seen (PROCESS_OVERHEAD_FLOOR), and name the conservative
+        minimum (PROCESS_OVERHEAD_ESTIMATE), which starts when passed back. Budgets in between
+        start, and the measurement after start decides exactly."""
+        estimate, self.processes = self.processes, PROCESS_OVERHEAD_FLOOR
+        try:
+            fits = self.budget >= self.minimum
+        finally:
+            self.processes = estimate
+        if not fits:
+            self.check()
 
     def check(self) -> None:
         if self.budget < self.minimum:

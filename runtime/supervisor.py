@@ -219,7 +219,7 @@ class Supervisor:
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.plan: BudgetPlan = plan_budget(self.store, config)
-        self.plan.check()
+        self.plan.check_before_start()
         self.endpoint_arg = endpoint or rc.endpoint
         # Runs killed earlier go first: their segments, and a socket file at our endpoint's path.
         swept = sweep_stale_runs()
