@@ -10,6 +10,9 @@ exactly what the table says it is.
 
 Policies are registered by name in `POLICIES`. Online policies may run in the router
 (`cache.policy`); offline ones (`belady`) need the future and exist for replay only.
+
+`predictive` reads the routing predictor (runtime/predictor.py); the table can also fill a slot
+ahead of need (`SlotTable.prefetch`), unpinned, and counts how such fills end (used or evicted).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from enum import Enum
 from typing import Hashable, Iterable
 
 import numpy as np
+
+from deltafin.runtime.predictor import RoutingPredictor
 
 Key = Hashable  # (layer, expert) in the router
 
@@ -46,6 +51,8 @@ class Policy:
 
     name = ""
     online = True  # False: needs the future; replay only, refused by the configuration
+    # False: the router process cannot build it from the configuration yet (refused there too)
+    configurable = True
 
     def on_insert(self, slot: int, key: Key) -> None:
         """A miss: key is being loaded into slot (pinned until released)."""
@@ -224,11 +231,127 @@ class Belady(Policy):
         return None if got is None else got[0]
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFUDA, Belady)}
+class Predictive(Policy):
+    """Keeps what the routing predictor (runtime/predictor.py) says will be used.
+
+    rank="probability" (the default): the victim is the evictable key least likely to be used at
+    its layer's next occurrence (`RoutingPredictor.q`: neighbours' votes for the layers ahead in
+    this pass, age and distance for all), ties to the slot released first. A prefetched key that
+    was not used when its layer came keeps its old age and has no votes left, so it goes early.
+    rank="recency": least recently *used* first (a prefetched key never used is the oldest), but
+    keys the predictor gives at least `keep` within the next `keep_depth` layers go last.
+    Measured on the DeepSeek-V2-Lite traces with prefetch: probability is better at 25% and 50%
+    of the experts, recency at 10%, where a cache holds about one pass (docs/TRACES.md).
+
+    Keys are (layer, expert). Pass a shared `predictor`, or `n_layers` and `n_experts` (and the
+    predictor's options) to make one. The router feeds the predictor every `need`
+    (workers/router.py); hints (gate lookahead) reach `RoutingPredictor.hint` through `on_hint`.
+    """
+
+    name = "predictive"
+    configurable = False  # needs the model's shape, which the router process does not pass yet
+    RANKS = ("probability", "recency")
+
+    def __init__(self, predictor: RoutingPredictor | None = None, n_layers: int | None = None,
+                 n_experts: int | None = None, rank: str = "probability", keep: float = 0.4,
+                 keep_depth: int = 2, **predictor_options):
+        if rank not in self.RANKS:
+            raise CacheError(f"predictive rank {rank!r} is not one of: {', '.join(self.RANKS)}")
+        if predictor is None:
+            if n_layers is None or n_experts is None:
+                raise CacheError("the predictive policy needs the model's shape: n_layers and "
+                                 "n_experts (MoE layers and experts per layer), or a predictor")
+            predictor = RoutingPredictor(n_layers, n_experts, **predictor_options)
+        self.predictor = predictor
+        self.rank, self.keep, self.keep_depth = rank, keep, keep_depth
+        self.n_experts = predictor.n_experts
+        # per slot, grown on demand: its key's code (layer * n_experts + expert), whether it is
+        # evictable, and when it was last released (ties go to the slot released first)
+        self.code = np.zeros(0, dtype=np.int64)
+        self.evictable = np.zeros(0, dtype=bool)
+        self.released = np.zeros(0, dtype=np.int64)
+        self.n_evictable = 0
+        self.seq = 0
+        self.ranked: list[int] = []   # evictable slots in eviction order, for one predictor state
+        self.next = 0
+        self.version = -1
+
+    def _grow(self, slot: int) -> None:
+        n = max(2 * len(self.code), slot + 1, 64)
+        for name in ("code", "evictable", "released"):
+            old = getattr(self, name)
+            new = np.zeros(n, dtype=old.dtype)
+            new[:len(old)] = old
+            setattr(self, name, new)
+
+    def _drop(self, slot: int) -> None:
+        if slot < len(self.evictable) and self.evictable[slot]:
+            self.evictable[slot] = False
+            self.n_evictable -= 1
+
+    def on_hit(self, slot, key):
+        self._drop(slot)
+
+    def on_release(self, slot, key):
+        if slot >= len(self.code):
+            self._grow(slot)
+        if not self.evictable[slot]:
+            self.evictable[slot] = True
+            self.n_evictable += 1
+        self.code[slot] = key[0] * self.n_experts + key[1]
+        self.seq += 1
+        self.released[slot] = self.seq
+        self.version = -1  # a new candidate: rank again
+
+    def on_evict(self, slot, key):
+        self._drop(slot)
+
+    def on_hint(self, keys):
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in keys:
+            by_layer.setdefault(layer, []).append(e)
+        for layer, experts in by_layer.items():
+            self.predictor.hint(layer, experts)
+
+    def _order(self, slots: np.ndarray) -> np.ndarray:
+        """The eviction order of `slots`, first victim first."""
+        p = self.predictor
+        codes = self.code[slots]
+        q = p.q.reshape(-1)[codes]
+        if self.rank == "probability":
+            return slots[np.lexsort((self.released[slots], q))]
+        layer = codes // self.n_experts
+        used_at = p.last_use.reshape(-1)[codes] * p.n_layers + layer  # in steps of the need stream
+        kept = (q >= self.keep) & (p.distances()[layer] <= self.keep_depth)
+        return slots[np.lexsort((self.released[slots], used_at, kept))]
+
+    def victim(self):
+        if self.n_evictable == 0:
+            return None
+        if self.version != self.predictor.version:
+            # one ranking per predictor state: the victims of one need come from one sort
+            self.ranked = self._order(np.flatnonzero(self.evictable)).tolist()
+            self.next = 0
+            self.version = self.predictor.version
+        evictable = self.evictable
+        while self.next < len(self.ranked):
+            slot = self.ranked[self.next]
+            self.next += 1
+            if evictable[slot]:  # slots hit or evicted since the ranking are skipped
+                evictable[slot] = False
+                self.n_evictable -= 1
+                return slot
+        self.version = -1  # every ranked slot is gone: rank what is evictable now
+        return self.victim()
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFUDA, Belady, Predictive)}
 
 
 def policy_names(online_only: bool = False) -> list[str]:
-    return [name for name, cls in POLICIES.items() if cls.online or not online_only]
+    """Every registered name; with online_only, those the configuration accepts (cache.policy):
+    online and buildable by the router process."""
+    return [name for name, cls in POLICIES.items() if not online_only or (cls.online and cls.configurable)]
 
 
 def make_policy(name: str, **kw) -> Policy:
@@ -258,6 +381,9 @@ class SlotTable:
         self.free = list(range(n_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.pinned: dict[int, None] = {}  # insertion-ordered: released in the order used
         self.evictions = 0
+        # prefetched fills not yet used; how prefetched fills ended
+        self.prefetched: set[int] = set()
+        self.prefetches = self.prefetch_used = self.prefetch_wasted = 0
 
     def ready(self, slot: int) -> bool:
         return self.state[slot] is SlotState.READY
@@ -266,24 +392,49 @@ class SlotTable:
         """Pins key's slot, choosing and filling a new one on a miss. Returns (slot, new)."""
         slot = self.where.get(key)
         if slot is not None:
+            if slot in self.prefetched:
+                self.prefetched.discard(slot)
+                self.prefetch_used += 1
             self.policy.on_hit(slot, key)
             self.pinned[slot] = None
             return slot, False
+        slot = self._take()
+        if slot is None:
+            raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
+        self._fill(slot, key)
+        self.pinned[slot] = None
+        return slot, True
+
+    def prefetch(self, key: Key) -> int | None:
+        """Starts filling a slot with key ahead of need, unpinned (evictable once loaded). None when
+        key holds a slot already or no slot can be freed. A later `acquire` of key counts the
+        prefetch as used; its eviction before that, as wasted."""
+        if key in self.where:
+            return None
+        slot = self._take()
+        if slot is None:
+            return None
+        self._fill(slot, key)
+        self.prefetched.add(slot)
+        self.prefetches += 1
+        return slot
+
+    def _take(self) -> int | None:
+        """A free slot, or the policy's victim emptied; None when neither exists."""
         if self.free:
-            slot = self.free.pop()
-        else:
-            slot = self.policy.victim()
-            if slot is None:
-                raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
+            return self.free.pop()
+        slot = self.policy.victim()
+        if slot is not None:
             self.evictions += 1
             self._forget(slot)
+        return slot
+
+    def _fill(self, slot: int, key: Key) -> None:
         self.key[slot] = key
         self.where[key] = slot
         self.generation[slot] += 1
         self.state[slot] = SlotState.LOADING
         self.policy.on_insert(slot, key)
-        self.pinned[slot] = None
-        return slot, True
 
     def loaded(self, slot: int, key: Key, generation: int) -> bool:
         """Marks the fill ready; False for a fill that was superseded."""
@@ -312,6 +463,9 @@ class SlotTable:
         self.policy.on_hint(keys)
 
     def _forget(self, slot: int) -> None:
+        if slot in self.prefetched:
+            self.prefetched.discard(slot)
+            self.prefetch_wasted += 1
         key = self.key[slot]
         self.policy.on_evict(slot, key)
         del self.where[key]

@@ -149,9 +149,9 @@ def test_generations_name_each_fill():
 
 
 def test_registry_and_router_take_policy_names():
-    assert policy_names() == ["lru", "lfuda", "belady"]
+    assert policy_names() == ["lru", "lfuda", "belady", "predictive"]
     assert policy_names(online_only=True) == ["lru", "lfuda"]
-    with pytest.raises(CacheError, match="choices: lru, lfuda, belady"):
+    with pytest.raises(CacheError, match="choices: lru, lfuda, belady, predictive"):
         make_policy("mru")
     with pytest.raises(RouterError, match="unknown cache policy 'mru'"):
         Router(4, "mru")

@@ -14,6 +14,7 @@ from collections import deque
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
 from deltafin.runtime.metrics import Counter, Latency
+from deltafin.runtime.predictor import Prefetcher, RoutingPredictor
 
 
 class RouterError(RuntimeError):
@@ -26,9 +27,13 @@ class Router:
     `need` pins the slots of one layer's experts until the next `need` or `release`; pinned and
     loading slots are never chosen as victims. `policy` is a registered name (cache.policy) or a
     Policy instance (replay gives Belady its future that way).
+
+    A routing predictor (runtime/predictor.py: the policy's own, or `predictor`) is told every
+    `need`; with a `prefetcher`, `prefetch()` returns read orders for the keys it predicts.
     """
 
-    def __init__(self, n_slots: int, policy: str | Policy = "lru", history: int = 4096):
+    def __init__(self, n_slots: int, policy: str | Policy = "lru", history: int = 4096,
+                 predictor: RoutingPredictor | None = None, prefetcher: Prefetcher | None = None):
         if n_slots < 1:
             raise RouterError("the slot pool has no slots")
         try:
@@ -38,6 +43,8 @@ class Router:
         self.n_slots = n_slots
         self.policy = policy
         self.table = SlotTable(n_slots, policy)
+        self.prefetcher = prefetcher
+        self.predictor = predictor or getattr(policy, "predictor", None) or (prefetcher and prefetcher.predictor)
         self.pending: dict | None = None
         self.counters = Counter()
         self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
@@ -50,6 +57,8 @@ class Router:
     def need(self, req: int, layer: int, experts: list[int]) -> tuple[list[M.Read], M.Slots | None]:
         """Pins the experts' slots; returns read orders and, if all are ready, the reply."""
         self.release()
+        if self.predictor is not None:
+            self.predictor.observe(layer, experts)
         self.recent.append((layer, tuple(experts)))
         self.uses.update([(layer, e) for e in experts])
         wanted = dict.fromkeys(experts)
@@ -102,6 +111,27 @@ class Router:
         self.table.release()
         self.pending = None
 
+    def end_pass(self) -> None:
+        """The forward pass is over (compute's `release`): unpins, and closes the predictor's pass."""
+        self.release()
+        if self.predictor is not None:
+            self.predictor.end_pass()
+
+    def prefetch(self) -> list[M.Read]:
+        """Read orders for the keys the prefetcher predicts (after a `need`; none without one).
+        Their slots stay unpinned; their `loaded` makes them evictable like any other."""
+        if self.prefetcher is None:
+            return []
+        table, reads = self.table, []
+        keys = self.prefetcher.plan(lambda key: key in table.where)
+        for i, (layer, e) in enumerate(keys):
+            slot = table.prefetch((layer, e))
+            if slot is None:  # every slot is pinned or loading
+                self.prefetcher.unissued(keys[i:])
+                break
+            reads.append(M.Read(slot=slot, generation=table.generation[slot], layer=layer, expert=e))
+        return reads
+
     def hint(self, keys) -> None:
         """(layer, expert) keys predicted to be needed soon, for a prediction-aware policy."""
         self.table.hint(keys)
@@ -120,6 +150,9 @@ class Router:
         c = self.counters.snapshot()
         if self.table.evictions:
             c["evictions"] = self.table.evictions
+        if self.table.prefetches:
+            c.update(prefetch_reads=self.table.prefetches, prefetch_used=self.table.prefetch_used,
+                     prefetch_wasted=self.table.prefetch_wasted)
         uses = c.get("uses", 0)
         return {**c, "n_slots": self.n_slots, "policy": self.policy.name, "resident": len(self.table.where),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
@@ -176,7 +209,7 @@ def run_router_process(run_dir: str) -> None:
                 if err:
                     out.append((b"compute", err))
             elif isinstance(msg, M.Release):
-                self.router.release()
+                self.router.end_pass()
             else:
                 out.append((sender, M.Error(id=None, code="bad_message",
                                             message=f"router does not take {msg.TYPE}")))
