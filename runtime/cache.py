@@ -245,7 +245,7 @@ class Predictive(Policy):
 
     Keys are (layer, expert). Pass a shared `predictor`, or `n_layers` and `n_experts` (and the
     predictor's options) to make one. The router feeds the predictor every `need`
-    (workers/router.py); hints (gate lookahead) reach `RoutingPredictor.hint` through `on_hint`.
+    (workers/router.py), and its hints (gate lookahead) too.
     """
 
     name = "predictive"
@@ -305,13 +305,6 @@ class Predictive(Policy):
 
     def on_evict(self, slot, key):
         self._drop(slot)
-
-    def on_hint(self, keys):
-        by_layer: dict[int, list[int]] = {}
-        for layer, e in keys:
-            by_layer.setdefault(layer, []).append(e)
-        for layer, experts in by_layer.items():
-            self.predictor.hint(layer, experts)
 
     def _order(self, slots: np.ndarray) -> np.ndarray:
         """The eviction order of `slots`, first victim first."""

@@ -11,7 +11,7 @@ from deltafin.runtime.cache import CacheError, Predictive, SlotTable, make_polic
 from deltafin.runtime.predictor import Prefetcher, PredictorError, RoutingPredictor
 from deltafin.runtime.traces import load_trace
 from deltafin.tools import replay as R
-from deltafin.workers.router import Router
+from deltafin.workers.router import Router, RouterError
 
 SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
 
@@ -196,6 +196,11 @@ def test_router_prefetch_orders_reads_for_unpinned_slots():
     assert len(pre) == 3 and all(r.layer == 1 for r in pre)  # the free slots left: 3 of 4
     assert all(r.slot not in router.table.pinned for r in pre)
     assert router.stats()["prefetch_reads"] == 3
+    router.hint([(1, 5), (1, 6)])  # gate lookahead reaches the predictor
+    assert router.predictor.hinted[1].tolist() == [5, 6]
+    with pytest.raises(RouterError, match="share one routing predictor"):
+        Router(4, Predictive(pred), prefetcher=Prefetcher(RoutingPredictor(2, 8, history=8, neighbours=1,
+                                                                           candidates=2)))
 
 
 # -- the real traces ------------------------------------------------------------------------------

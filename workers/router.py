@@ -44,7 +44,12 @@ class Router:
         self.policy = policy
         self.table = SlotTable(n_slots, policy)
         self.prefetcher = prefetcher
-        self.predictor = predictor or getattr(policy, "predictor", None) or (prefetcher and prefetcher.predictor)
+        # one predictor, fed here, serves the policy and the prefetcher alike
+        found = {id(p): p for p in (predictor, getattr(policy, "predictor", None),
+                                    prefetcher and prefetcher.predictor) if p is not None}
+        if len(found) > 1:
+            raise RouterError("the policy, the prefetcher and `predictor` must share one routing predictor")
+        self.predictor = next(iter(found.values()), None)
         self.pending: dict | None = None
         self.counters = Counter()
         self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
@@ -133,8 +138,16 @@ class Router:
         return reads
 
     def hint(self, keys) -> None:
-        """(layer, expert) keys predicted to be needed soon, for a prediction-aware policy."""
+        """(layer, expert) keys predicted to be needed soon (gate lookahead from compute): to the
+        policy, and to the routing predictor, which keeps them until their layer comes."""
+        keys = list(keys)
         self.table.hint(keys)
+        if self.predictor is not None:
+            by_layer: dict[int, list[int]] = {}
+            for layer, e in keys:
+                by_layer.setdefault(layer, []).append(e)
+            for layer, experts in by_layer.items():
+                self.predictor.hint(layer, experts)
 
     # -- internals --------------------------------------------------------------------------------
     def _reply(self) -> M.Slots:
