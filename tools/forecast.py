@@ -5,14 +5,14 @@ with no message and no copy; when m of them are not, compute asks the router, th
 read them in parallel into staging slots, and compute fills its resident tier from them. So per
 decode token
 
-    t = compute + rest + sum over layers with m > 0 of [messages + reads(m) + m x fill]
+    t = compute + rest + sum over layers with m > 0 of [messages + reads(m) + fill(m)]
 
 where m, a layer's misses at that token, comes from replaying a routing trace through the
 router's own policy classes at the slot count. With a store, `--calibrate run` (the default there)
-measures the constants in situ: a short run of the real runtime on the store (compute stand-in, a
-stretch of the trace the forecast is not asked about, 5% of the experts) gives the fill time per
-miss, the message time per missing layer, the per-token remainder and the wait per round of
-ceil(m / threads) reads, as the runtime's own processes see them on this machine (CRC checks,
+measures the constants in situ: two short runs of the real runtime on the store (compute stand-in,
+a stretch of the trace the forecast is not asked about, 5% and 30% of the experts) give the fill
+time per missing layer and per miss, the message time per missing layer, the per-token remainder,
+and the wait per missing layer and per round of ceil(m / threads) reads, as the runtime's own processes see them on this machine (CRC checks,
 copies competing with reads, scheduling). `--calibrate micro` (what a preset without a store gets,
 with --disk-gbps etc.) prices reads from a direct-read probe at the record size and queue depths
 1..threads, messages from a socket round trip between two processes, fills from the prepare code
@@ -198,12 +198,39 @@ def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac:
     t = d["tokens"]
     return {"how": f"in situ: {t} decode tokens of the runtime on {store.path.name}, stand-in "
                    f"{moe_ms}/{dense_ms} ms, {n_slots} slots ({frac:.0%}), trace rows from {offset}",
+            "raw": {"tokens": t, "missing_layers": missing_layers, "misses": misses, "rounds": rounds,
+                    "prepare_s": d["prepare_s"], "wait_s": d["wait_s"], "ipc_s": d["ipc_s"]},
             "prepare_s_per_miss": d["prepare_s"] / misses,
             "hop_s_per_missing_layer": d["ipc_s"] / max(1.0, missing_layers),
             "rest_s_per_token": max(0.0, (d["total_s"] - d["ipc_s"] - d["wait_s"] - d["prepare_s"]) / t - compute),
             "wait_s_per_round": d["wait_s"] / rounds if rounds else 0.0,
             "measured_hit_rate": d["hits"] / max(1, d["uses"]), "replayed_hit_rate":
                 1 - float(steps.sum()) / (steps.size * shape.top_k)}
+
+
+def calibrate_runs(store, trace_ids: np.ndarray, threads: int, policy: str, fracs=(0.05, 0.3)) -> dict:
+    """Two short runs at different cache sizes separate what a layer with misses costs once (a
+    message exchange, the first read's latency, the fill's fixed cost) from what each miss or
+    round of reads adds: prepare = a x missing layers + b x misses, wait = c x missing layers +
+    d x rounds, solved from the two runs' totals (least squares, never negative)."""
+    runs = [calibrate_run(store, trace_ids, threads, policy, frac=f) for f in fracs]
+    raw = [r["raw"] for r in runs]
+
+    def fit(total, per_layer, per_unit):
+        A = np.array([[r[per_layer], r[per_unit]] for r in raw], dtype=np.float64)
+        y = np.array([r[total] for r in raw], dtype=np.float64)
+        a, b = np.linalg.lstsq(A, y, rcond=None)[0]
+        if a < 0 or b < 0:  # noise: fall back to one cost per unit
+            return 0.0, float(y.sum() / A[:, 1].sum())
+        return float(a), float(b)
+    fill_layer, fill_miss = fit("prepare_s", "missing_layers", "misses")
+    wait_layer, wait_round = fit("wait_s", "missing_layers", "rounds")
+    layers = sum(r["missing_layers"] for r in raw)
+    return {"how": "; ".join(r["how"] for r in runs), "runs": runs,
+            "prepare_s_per_missing_layer": fill_layer, "prepare_s_per_miss": fill_miss,
+            "wait_s_per_missing_layer": wait_layer, "wait_s_per_round": wait_round,
+            "hop_s_per_missing_layer": sum(r["ipc_s"] for r in raw) / max(1.0, layers),
+            "rest_s_per_token": float(np.mean([r["rest_s_per_token"] for r in runs]))}
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -213,9 +240,10 @@ def forecast_in_situ(shape: Shape, steps: np.ndarray, compute_s: float, cal: dic
     with m > 0 misses costs a message exchange, ceil(m / threads) rounds of reads and m fills of
     the resident tier; a layer whose experts are all resident costs nothing beyond compute."""
     m = steps.astype(np.float64)
-    read = np.ceil(m / threads).sum(axis=1) * cal["wait_s_per_round"]
-    prepare = m.sum(axis=1) * cal["prepare_s_per_miss"]
-    messages = (m > 0).sum(axis=1) * cal["hop_s_per_missing_layer"]
+    missing = (m > 0).sum(axis=1)
+    read = np.ceil(m / threads).sum(axis=1) * cal["wait_s_per_round"] + missing * cal.get("wait_s_per_missing_layer", 0.0)
+    prepare = m.sum(axis=1) * cal["prepare_s_per_miss"] + missing * cal.get("prepare_s_per_missing_layer", 0.0)
+    messages = missing * cal["hop_s_per_missing_layer"]
     per_token = compute_s + cal["rest_s_per_token"] + messages + prepare + read
     t = float(per_token.mean())
     return {"s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s, "rest_s": cal["rest_s_per_token"],
@@ -325,8 +353,8 @@ def main(argv=None) -> int:
         if store is None:
             log("--calibrate run needs a store")
             return 2
-        log("calibrating: a short run of the runtime on the store (stand-in compute)")
-        cal = calib["run"] = calibrate_run(store, trace_ids, threads, policy)
+        log("calibrating: two short runs of the runtime on the store (stand-in compute, 5% and 30%)")
+        cal = calib["run"] = calibrate_runs(store, trace_ids, threads, policy)
 
         def price(steps, compute_s):
             return forecast_in_situ(shape, steps, compute_s, cal, threads)
