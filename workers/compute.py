@@ -346,18 +346,30 @@ class SlotExperts(ExpertProvider):
             reported = self.ensure(layer, chunk) or reported
             pairs = np.nonzero(np.isin(ids1, chunk))[0]
             pairs = pairs[np.argsort(ids1[pairs], kind="stable")]  # grouped by expert
-            idx = mx.array(tier.slots(layer, ids1[pairs]).astype(np.uint32))
-            rows = x2[mx.array(pairs // k)]
-            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
-            piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), d)
-            mx.eval(piece)
-            pieces.append(piece)
+            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, sorted_rows))
             order.append(pairs)
         self._note(layer, flat, report=not reported, count=False)
-        y = mx.concatenate(pieces, axis=0)
-        inverse = np.empty(len(ids1), dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(len(ids1))
-        return y[mx.array(inverse)].reshape(*lead, k, d)
+        return in_token_order(pieces, order, lead, k, d)
+
+
+def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, sorted_rows: bool):
+    """The SwiGLU of the (token, expert) pairs `pairs` (flat indices, grouped by expert) on the
+    stacked weights `w` at `slot_ids`, evaluated at once so the stack can go before the next one."""
+    idx = mx.array(slot_ids.astype(np.uint32))
+    rows = x2[mx.array(pairs // k)]
+    xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
+    piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), x2.shape[-1])
+    mx.eval(piece)
+    return piece
+
+
+def in_token_order(pieces: list, order: list, lead, k: int, d: int):
+    """Concatenated chunk results back in (token, k) order."""
+    y = mx.concatenate(pieces, axis=0)
+    n = sum(len(o) for o in order)
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[np.concatenate(order)] = np.arange(n)
+    return y[mx.array(inverse)].reshape(*lead, k, d)
 
 
 class MmapSource:
@@ -453,18 +465,9 @@ class MmapExperts(ExpertProvider):
             local[stacked] = np.arange(len(stacked))
             pairs = np.nonzero(local[flat] >= 0)[0]
             pairs = pairs[np.argsort(local[flat[pairs]], kind="stable")]  # grouped by expert
-            idx = mx.array(local[flat[pairs]].astype(np.uint32))
-            rows = x2[mx.array(pairs // k)]
-            xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
-            piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), d)
-            # Evaluated now, so this chunk's stacked copies are freed before the next chunk's.
-            mx.eval(piece)
-            pieces.append(piece)
+            pieces.append(run_pairs(x2, k, pairs, local[flat[pairs]], w, quant, sorted_rows))
             order.append(pairs)
-        y = mx.concatenate(pieces, axis=0)
-        inverse = np.empty(len(flat), dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(len(flat))
-        return y[mx.array(inverse)].reshape(*lead, k, d)
+        return in_token_order(pieces, order, lead, k, d)
 
 
 class StandInModel:
