@@ -78,7 +78,7 @@ def test_trace_routing_makes_the_router_see_the_trace(tiny_stores, tmp_path):
     assert compute.bench_mode["routing"] == f"trace:{tmp_path / 't.npz'}"
     compute.logits(PROMPT)                                    # 3 passes: 4 + 4 + 2 tokens
     done = compute.generate(M.Generate(id=1, token_ids=PROMPT[:5], max_tokens=4, stream=False))
-    passes = [4, 4, 2] + [4, 1] + [1] * _decode_passes(done)
+    passes = [4, 4, 2] + [4, 1] + [1] * _decode_passes(done)  # the prompt's last token alone
     assert router.uses == _expected_uses(trace, store, passes)
     assert done.stats["bench_mode"]["routing"].startswith("trace:")
     assert compute.stats()["bench_mode"] == done.stats["bench_mode"]
@@ -143,7 +143,8 @@ def test_run_inprocess_mmap_matches_slots_and_honours_bench_modes(tiny_stores, t
     s = run_inprocess(store.path, cfg, PROMPT[:4], 5, source="mmap")
     assert s["bench_mode"]["standin"] == {"moe_ms": 2.0, "dense_ms": 1.0}
     assert s["generated_tokens"] == 5
-    expected = _expected_uses(trace, store, [4] + [1] * 4)
+    # the prompt's first 3 tokens, its last one alone (as mlx-lm), then one pass per token but the last
+    expected = _expected_uses(trace, store, [3, 1] + [1] * 4)
     assert s["expert_uses"] == sum(expected.values())
 
 

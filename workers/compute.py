@@ -494,12 +494,16 @@ class StandInModel:
 
 
 # -- the decode loop ----------------------------------------------------------------------------------
-def sample_on_device(logits, temperature: float, top_p: float, key):
+def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
     """The next token from one row of logits, as an MLX scalar (lazy: read back one step later).
-    Greedy is the argmax; otherwise softmax(logits / temperature) restricted to the smallest set
-    of most likely tokens whose probability reaches top_p, drawn with `key`."""
+    Greedy is the argmax of the log-probabilities computed in the model's dtype `dtype`, as
+    mlx-lm's generate_step computes them: in bfloat16, subtracting the log-sum-exp can round two
+    neighbouring logits to one value, and the lower token id then wins there too. Otherwise
+    softmax(logits / temperature) restricted to the smallest set of most likely tokens whose
+    probability reaches top_p, drawn with `key`."""
     if temperature == 0:
-        return mx.argmax(logits, axis=-1)
+        row = logits.reshape(1, -1).astype(dtype or logits.dtype)  # exact: the model's own values
+        return mx.argmax(row - mx.logsumexp(row, keepdims=True), axis=-1).reshape(())
     z = logits.astype(mx.float32) / temperature
     if top_p < 1:
         probs = mx.softmax(z, axis=-1)
@@ -540,6 +544,7 @@ class Step:
     token: object
     pass_no: int | None
     t0: float
+    phase: str = "decode"
 
 
 class Scheduler:
@@ -553,14 +558,14 @@ class Scheduler:
     def __init__(self, compute: "Compute"):
         self.compute = compute
 
-    def launch(self, seq: Sequence, token) -> Step:
+    def launch(self, seq: Sequence, token, phase: str = "decode") -> Step:
         c = self.compute
         t0 = time.perf_counter()
         p = c.experts.begin_pass(1)
         logits = c.model(token.reshape(1).astype(mx.int32), seq.cache, c.experts)
-        tok = sample_on_device(logits[-1], seq.req.temperature, seq.req.top_p, seq.next_key())
+        tok = sample_on_device(logits[-1], seq.req.temperature, seq.req.top_p, seq.next_key(), c.dtype)
         mx.async_eval(tok)
-        return Step(seq, tok, p, t0)
+        return Step(seq, tok, p, t0, phase)
 
     def read(self, step: Step) -> int:
         tok = int(step.token.item())
@@ -570,7 +575,7 @@ class Scheduler:
             if c.recorder is not None:
                 c.request_rows.append(rows)
             c.forward_latency.add(time.perf_counter() - step.t0)
-            c.counters.add("decode_forward_tokens")  # live progress for the metrics stream
+            c.counters.add(f"{step.phase}_forward_tokens")  # live progress for the metrics stream
         return tok
 
     def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
@@ -743,13 +748,21 @@ class Compute:
         split0 = self._split()
         self._begin_request()
         t0 = time.perf_counter()
-        for i in range(0, len(ids), self.prefill_chunk):
-            logits = self.forward(ids[i:i + self.prefill_chunk], seq.cache)
+        # As mlx-lm's generate_step: every prompt token but the last in prefill passes, the last
+        # one alone, as the first decode-shaped pass. A GPU picks its matmul kernels by row
+        # count, so sampling from the last row of a many-row pass rounds differently (CUDA,
+        # bfloat16) from the one-row pass mlx-lm samples from.
+        head = ids[:-1] if req.max_tokens > 0 else ids
+        for i in range(0, len(head), self.prefill_chunk):
+            self.forward(head[i:i + self.prefill_chunk], seq.cache)
+        first = None
+        if req.max_tokens > 0:
+            first = self.scheduler.launch(seq, mx.array(ids[-1:], dtype=mx.uint32), phase="prefill")
+            mx.eval(first.token)
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         split1 = self._split()
-        if req.max_tokens > 0:
-            first = Step(seq, sample_on_device(logits[-1], req.temperature, req.top_p, seq.next_key()), None, t1)
+        if first is not None:
             self.scheduler.run(seq, first, emit, between_tokens, t_request)
         t_decode = time.perf_counter() - t1
         out_ids = seq.out_ids

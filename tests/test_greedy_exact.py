@@ -1,0 +1,45 @@
+"""Greedy generation equals mlx-lm's generate_step token for token, in bfloat16, on whatever
+device MLX runs on here (the CPU in CI; the GPU on a Mac or a CUDA host, where these same tests
+show the GPU path).
+
+Two things had made long bfloat16 generations drift from mlx-lm's: mlx-lm takes the argmax of
+log-probabilities computed in the model's dtype (where rounding can tie two logits and the lower
+id wins), and it runs the last prompt token alone rather than as the last row of the prefill
+(a GPU picks its matmul kernels by row count). Short generations rarely show either; these run
+long enough that they did (qwen3_moe drifted at token 57 on the CPU)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from deltafin.runtime.config import load_config
+from deltafin.workers.compute import run_inprocess
+
+pytest.importorskip("mlx_lm")
+
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(32)]
+N = 96
+
+
+def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+    model, _ = load_model(ckpt)
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+def test_bfloat16_greedy_tokens_equal_mlx_lm(mlx_lm_stores, arch):
+    ckpt, store = mlx_lm_stores(arch)  # bfloat16 checkpoint, mlx-lm quantized, and its store
+    ref = mlx_lm_greedy(ckpt, PROMPT, N)
+    cfg = load_config(None, {"compute.dtype": "auto"}).to_dict()
+    ours = run_inprocess(store, cfg, PROMPT, N, source="slots")["token_ids"]
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    assert ours == ref, f"{arch} on {mx.default_device()}: tokens differ from mlx-lm's from token {first}"
+
+
+@pytest.mark.skipif(not (mx.cuda.is_available() or mx.metal.is_available()),
+                    reason="needs an MLX GPU backend (CUDA or Metal)")
+def test_the_comparison_above_ran_on_the_gpu():
+    """Where a GPU is, the default device (which the tests above ran on) is it."""
+    assert mx.default_device() == mx.gpu
