@@ -49,6 +49,8 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
             out.append(int(tok))
         return (tokens - 1) / (time.perf_counter() - t1), out, (time.process_time() - c1) / (tokens - 1)
 
+    loops = []  # per round: deltafin's decode loop, seconds per token in each part
+
     def deltafin() -> tuple[float, list, float]:
         cpu, read = [], compute.scheduler.read
 
@@ -61,6 +63,7 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
             done = compute.generate(M.Generate(id=1, token_ids=prompt, max_tokens=tokens, stream=False))
         finally:
             compute.scheduler.read = read
+        loops.append({k: v / max(1, done.stats["decode"]["tokens"]) for k, v in done.stats["decode"]["loop"].items()})
         return done.stats["decode_tok_s"], done.token_ids, (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
     try:
@@ -83,6 +86,9 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
                 "median_ratio": float(np.median([r["ratio"] for r in rows])),
                 "median_cpu_ratio": float(np.median([r["cpu_ratio"] for r in rows])),
                 "all_same_tokens": all(r["same_tokens"] for r in rows),
+                "deltafin_loop_ms_per_token": {k.removesuffix("_s"): 1e3 * float(np.median([lp[k] for lp in loops[1:]]))
+                                               for k in loops[-1]},
+                "mlx_lm_ms_per_token": 1e3 / float(np.median([r["mlx_lm_tok_s"] for r in rows])),
                 "sync_every_layer": sync_every_layer, "device": str(mx.default_device()),
                 "preloaded_layers": preloaded,
                 "fills_while_generating": compute.experts.tier.fills - fills,
@@ -114,6 +120,8 @@ def main(argv=None) -> int:
     print(f"median deltafin/mlx-lm decode tok/s {out['median_ratio']:.3f}, CPU time {out['median_cpu_ratio']:.3f}, "
           f"same tokens {out['all_same_tokens']}, fills {out['fills_while_generating']}, needs "
           f"{out['needs_while_generating']} while generating")
+    print(f"per token: mlx-lm {out['mlx_lm_ms_per_token']:.3f} ms; deltafin's loop (ms) " +
+          ", ".join(f"{k} {v:.3f}" for k, v in out["deltafin_loop_ms_per_token"].items()))
     return 0
 
 

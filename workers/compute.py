@@ -176,10 +176,37 @@ class ExpertProvider:
                                                     "undo": self.routing.begin_pass(n_tokens)}
         return self.pass_no
 
-    def commit(self, p: int) -> np.ndarray:
-        """The pass's output was read: report its uses; returns its routing [n, moe_layers, k]."""
+    def seal_pass(self):
+        """The current pass's gate ids (those still on the device), stacked into one device array
+        for the caller to evaluate with the pass's output: commit then reads them back in one
+        copy, not one per layer. None where there is nothing to stack."""
+        rec = self.current
+        where = [i for i, (_, ids) in enumerate(rec["used"]) if isinstance(ids, mx.array)]
+        if len(where) < 2 or len({rec["used"][i][1].shape for i in where}) != 1:
+            return None
+        rec["sealed"] = (where, mx.stack([rec["used"][i][1] for i in where]))
+        return rec["sealed"][1]
+
+    def _read_back(self, p: int) -> None:
+        """A sealed pass's ids, read back at once, replace its device ids everywhere they wait."""
+        rec = self.passes[p]
+        where, stacked = rec.pop("sealed", (None, None))
+        if stacked is None:
+            return
+        host = self._host(stacked)
+        swap = {id(rec["used"][i][1]): host[j] for j, i in enumerate(where)}
+        rec["used"] = [(layer, swap.get(id(ids), ids)) for layer, ids in rec["used"]]
+        self.unreported = [(q, layer, swap.get(id(ids), ids) if q == p else ids, count)
+                           for q, layer, ids, count in self.unreported]
+
+    def commit(self, p: int, rows: bool = True) -> np.ndarray | None:
+        """The pass's output was read: report its uses; returns its routing [n, moe_layers, k]
+        (rows=False: nothing, where no one records it)."""
+        self._read_back(p)
         self.flush(upto=p)
         rec = self.passes.pop(p)
+        if not rows:
+            return None
         return self.routing.rows(rec["n"], [(layer, self._host(ids)) for layer, ids in rec["used"]])
 
     def discard(self, p: int) -> None:
@@ -197,18 +224,22 @@ class ExpertProvider:
 
     def flush(self, upto: int | None = None) -> None:
         """Tells the router the uses served without asking, in order, up to pass `upto` (all)."""
-        keep, uses = [], []
+        keep, uses, counted = [], [], 0
         for entry in self.unreported:
             p, layer, ids, count = entry
             if upto is not None and p > upto:
                 keep.append(entry)
                 continue
-            experts = np.unique(self._host(ids)).tolist()
+            flat = self._host(ids).reshape(-1)
+            # np.unique's answer; on a decode pass's few ids plain Python is many times faster
+            experts = sorted(set(flat.tolist())) if flat.size <= 256 else np.unique(flat).tolist()
             if count:
-                self.counters.add("uses", len(experts))
-                self.counters.add("hits", len(experts))
+                counted += len(experts)
             uses.append([layer, experts])
         self.unreported = keep
+        if counted:
+            self.counters.add("uses", counted)
+            self.counters.add("hits", counted)
         if uses:
             t0 = time.perf_counter()
             self.source.used(uses)
@@ -557,6 +588,11 @@ class Scheduler:
 
     def __init__(self, compute: "Compute"):
         self.compute = compute
+        # Where the decode loop's time goes (seconds, summed): building and launching passes
+        # (including any wait for a miss), waiting for the device's token, committing a pass
+        # (reading its expert ids back, telling the router), and handling the token (detokenize,
+        # stops, emit, answering between tokens).
+        self.loop = dict.fromkeys(("launch", "token_wait", "commit", "accept"), 0.0)
 
     def launch(self, seq: Sequence, token, phase: str = "decode") -> Step:
         c = self.compute
@@ -564,18 +600,24 @@ class Scheduler:
         p = c.experts.begin_pass(1)
         logits = c.model(token.reshape(1).astype(mx.int32), seq.cache, c.experts)
         tok = sample_on_device(logits[-1], seq.req.temperature, seq.req.top_p, seq.next_key(), c.dtype)
-        mx.async_eval(tok)
+        ids = c.experts.seal_pass()
+        mx.async_eval(tok) if ids is None else mx.async_eval(tok, ids)
+        self.loop["launch"] += time.perf_counter() - t0
         return Step(seq, tok, p, t0, phase)
 
     def read(self, step: Step) -> int:
+        t0 = time.perf_counter()
         tok = int(step.token.item())
+        t1 = time.perf_counter()
         c = self.compute
         if step.pass_no is not None:
-            rows = c.experts.commit(step.pass_no)
-            if c.recorder is not None:
+            rows = c.experts.commit(step.pass_no, rows=c.recorder is not None)
+            if rows is not None:
                 c.request_rows.append(rows)
             c.forward_latency.add(time.perf_counter() - step.t0)
             c.counters.add(f"{step.phase}_forward_tokens")  # live progress for the metrics stream
+        self.loop["token_wait"] += t1 - t0
+        self.loop["commit"] += time.perf_counter() - t1
         return tok
 
     def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
@@ -585,11 +627,13 @@ class Scheduler:
             if len(seq.out_ids) + 1 < req.max_tokens and c.experts.can_overlap():
                 ahead = self.launch(seq, step.token)
             tok = self.read(step)
+            t0 = time.perf_counter()
             if seq.ttft_s is None:
-                seq.ttft_s = time.perf_counter() - t_request
+                seq.ttft_s = t0 - t_request
             self.accept(seq, tok, emit)
             if seq.finish is None and between_tokens:
                 between_tokens()
+            self.loop["accept"] += time.perf_counter() - t0
             if seq.finish is not None or len(seq.out_ids) >= req.max_tokens:
                 if ahead is not None:
                     c.experts.discard(ahead.pass_no)
@@ -677,8 +721,8 @@ class Compute:
         p = self.experts.begin_pass(len(ids))
         logits = self.model(mx.array(ids, dtype=mx.int32), cache, self.experts)
         mx.eval(logits)
-        rows = self.experts.commit(p)
-        if self.recorder is not None:
+        rows = self.experts.commit(p, rows=self.recorder is not None)
+        if rows is not None:
             self.request_rows.append(rows)
         self.forward_latency.add(time.perf_counter() - t0)
         self.counters.add(f"{phase}_forward_tokens", len(ids))  # live progress for the metrics stream
@@ -762,6 +806,7 @@ class Compute:
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         split1 = self._split()
+        loop0 = dict(self.scheduler.loop)
         if first is not None:
             self.scheduler.run(seq, first, emit, between_tokens, t_request)
         t_decode = time.perf_counter() - t1
@@ -784,6 +829,7 @@ class Compute:
         decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare", "sync")},
                   **decode}
         decode["compute_s"] = max(0.0, t_decode - decode["ipc_s"] - decode["wait_s"] - decode["prepare_s"])
+        decode["loop"] = {f"{k}_s": v - loop0[k] for k, v in self.scheduler.loop.items()}
         stats["decode"] = decode
         self.counters.add("requests")
         self.counters.add("prompt_tokens", len(ids))

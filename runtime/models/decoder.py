@@ -51,14 +51,18 @@ class SparseMoE:
         self.shared, self.shared_gate = shared, shared_gate
 
     def __call__(self, x, experts):
+        # The gate and the shared experts see x as mlx-lm's do, [B, L, D]: a GPU picks its
+        # matmul kernel by shape, and a float gate on [N, D] rounds differently in bfloat16 on
+        # CUDA. The routed experts take the rows flat, [N, D] with inds [N, k].
         x2 = x.reshape(-1, x.shape[-1])
-        inds, scores = self.route(self.gate(x2))
-        y = experts(self.layer, x2, inds)
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        inds, scores = self.route(self.gate(x))
+        k = inds.shape[-1]
+        y = experts(self.layer, x2, inds.reshape(-1, k))
+        y = (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
         if self.shared is not None:
-            s = self.shared(x2)
-            y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x2)) * s)
-        return y.reshape(x.shape)
+            s = self.shared(x)
+            y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x)) * s)
+        return y
 
 
 def softmax_topk(logits, k, norm=False):
