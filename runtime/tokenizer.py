@@ -10,6 +10,12 @@ class TokenizerError(RuntimeError):
     pass
 
 
+class PromptTooLong(ValueError):
+    """A prompt that cannot fit max_context tokens (answered with `bad_request`)."""
+
+    code = "bad_request"
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text()) if path.exists() else {}
@@ -52,10 +58,37 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, chat: bool = False) -> list[int]:
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for: the longest vocabulary entry as
+        stored (byte-level entries spell each byte as one 1-2 byte character, sentencepiece's
+        "<0x0A>" stands for one byte, so the stored spelling is never shorter than the text).
+        A prompt of more than max_context x this many bytes cannot fit max_context tokens."""
+        if not hasattr(self, "_max_token_bytes"):
+            vocab = self.tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        return self._max_token_bytes
+
+    def prompt_bytes_bound(self, max_tokens: int) -> int:
+        return max_tokens * max(1, self.max_token_bytes)
+
+    def encode(self, text: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
+        """max_tokens: refuse (PromptTooLong) a text longer in bytes than that many tokens can
+        hold before tokenizing it, so the tokenizer never sees more than max_tokens x
+        max_token_bytes bytes (its time and memory are bounded by max_context), and a token
+        count beyond max_tokens after."""
+        if max_tokens is not None:
+            from deltafin.protocol.messages import prompt_too_long
+            why = prompt_too_long(text, self.prompt_bytes_bound(max_tokens))
+            if why:
+                raise PromptTooLong(why)
         if chat:
-            return self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
-        return self.tok.encode(text).ids
+            ids = self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
+        else:
+            ids = self.tok.encode(text).ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(f"prompt of {len(ids)} tokens exceeds max_context={max_tokens}")
+        return ids
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
