@@ -117,7 +117,7 @@ def test_a_full_queue_is_refused_at_once_with_queue_full(tiny_stores, tmp_path):
             next(running)
             waiting = b.stream([1, 2, 3], max_tokens=8)
             _await_in_flight(c, 2)
-            with pytest.raises(RuntimeBusy, match="max_queue=1") as refused:
+            with pytest.raises(RuntimeBusy, match="in flight: one running and compute.max_queue=1") as refused:
                 c.generate([4, 5, 6], max_tokens=4)
             assert refused.value.code == "queue_full"
             assert c.health()["ok"]            # answered by the supervisor meanwhile
@@ -209,5 +209,5 @@ def test_a_100_mb_prompt_is_refused_before_tokenizing_while_another_client_is_se
                 big.generate("a" * (limit + 1), max_tokens=4)   # just past the bound
             stats = big.stats()
     assert answers == [ref]
-    assert _compute(stats)["requests"] == 2   # compute never saw the refused prompts
+    assert _compute(stats)["queue"]["queued"] == 2   # compute never saw the refused prompts
     print(f"100 MB prompt refused in {took:.3f} s (bound {limit} bytes)")
