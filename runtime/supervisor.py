@@ -4,7 +4,9 @@ Start-up: sweep stale runs, check the store's files and the budget estimate, sta
 workers as separate OS processes, wait for each one's ready message while watching that none
 died, measure the tree, size and create the slot pool, hand it to the workers, bind the client
 endpoint, print `READY <endpoint>`. Serving: check each client request against the limits and
-answer what is wrong at once, relay the rest to compute and its replies back, answer
+answer what is wrong at once (a full queue too: at most 1 + compute.max_queue in flight), relay
+the rest to compute, which runs them one at a time in arrival order, and its replies back; relay
+a client's `cancel`, and send one for a client whose connection closed mid-stream; answer
 hello/health/stats itself, and merge the workers' metrics snapshots into one that it republishes
 on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
 

@@ -10,6 +10,29 @@ class TokenizerError(RuntimeError):
     pass
 
 
+# Texts longer than this many characters are counted piece by piece before they are tokenized
+# whole: tokens are counted in pieces of about this size (cut before whitespace where there is
+# any), and counting stops once the pieces hold more than max_context tokens, so a text with far
+# too many tokens never builds more than one piece's encoding.
+PIECE_CHARS = 1 << 16
+# A cut can split one token into a few (a word cut in two, a piece's own leading space marker):
+# each piece's count is reduced by this much, so the sum never overstates the whole text's.
+CUT_SLACK = 4
+
+
+def pieces(text: str, size: int = PIECE_CHARS):
+    """text in consecutive pieces of at most `size` characters, each cut just before the last
+    whitespace of its window where there is one (cuts where pre-tokenizers cut anyway)."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
 class PromptTooLong(ValueError):
     """A prompt that cannot fit max_context tokens (answered with `bad_request`)."""
 
@@ -74,14 +97,24 @@ class Tokenizer:
 
     def encode(self, text: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
         """max_tokens: refuse (PromptTooLong) a text longer in bytes than that many tokens can
-        hold before tokenizing it, so the tokenizer never sees more than max_tokens x
-        max_token_bytes bytes (its time and memory are bounded by max_context), and a token
-        count beyond max_tokens after."""
+        hold before tokenizing anything; then a long text's tokens are counted in pieces
+        (`pieces`), refusing as soon as they are surely more than max_tokens; only a text that
+        may fit is tokenized whole (the ids always come from the whole text, exactly as without
+        a bound), and refused when it has more than max_tokens tokens."""
         if max_tokens is not None:
             from deltafin.protocol.messages import prompt_too_long
             why = prompt_too_long(text, self.prompt_bytes_bound(max_tokens))
             if why:
                 raise PromptTooLong(why)
+            if len(text) > PIECE_CHARS:
+                counted, at = 0, 0
+                for piece in pieces(text):
+                    counted += max(0, len(self.tok.encode(piece, add_special_tokens=False).ids) - CUT_SLACK)
+                    at += len(piece)
+                    if counted > max_tokens:
+                        raise PromptTooLong(f"prompt of more than {max_tokens} tokens: its first {at} "
+                                            f"characters hold more than max_context={max_tokens} "
+                                            f"(counted in pieces)")
         if chat:
             ids = self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
         else:

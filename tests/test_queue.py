@@ -71,6 +71,16 @@ def test_prompt_bytes_are_bounded_before_tokenizing(tiny_stores):
     with pytest.raises(PromptTooLong, match="tokens"):  # within the bytes, beyond the tokens
         tok.encode(" ".join(["x"] * 200), max_tokens=64)
     assert tok.encode("hello there", max_tokens=64) == tok.encode("hello there")
+    # A long text within the bytes is counted in pieces and refused before it is tokenized whole.
+    from deltafin.runtime.tokenizer import PIECE_CHARS, pieces
+    most = PIECE_CHARS // 4            # tokens; a piece of "xy " holds more than this
+    many = "xy " * (PIECE_CHARS // 3 * 2)
+    assert PIECE_CHARS < len(many) < tok.prompt_bytes_bound(most)
+    with pytest.raises(PromptTooLong, match=f"first {len(next(pieces(many)))} characters"):
+        tok.encode(many, max_tokens=most)
+    fits = "hello there, " * (PIECE_CHARS // 6)  # long, but within the tokens: tokenized whole
+    assert tok.encode(fits, max_tokens=len(tok.encode(fits))) == tok.encode(fits)
+    assert "".join(pieces(many)) == many and max(map(len, pieces(many))) <= PIECE_CHARS
     # No token of the vocabulary stands for more text than the bound assumes.
     assert max(len(tok.decode([i]).encode()) for i in range(tok.vocab_size)) <= tok.max_token_bytes
     assert M.prompt_too_long("x" * 10, 10) is None and "11 bytes" in M.prompt_too_long("\u00e9" * 5 + "x", 10)

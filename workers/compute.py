@@ -16,6 +16,11 @@ Generation runs as steps (`Scheduler`): the next forward pass is built and sampl
 (`mx.async_eval`) before the previous token is read back, the way mlx-lm's generate_step overlaps
 them, whenever the pass cannot stop on a miss (every expert resident).
 
+Requests (`RequestQueue`): one runs, the others wait in arrival order in a bounded queue
+(compute.max_queue). Between tokens the process answers its control channel; a request that
+arrives then only joins the queue (requests never nest), and a `cancel` removes a waiting one or
+stops the running one at the next token.
+
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
 gate; `StandInModel` replaces each layer's math by a wait while requests, reads and fills stay
