@@ -941,7 +941,8 @@ class RequestQueue:
         self.events = itertools.count(1)
 
     def add(self, client: bytes, req) -> Queued:
-        if len(self.waiting) >= self.max_waiting:
+        # One more than max_waiting when none runs: the request added now starts at once.
+        if len(self.waiting) + (self.running is not None) > self.max_waiting:
             self.counters.add("refused")
             raise QueueFull(f"{len(self.waiting)} requests wait behind the running one "
                             f"(compute.max_queue={self.max_waiting}); retry later")
