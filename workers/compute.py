@@ -30,10 +30,10 @@ cache, no cache of our own: every use copies), run in-process by `run_inprocess`
 """
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import time
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
