@@ -6,6 +6,7 @@ cancelled; a 100 MB prompt is refused before compute tokenizes it while another 
 The conftest checks that no process or segment is left behind."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -212,16 +213,24 @@ def test_a_100_mb_prompt_is_refused_before_tokenizing_while_another_client_is_se
                 answers.append(other.generate("hello there", max_tokens=6).token_ids)
             t = threading.Thread(target=normal)
             prompt = "a" * 100_000_000
+            # The Python client refuses by welcome's bound, unsent (a smaller bound than the
+            # runtime's shows it was not the runtime that refused).
+            real, big.info = big.info, dataclasses.replace(big.info, max_prompt_bytes=10)
+            with pytest.raises(RequestError, match="max_prompt_bytes"):
+                big.generate("a" * 11, max_tokens=4)
+            big.info = real
+            raw = M.encode(M.Generate(id=big._next(), prompt=prompt, max_tokens=4))  # as any peer may
             t.start()
             t0 = time.monotonic()
+            big.sock.send(raw)
             with pytest.raises(RequestError, match="max_prompt_bytes") as refused:
-                big.generate(prompt, max_tokens=4)
+                big._recv(M.decode(raw).id)
             took = time.monotonic() - t0
             t.join(timeout=60)
             assert refused.value.code == "bad_request"
-            with pytest.raises(RequestError, match="max_prompt_bytes"):
-                big.generate("a" * (limit + 1), max_tokens=4)   # just past the bound
+            with pytest.raises(RequestError, match="max_prompt_bytes"):  # just past the bound
+                big._call(M.Generate(id=big._next(), prompt="a" * (limit + 1), max_tokens=4))
             stats = big.stats()
     assert answers == [ref]
     assert _compute(stats)["queue"]["queued"] == 2   # compute never saw the refused prompts
-    print(f"100 MB prompt refused in {took:.3f} s (bound {limit} bytes)")
+    print(f"100 MB prompt refused by the runtime {took:.3f} s after the send (bound {limit} bytes)")

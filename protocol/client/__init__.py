@@ -191,6 +191,11 @@ class Client:
 
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
         prompt, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, [int(i) for i in prompt_or_ids])
+        # A prompt the runtime would refuse by its size is refused here, before it is encoded
+        # and sent (100 MB take about a second each way).
+        why = M.prompt_too_long(prompt, self.info.max_prompt_bytes) if prompt and self.info else None
+        if why:
+            raise RequestError(why, "bad_request")
         return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, max_tokens=max_tokens,
                           temperature=float(temperature), top_p=float(top_p), seed=seed,
                           stop=list(stop) if stop else None, chat=chat, stream=stream)
