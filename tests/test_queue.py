@@ -234,3 +234,46 @@ def test_a_100_mb_prompt_is_refused_before_tokenizing_while_another_client_is_se
     assert answers == [ref]
     assert _compute(stats)["queue"]["queued"] == 2   # compute never saw the refused prompts
     print(f"100 MB prompt refused by the runtime {took:.3f} s after the send (bound {limit} bytes)")
+
+
+def _send_many(c: Client, n: int, max_tokens: int) -> dict:
+    """n requests sent at once on one socket, then every final reply, by id."""
+    ids = []
+    for _ in range(n):
+        msg = M.Generate(id=c._next(), token_ids=[1, 2, 3], max_tokens=max_tokens, stream=False)
+        c._send(msg)
+        ids.append(msg.id)
+    finals = {}
+    while len(finals) < n:
+        assert c.sock.poll(60_000), f"{n - len(finals)} requests never answered"
+        m = M.decode(c.sock.recv())
+        assert m.id in ids and m.id not in finals, m
+        finals[m.id] = m
+    return finals
+
+
+def test_hundreds_of_requests_from_one_client_queue_and_never_nest(tiny_stores, tmp_path):
+    """Once, ~245 requests in flight from one client ended in RecursionError (each ran inside
+    the one before): now 300 wait their turn and all get their answer."""
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 300})) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            ref = c.generate([1, 2, 3], max_tokens=2).token_ids
+            finals = _send_many(c, 300, 2)
+    assert all(isinstance(m, M.Done) and m.token_ids == ref for m in finals.values()), \
+        {type(m).__name__ + getattr(m, "message", "")[:80] for m in finals.values()}
+    orders = sorted(m.stats["order"] for m in finals.values())
+    assert all(a[1] < b[0] for a, b in zip(orders, orders[1:]))  # one after the other
+
+
+def test_a_flood_beyond_the_queue_is_refused_and_the_rest_answered(tiny_stores):
+    """The default queue (16 waiting): of 40 requests sent at once, those beyond 1 + 16 in
+    flight are refused with queue_full, every other one is answered."""
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            ref = c.generate([1, 2, 3], max_tokens=40).token_ids
+            finals = _send_many(c, 40, 40)
+            assert c.stats()["active_requests"] == 0
+    done = [m for m in finals.values() if isinstance(m, M.Done)]
+    refused = [m for m in finals.values() if isinstance(m, M.Error)]
+    assert all(m.code == "queue_full" for m in refused) and len(refused) >= 1
+    assert len(done) >= 17 and all(m.token_ids == ref for m in done)
