@@ -5,6 +5,11 @@
         print(c.generate("Why is the sky blue?", max_tokens=64).text)
         for piece in c.stream("Tell me a story", max_tokens=32):
             print(piece, end="", flush=True)
+        story = c.stream("Tell me a long story", max_tokens=2000)
+        print(next(story)); story.cancel(); list(story)   # story.result.finish_reason == "cancelled"
+
+Requests run one at a time in arrival order over all clients; a full queue raises RuntimeBusy
+(code `queue_full`). A Client (one socket) is used from one thread.
 
 Every wait has a deadline (`timeout`, seconds, measured since the last message received), and a
 runtime that stops answering raises RuntimeUnavailable instead of hanging. A worker that dies
