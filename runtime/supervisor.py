@@ -197,7 +197,7 @@ class ClientEndpoint:
 
     def reply(self, ident: bytes, msg) -> bool:
         """False when the peer is gone: ROUTER_MANDATORY makes a send to an identity whose
-        connection closed fail at once (EHOSTUNREACH). A peer that has left runtime's high-water
+        connection closed fail at once (EHOSTUNREACH). A peer that has left the socket's high-water
         mark of replies unread (10,000) counts as gone too (EAGAIN): never sending blocking keeps
         one client from stalling the others."""
         req = ident in self.req_peers
