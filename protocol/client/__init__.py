@@ -197,7 +197,12 @@ class Client:
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
         prompt, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, [int(i) for i in prompt_or_ids])
         # A prompt the runtime would refuse by its size is refused here, before it is encoded
-        # and sent (100 MB take about a second each way).
+        # and sent (100 MB take about a second each way): first a frame surely over the
+        # endpoint's limit (which would drop the connection), then a text over max_prompt_bytes.
+        limit = self.info.max_request_bytes if self.info else 0
+        if prompt and limit and len(prompt) >= limit:  # the frame holds more than the prompt
+            raise RequestError(f"a request of more than {len(prompt)} bytes exceeds the runtime's "
+                               f"{limit} byte limit (runtime.max_request_bytes)", "bad_request")
         why = M.prompt_too_long(prompt, self.info.max_prompt_bytes) if prompt and self.info else None
         if why:
             raise RequestError(why, "bad_request")
