@@ -234,7 +234,10 @@ def prompt_too_long(prompt: str, max_bytes: int) -> str | None:
     encoding a text that is surely too long or surely short enough (1 to 4 bytes a character)."""
     if not max_bytes or len(prompt) * 4 <= max_bytes:
         return None
-    n = len(prompt) if len(prompt) > max_bytes else len(prompt.encode("utf-8", "surrogatepass"))
+    if len(prompt) > max_bytes or prompt.isascii():  # isascii: O(1) on CPython's compact strings
+        n = len(prompt)
+    else:
+        n = len(prompt.encode("utf-8", "surrogatepass"))
     if n <= max_bytes:
         return None
     return (f"prompt of {'at least ' if len(prompt) > max_bytes else ''}{n} bytes exceeds the "
