@@ -131,6 +131,7 @@ class Welcome:
     vocab_size: int
     max_context: int
     max_request_bytes: int = 0  # the largest request frame the endpoint takes (0: not said)
+    max_prompt_bytes: int = 0   # the longest prompt text in UTF-8 bytes (0: not said)
 
 
 @message("generate")
@@ -145,6 +146,15 @@ class Generate:
     stop: list | None = None
     chat: bool = False
     stream: bool = True
+
+
+@message("cancel")
+class Cancel:
+    """Stops the request `id` of the same peer: a queued one leaves the queue, a running one stops
+    within one token; either ends with its own final message (`done` with finish_reason
+    "cancelled", or `error` `cancelled` for logits). No reply of its own, except `error`
+    `unknown_request` when no request `id` of this peer is in flight."""
+    id: int
 
 
 @message("token")
@@ -216,6 +226,22 @@ class RequestLimits:
     vocab_size: int
     max_context: int
     max_result_bytes: int = MAX_RESULT_BYTES
+    max_prompt_bytes: int = 0  # prompt text beyond this many UTF-8 bytes is refused (0: unchecked)
+
+
+def prompt_too_long(prompt: str, max_bytes: int) -> str | None:
+    """Why a prompt text is longer than max_bytes UTF-8 bytes, else None. Measured without
+    encoding a text that is surely too long or surely short enough (1 to 4 bytes a character)."""
+    if not max_bytes or len(prompt) * 4 <= max_bytes:
+        return None
+    if len(prompt) > max_bytes or prompt.isascii():  # isascii: O(1) on CPython's compact strings
+        n = len(prompt)
+    else:
+        n = len(prompt.encode("utf-8", "surrogatepass"))
+    if n <= max_bytes:
+        return None
+    return (f"prompt of {'at least ' if len(prompt) > max_bytes else ''}{n} bytes exceeds the "
+            f"{max_bytes} bytes that max_context tokens can hold (welcome: max_prompt_bytes)")
 
 
 def _check_token_ids(ids: list, limits: RequestLimits, what: str) -> None:
@@ -231,13 +257,16 @@ def _check_token_ids(ids: list, limits: RequestLimits, what: str) -> None:
 def check_request(msg, limits: RequestLimits) -> None:
     """Raises BadRequest for a generate or logits request that cannot be served as asked, before
     any work starts: mixed or missing prompt, token ids of the wrong type or range, lengths past
-    max_context, sampling parameters that are not finite numbers in range, a logits reply that
-    would not fit in one message. (Prompt text is measured in tokens by compute.)"""
+    max_context, prompt text longer in bytes than max_context tokens can be, sampling parameters
+    that are not finite numbers in range, a logits reply that would not fit in one message.
+    (Prompt text within the byte bound is measured in tokens by compute.)"""
     if isinstance(msg, Generate):
         if (msg.prompt is None) == (msg.token_ids is None):
             raise BadRequest("generate takes exactly one of prompt and token_ids")
         if msg.prompt == "":
             raise BadRequest("empty prompt")
+        if msg.prompt is not None and (why := prompt_too_long(msg.prompt, limits.max_prompt_bytes)):
+            raise BadRequest(why)
         if not 0 <= msg.max_tokens < limits.max_context:
             raise BadRequest(f"max_tokens must be within [0, {limits.max_context}) "
                              f"(max_context={limits.max_context} holds the prompt too)")

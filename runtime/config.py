@@ -19,6 +19,9 @@ class ConfigError(ValueError):
     pass
 
 
+MAX_QUEUE = 4096  # requests waiting in compute, at most (each holds its request message)
+
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
           "tib": 1024**4}
@@ -54,7 +57,6 @@ class RuntimeConfig:
     restart_max: int = 3
     restart_window_s: float = 300.0
     max_request_bytes: str = "16MiB"
-    max_inflight: int = 64
     keys_dir: str = ""
 
     @property
@@ -74,6 +76,12 @@ class ComputeConfig:
     max_context: int = 2048
     prefill_chunk: int = 128
     expert_timeout_s: float = 60.0
+    max_queue: int = 16
+
+    @property
+    def max_inflight(self) -> int:
+        """Requests in flight at most, over all clients: the running one and the waiting ones."""
+        return 1 + self.max_queue
 
 
 @dataclass
@@ -151,8 +159,8 @@ class Config:
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES
         if not 1024 <= parse_size(self.runtime.max_request_bytes) <= MAX_MESSAGE_BYTES:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
-        if self.runtime.max_inflight < 1:
-            raise ConfigError("runtime.max_inflight must be >= 1")
+        if not 0 <= self.compute.max_queue <= MAX_QUEUE:
+            raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:

@@ -4,7 +4,9 @@ Start-up: sweep stale runs, check the store's files and the budget estimate, sta
 workers as separate OS processes, wait for each one's ready message while watching that none
 died, measure the tree, size and create the slot pool, hand it to the workers, bind the client
 endpoint, print `READY <endpoint>`. Serving: check each client request against the limits and
-answer what is wrong at once, relay the rest to compute and its replies back, answer
+answer what is wrong at once (a full queue too: at most 1 + compute.max_queue in flight), relay
+the rest to compute, which runs them one at a time in arrival order, and its replies back; relay
+a client's `cancel`, and send one for a client whose connection closed mid-stream; answer
 hello/health/stats itself, and merge the workers' metrics snapshots into one that it republishes
 on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import itertools
 import json
 import os
@@ -193,13 +196,16 @@ class ClientEndpoint:
         return ident, body[0], None
 
     def reply(self, ident: bytes, msg) -> bool:
-        """False when the peer is gone (nothing to deliver to)."""
+        """False when the peer is gone: ROUTER_MANDATORY makes a send to an identity whose
+        connection closed fail at once (EHOSTUNREACH). A peer that has left the socket's high-water
+        mark of replies unread (10,000) counts as gone too (EAGAIN): never sending blocking keeps
+        one client from stalling the others."""
         req = ident in self.req_peers
         if req and isinstance(msg, M.Token):
             return True
         frames = [ident, b"", M.encode(msg)] if req else [ident, M.encode(msg)]
         try:
-            self.sock.send_multipart(frames)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError:
             return False
@@ -227,6 +233,7 @@ class Supervisor:
             self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
+        # max_prompt_bytes is set once compute has said what its tokenizer's longest token is
         self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
                                       max_context=config.compute.max_context)
         self.workers: Workers | None = None
@@ -242,6 +249,8 @@ class Supervisor:
         self.restart_times: deque = deque()
         self.last_death: WorkerDied | None = None
         self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
+        self.cancelling: set[tuple] = set()       # in flight, cancel sent to compute
+        self.cancels = {"client": 0, "client_gone": 0}  # cancels sent: asked by the client, or its peer vanished
         # Stats answers wait (briefly) until every worker's snapshot is newer than the last
         # finished request: [(client identity, request id, sync id needed, deadline)]
         self.pending_stats: list[tuple] = []
@@ -296,6 +305,8 @@ class Supervisor:
         self.ready_info = {}
         self.workers.start()
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
+        bound = int(self.ready_info.get("compute", {}).get("max_prompt_bytes") or 0)
+        self.limits = dataclasses.replace(self.limits, max_prompt_bytes=bound)
         if not self.plan.n_slots:
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
@@ -417,6 +428,7 @@ class Supervisor:
             for (ident, rid) in list(self.inflight):
                 self._reply(ident, M.Error(id=rid, code="worker_died", message=f"{death}; {then}"))
             self.inflight.clear()
+            self.cancelling.clear()
             for ident, rid, _, _ in self.pending_stats:
                 self._finish_stats(ident, rid)
             self.pending_stats = []
@@ -491,7 +503,8 @@ class Supervisor:
                                                 model=str(self.store.path), architecture=self.store.manifest["architecture"],
                                                 vocab_size=self.limits.vocab_size,
                                                 max_context=self.limits.max_context,
-                                                max_request_bytes=self.client.max_bytes))
+                                                max_request_bytes=self.client.max_bytes,
+                                                max_prompt_bytes=self.limits.max_prompt_bytes))
         if isinstance(msg, M.Health):
             workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": self.workers.alive(r)}
                        for r, p in self.workers.procs.items()}
@@ -518,14 +531,32 @@ class Supervisor:
             if (ident, msg.id) in self.inflight:
                 return self._reply(ident, M.Error(id=msg.id, code="bad_request",
                                                   message=f"request id {msg.id} is already in flight"))
-            if len(self.inflight) >= self.config.runtime.max_inflight:
-                return self._reply(ident, M.Error(id=msg.id, code="busy",
-                                                  message=f"{len(self.inflight)} requests are in flight "
-                                                          f"(runtime.max_inflight); retry later"))
+            cc = self.config.compute
+            if len(self.inflight) >= cc.max_inflight:  # one running + compute's queue, all full
+                return self._reply(ident, M.Error(id=msg.id, code="queue_full",
+                                                  message=f"{len(self.inflight)} requests are in flight: one "
+                                                          f"running and compute.max_queue={cc.max_queue} "
+                                                          f"waiting; retry later"))
             self.inflight[(ident, msg.id)] = time.monotonic()
             return self._to_worker("compute", M.Forward(client=ident, payload=raw))
+        if isinstance(msg, M.Cancel):
+            if (ident, msg.id) not in self.inflight:
+                return self._reply(ident, M.Error(id=msg.id, code="unknown_request",
+                                                  message=f"no request {msg.id} of this client is in flight"))
+            return self._cancel(ident, msg.id, "client")
         self._reply(ident, M.Error(id=getattr(msg, "id", None), code="bad_message",
                                    message=f"{msg.TYPE} is not a request"))
+
+    def _cancel(self, ident: bytes, rid: int, why: str) -> None:
+        """Asks compute to stop request (ident, rid), once: it answers with the request's final
+        message (done "cancelled", or error "cancelled" for logits), which ends it here."""
+        if (ident, rid) in self.cancelling:
+            return
+        self.cancelling.add((ident, rid))
+        self.cancels[why] += 1
+        if why == "client_gone":
+            self.log(f"a client vanished with request {rid} in flight: cancelled")
+        self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=rid))))
 
     @property
     def restart_count(self) -> int:
@@ -539,10 +570,15 @@ class Supervisor:
             self.log(f"dropped a bad message from a worker: {e}")
             return
         if reply is not None:
+            key = (msg.client, getattr(reply, "id", None))
             if isinstance(reply, (M.Done, M.LogitsResult, M.Error)):
-                if self.inflight.pop((msg.client, reply.id), None) is not None:
+                self.cancelling.discard(key)
+                if self.inflight.pop(key, None) is not None:
                     self._synchronize()
-            self._reply(msg.client, reply)
+            if not self._reply(msg.client, reply) and key in self.inflight:
+                # The client vanished mid-stream (or stopped reading): its request goes, and the
+                # next one in the queue starts within a token.
+                self._cancel(*key, "client_gone")
         elif isinstance(msg, M.Metrics):
             self.hub.offer(msg)
 
@@ -584,7 +620,7 @@ class Supervisor:
         snap = merge(parts, missing, {
             "memory": memory, "processes": procs, "active_requests": len(self.inflight),
             "model": model, "run_id": self.rundir.run_id, "ages": ages})
-        snap.update(state=self.state, restarts=self.restart_count)
+        snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.cancels))
         return self.hub.stamp(snap)
 
     def _finish_stats(self, ident: bytes, rid: int) -> None:

@@ -10,6 +10,35 @@ class TokenizerError(RuntimeError):
     pass
 
 
+# Texts longer than this many characters are counted piece by piece before they are tokenized
+# whole: tokens are counted in pieces of about this size (cut before whitespace where there is
+# any), and counting stops once the pieces hold more than max_context tokens, so a text with far
+# too many tokens never builds more than one piece's encoding.
+PIECE_CHARS = 1 << 16
+# A cut can split one token into a few (a word cut in two, a piece's own leading space marker):
+# each piece's count is reduced by this much, so the sum never overstates the whole text's.
+CUT_SLACK = 4
+
+
+def pieces(text: str, size: int = PIECE_CHARS):
+    """text in consecutive pieces of at most `size` characters, each cut just before the last
+    whitespace of its window where there is one (cuts where pre-tokenizers cut anyway)."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+class PromptTooLong(ValueError):
+    """A prompt that cannot fit max_context tokens (answered with `bad_request`)."""
+
+    code = "bad_request"
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text()) if path.exists() else {}
@@ -52,10 +81,47 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, chat: bool = False) -> list[int]:
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for: the longest vocabulary entry as
+        stored (byte-level entries spell each byte as one 1-2 byte character, sentencepiece's
+        "<0x0A>" stands for one byte, so the stored spelling is never shorter than the text).
+        A prompt of more than max_context x this many bytes cannot fit max_context tokens."""
+        if not hasattr(self, "_max_token_bytes"):
+            vocab = self.tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        return self._max_token_bytes
+
+    def prompt_bytes_bound(self, max_tokens: int) -> int:
+        return max_tokens * max(1, self.max_token_bytes)
+
+    def encode(self, text: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
+        """max_tokens: refuse (PromptTooLong) a text longer in bytes than that many tokens can
+        hold before tokenizing anything; then a long text's tokens are counted in pieces
+        (`pieces`), refusing as soon as they are surely more than max_tokens; only a text that
+        may fit is tokenized whole (the ids always come from the whole text, exactly as without
+        a bound), and refused when it has more than max_tokens tokens."""
+        if max_tokens is not None:
+            from deltafin.protocol.messages import prompt_too_long
+            why = prompt_too_long(text, self.prompt_bytes_bound(max_tokens))
+            if why:
+                raise PromptTooLong(why)
+            if len(text) > PIECE_CHARS:
+                counted, at = 0, 0
+                for piece in pieces(text):
+                    counted += max(0, len(self.tok.encode(piece, add_special_tokens=False).ids) - CUT_SLACK)
+                    at += len(piece)
+                    if counted > max_tokens:
+                        raise PromptTooLong(f"prompt of more than {max_tokens} tokens: its first {at} "
+                                            f"characters hold more than max_context={max_tokens} "
+                                            f"(counted in pieces)")
         if chat:
-            return self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
-        return self.tok.encode(text).ids
+            ids = self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
+        else:
+            ids = self.tok.encode(text).ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(f"prompt of {len(ids)} tokens exceeds max_context={max_tokens}")
+        return ids
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -75,12 +75,12 @@ def test_eight_clients_at_once_get_the_answers_they_get_alone(tiny_stores):
 
 def test_requests_beyond_max_inflight_are_refused_at_once(tiny_stores, tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[runtime]\nmax_inflight = 1\n")
+    cfg.write_text("[compute]\nmax_queue = 0\n")  # one running, none waiting
     with running_supervisor(tiny_stores("deepseek_v2"), "4GiB", ["--config", str(cfg)]) as (ep, _):
         with Client(ep, timeout=60) as busy, Client(ep, timeout=60) as other:
             stream = busy.stream([100, 200, 300, 400], max_tokens=300)
             next(stream)
-            with pytest.raises(RuntimeBusy, match="max_inflight"):
+            with pytest.raises(RuntimeBusy, match="max_queue"):
                 other.generate([1, 2, 3], max_tokens=2)
             assert len(list(stream)) > 0
             assert len(other.generate([1, 2, 3], max_tokens=2).token_ids) == 2  # free again

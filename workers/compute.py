@@ -16,6 +16,11 @@ Generation runs as steps (`Scheduler`): the next forward pass is built and sampl
 (`mx.async_eval`) before the previous token is read back, the way mlx-lm's generate_step overlaps
 them, whenever the pass cannot stop on a miss (every expert resident).
 
+Requests (`RequestQueue`): one runs, the others wait in arrival order in a bounded queue
+(compute.max_queue). Between tokens the process answers its control channel; a request that
+arrives then only joins the queue (requests never nest), and a `cancel` removes a waiting one or
+stops the running one at the next token.
+
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
 gate; `StandInModel` replaces each layer's math by a wait while requests, reads and fills stay
@@ -25,9 +30,11 @@ cache, no cache of our own: every use copies), run in-process by `run_inprocess`
 """
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -40,7 +47,7 @@ from deltafin.runtime.models import build_model
 from deltafin.runtime.models.base import SORT_PAIRS, gather_glu, switch_glu
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tiers import layer_groups
-from deltafin.runtime.tokenizer import StreamDecoder, Tokenizer
+from deltafin.runtime.tokenizer import PromptTooLong, StreamDecoder, Tokenizer
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.resident import ResidentTier, probe_zero_copy
 
@@ -621,6 +628,8 @@ class Scheduler:
         return tok
 
     def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
+        """between_tokens: called after each token but the last (the process answers its control
+        channel there); a true result stops the sequence with finish "cancelled"."""
         step, c, req = first, self.compute, seq.req
         while step is not None:
             ahead = None
@@ -631,8 +640,8 @@ class Scheduler:
             if seq.ttft_s is None:
                 seq.ttft_s = t0 - t_request
             self.accept(seq, tok, emit)
-            if seq.finish is None and between_tokens:
-                between_tokens()
+            if seq.finish is None and between_tokens and between_tokens():
+                seq.finish = "cancelled"  # between_tokens says stop: a cancel arrived meanwhile
             self.loop["accept"] += time.perf_counter() - t0
             if seq.finish is not None or len(seq.out_ids) >= req.max_tokens:
                 if ahead is not None:
@@ -780,7 +789,7 @@ class Compute:
         if req.token_ids is not None:
             ids = list(req.token_ids)
         elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt, chat=req.chat)
+            ids = self.tokenizer.encode(req.prompt, chat=req.chat, max_tokens=self.max_context)
         else:
             raise RequestError("generate needs prompt or token_ids")
         if req.max_tokens < 0 or req.temperature < 0 or not 0 < req.top_p <= 1:
@@ -958,6 +967,82 @@ def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: i
             src.close()
 
 
+# -- requests: one runs, the others wait in arrival order ----------------------------------------------
+class QueueFull(RuntimeError):
+    code = "queue_full"
+
+
+@dataclass
+class Queued:
+    """A request compute took: who asked (the client's identity at the supervisor), when it
+    arrived, and whether a cancel came for it while it ran."""
+    client: bytes
+    req: object          # M.Generate or M.Logits
+    arrived: float
+    cancelled: bool = False
+    started: int = 0     # the queue's event number when it started running
+
+
+class RequestQueue:
+    """compute's requests in arrival order: one runs, at most `max_waiting` wait behind it, more
+    are refused (QueueFull). The supervisor admits at most 1 + compute.max_queue requests in
+    flight, so this bound is its second line (and the one in-process callers meet). A request is
+    named by (client, id): ids are each client's own."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self.waiting: deque[Queued] = deque()
+        self.running: Queued | None = None
+        self.counters = Counter()
+        self.wait = Latency()
+        # Starts and ends numbered in one sequence: a request's [start, end] never encloses
+        # another's (Done.stats["order"] shows it to clients and tests).
+        self.events = itertools.count(1)
+
+    def add(self, client: bytes, req) -> Queued:
+        # One more than max_waiting when none runs: the request added now starts at once.
+        if len(self.waiting) + (self.running is not None) > self.max_waiting:
+            self.counters.add("refused")
+            raise QueueFull(f"{len(self.waiting)} requests wait behind the running one "
+                            f"(compute.max_queue={self.max_waiting}); retry later")
+        item = Queued(client, req, time.perf_counter())
+        self.waiting.append(item)
+        self.counters.add("queued")
+        return item
+
+    def next(self) -> Queued | None:
+        """The oldest waiting request, now the running one (until `finish`)."""
+        if not self.waiting:
+            return None
+        item = self.running = self.waiting.popleft()
+        item.started = next(self.events)
+        self.wait.add(time.perf_counter() - item.arrived)
+        return item
+
+    def finish(self) -> None:
+        self.running = None
+
+    def cancel(self, client: bytes, rid: int) -> Queued | None:
+        """A waiting request leaves the queue and is returned, for the caller to answer; the
+        running one is marked (its loop stops at the next token, and answers itself); None
+        either way when it is not waiting (finished already, or unknown)."""
+        for item in self.waiting:
+            if item.client == client and item.req.id == rid:
+                self.waiting.remove(item)
+                self.counters.add("cancelled_waiting")
+                return item
+        r = self.running
+        if r is not None and r.client == client and r.req.id == rid and not r.cancelled:
+            r.cancelled = True
+            self.counters.add("cancelled_running")
+        return None
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.waiting), "max_queue": self.max_waiting,
+                "running": self.running is not None, **self.counters.snapshot(),
+                "wait": self.wait.summary()}
+
+
 def run_compute_process(run_dir: str) -> None:
     import sys
 
@@ -975,6 +1060,8 @@ def run_compute_process(run_dir: str) -> None:
                                        self.parent_alive)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0)
+            self.queue = RequestQueue(int(self.config["compute"]["max_queue"]))
+            self.in_request = False
             if mx.default_device().type == mx.DeviceType.gpu:
                 # GPU backends set up kernels and host buffers on first use; on the CPU backend
                 # the first pass's buffers are what the KV and activation reserves already cover.
@@ -982,6 +1069,7 @@ def run_compute_process(run_dir: str) -> None:
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
+                    "max_prompt_bytes": self.compute.tokenizer.prompt_bytes_bound(self.compute.max_context),
                     "bench_mode": self.compute.bench_mode, "expert_tier": self.compute.expert_tier}
 
         def on_pool(self, msg):
@@ -1003,32 +1091,88 @@ def run_compute_process(run_dir: str) -> None:
                     self.preloading = False
 
         def on_forward(self, fwd: M.Forward):
-            def reply(m):
-                send(self.control, M.Forward(client=fwd.client, payload=M.encode(m)))
+            """A client's message relayed by the supervisor: a request joins the queue, a cancel
+            marks or removes one. Between the tokens of a running request this runs again
+            (poll_control), and then only queues: requests never nest."""
             try:
                 req = M.decode(fwd.payload)
             except M.ProtocolError as e:
-                return reply(M.Error(id=None, code="bad_message", message=str(e)))
+                return self.reply(fwd.client, M.Error(id=None, code="bad_message", message=str(e)))
+            if isinstance(req, M.Cancel):
+                item = self.queue.cancel(fwd.client, req.id)
+                if item is not None:
+                    self.answer_cancelled(item)
+                return
+            if not isinstance(req, (M.Generate, M.Logits)):
+                return self.reply(fwd.client, M.Error(id=getattr(req, "id", None), code="bad_message",
+                                                      message=f"compute does not take {req.TYPE}"))
+            try:
+                self.queue.add(fwd.client, req)
+            except QueueFull as e:
+                return self.reply(fwd.client, M.Error(id=req.id, code=e.code, message=str(e)))
+            if not self.in_request:
+                self.serve_queue()
+
+        def reply(self, client: bytes, msg) -> None:
+            send(self.control, M.Forward(client=client, payload=M.encode(msg)))
+
+        def serve_queue(self) -> None:
+            self.in_request = True
+            try:
+                while self.running and (item := self.queue.next()) is not None:
+                    try:
+                        if item.cancelled:  # cancelled between leaving the queue and starting
+                            self.answer_cancelled(item)
+                        else:
+                            self.answer(item)
+                    finally:
+                        self.queue.finish()
+            finally:
+                self.in_request = False
+
+        def answer_cancelled(self, item: Queued) -> None:
+            """A request cancelled before it started: nothing to free."""
+            self.compute.counters.add("cancelled")
+            req = item.req
+            if isinstance(req, M.Generate):
+                self.reply(item.client, M.Done(id=req.id, text="", token_ids=[], finish_reason="cancelled",
+                                               stats={"prompt_tokens": 0, "generated_tokens": 0,
+                                                      "queue_s": time.perf_counter() - item.arrived}))
+            else:
+                self.reply(item.client, M.Error(id=req.id, code="cancelled",
+                                                message="cancelled before it started"))
+
+        def answer(self, item: Queued) -> None:
+            req, client = item.req, item.client
+            queue_s = time.perf_counter() - item.arrived
+            emit = (lambda m: self.reply(client, m)) if getattr(req, "stream", False) else None
+
+            def between_tokens() -> bool:
+                # the supervisor's messages meanwhile: stats, new requests (queued), cancels
+                self.poll_control()
+                return item.cancelled or not self.running
             try:
                 if isinstance(req, M.Generate):
-                    reply(self.compute.generate(req, emit=reply if req.stream else None,
-                                                between_tokens=self.poll_control))
-                elif isinstance(req, M.Logits):
-                    arr = self.compute.logits(list(req.token_ids), name=str(req.id))
-                    reply(M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
-                                         data=arr.astype(np.float32).tobytes()))
+                    done = self.compute.generate(req, emit=emit, between_tokens=between_tokens)
+                    done.stats["queue_s"] = queue_s  # the request's own times exclude its wait
+                    done.stats["order"] = [item.started, next(self.queue.events)]
+                    if done.finish_reason == "cancelled":
+                        self.compute.abandon()  # the router's pins go; the KV cache went with the sequence
+                        self.compute.counters.add("cancelled")
+                    self.reply(client, done)
                 else:
-                    reply(M.Error(id=getattr(req, "id", None), code="bad_message",
-                                  message=f"compute does not take {req.TYPE}"))
-            except (RequestError, ExpertUnavailable) as e:
+                    arr = self.compute.logits(list(req.token_ids), name=str(req.id))
+                    self.reply(client, M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
+                                                      data=arr.astype(np.float32).tobytes()))
+            except (RequestError, ExpertUnavailable, PromptTooLong) as e:
                 self.compute.abandon()
-                reply(M.Error(id=req.id, code=e.code, message=str(e)))
+                self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
             except Exception as e:  # the model raised: report it and keep serving
                 self.compute.abandon()
-                reply(M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
+                self.reply(client, M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
 
         def stats(self):
-            return self.compute.stats()
+            return {**self.compute.stats(), "queue": self.queue.stats()}
 
     ComputeProcess(run_dir).serve()
 

@@ -5,6 +5,11 @@
         print(c.generate("Why is the sky blue?", max_tokens=64).text)
         for piece in c.stream("Tell me a story", max_tokens=32):
             print(piece, end="", flush=True)
+        story = c.stream("Tell me a long story", max_tokens=2000)
+        print(next(story)); story.cancel(); list(story)   # story.result.finish_reason == "cancelled"
+
+Requests run one at a time in arrival order over all clients; a full queue raises RuntimeBusy
+(code `queue_full`). A Client (one socket) is used from one thread.
 
 Every wait has a deadline (`timeout`, seconds, measured since the last message received), and a
 runtime that stops answering raises RuntimeUnavailable instead of hanging. A worker that dies
@@ -62,13 +67,20 @@ class RuntimeRestarting(DeltafinError):
 
 
 class RuntimeBusy(DeltafinError):
-    """Too many requests in flight (runtime.max_inflight); retry later."""
+    """The queue is full (`queue_full`: one request running and compute.max_queue waiting);
+    retry later."""
+
+
+class RequestCancelled(DeltafinError):
+    """A `logits` request was cancelled (a cancelled generation returns finish_reason
+    "cancelled" instead)."""
 
 
 _ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError,
            "expert_unavailable": ExpertUnavailableError, "expert_read_failed": ExpertUnavailableError,
            "budget_too_small": ExpertUnavailableError, "version_mismatch": ProtocolMismatch,
-           "bad_message": ProtocolMismatch, "restarting": RuntimeRestarting, "busy": RuntimeBusy}
+           "bad_message": ProtocolMismatch, "restarting": RuntimeRestarting, "queue_full": RuntimeBusy,
+           "busy": RuntimeBusy, "cancelled": RequestCancelled, "unknown_request": RequestError}
 
 
 def _raise(err: M.Error):
@@ -81,6 +93,35 @@ class Generation:
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+
+
+class Stream:
+    """A streamed generation in flight: iterate it for the text pieces as they come; `id` is the
+    request's id, `result` the final Generation once the iteration ended (also `client.last`).
+    `cancel()` stops it (queued: at once; running: within a token); the iteration then ends
+    with `result.finish_reason == "cancelled"`."""
+
+    def __init__(self, client: "Client", msg: M.Generate):
+        self.client, self.id = client, msg.id
+        self.result: Generation | None = None
+        client._send(msg)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        while self.result is None:
+            reply = self.client._recv(self.id)
+            if isinstance(reply, M.Token):
+                return reply.text
+            if isinstance(reply, M.Done):
+                self.result = self.client.last = Generation(reply.text, list(reply.token_ids),
+                                                            reply.finish_reason, reply.stats)
+        raise StopIteration
+
+    def cancel(self) -> None:
+        if self.result is None:
+            self.client.cancel(self.id)
 
 
 class Client:
@@ -155,6 +196,16 @@ class Client:
 
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
         prompt, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, [int(i) for i in prompt_or_ids])
+        # A prompt the runtime would refuse by its size is refused here, before it is encoded
+        # and sent (100 MB take about a second each way): first a frame surely over the
+        # endpoint's limit (which would drop the connection), then a text over max_prompt_bytes.
+        limit = self.info.max_request_bytes if self.info else 0
+        if prompt and limit and len(prompt) >= limit:  # the frame holds more than the prompt
+            raise RequestError(f"a request of more than {len(prompt)} bytes exceeds the runtime's "
+                               f"{limit} byte limit (runtime.max_request_bytes)", "bad_request")
+        why = M.prompt_too_long(prompt, self.info.max_prompt_bytes) if prompt and self.info else None
+        if why:
+            raise RequestError(why, "bad_request")
         return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, max_tokens=max_tokens,
                           temperature=float(temperature), top_p=float(top_p), seed=seed,
                           stop=list(stop) if stop else None, chat=chat, stream=stream)
@@ -167,18 +218,20 @@ class Client:
         return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats)
 
     def stream(self, prompt_or_token_ids, max_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False):
-        """Yields text pieces as they are produced; `self.last` holds the final Generation."""
+               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Stream:
+        """Sends the request now and returns a Stream: iterating it yields text pieces as they
+        are produced; `self.last` (and the stream's `result`) holds the final Generation;
+        `cancel()` stops it."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True)
-        self._send(msg)
         self.last = None
-        while True:
-            reply = self._recv(msg.id)
-            if isinstance(reply, M.Token):
-                yield reply.text
-            elif isinstance(reply, M.Done):
-                self.last = Generation(reply.text, list(reply.token_ids), reply.finish_reason, reply.stats)
-                return
+        return Stream(self, msg)
+
+    def cancel(self, request_id: int) -> None:
+        """Asks the runtime to stop request `request_id` of this client, without waiting: its
+        own final message (done with finish_reason "cancelled", or an error `cancelled` for
+        logits) ends it. A request no longer in flight gets error `unknown_request`, which the
+        request's own reader never sees (it has its final message already)."""
+        self._send(M.Cancel(id=int(request_id)))
 
     def logits(self, token_ids) -> np.ndarray:
         """Teacher-forced next-token logits, float32 [tokens, vocab]."""
@@ -218,6 +271,6 @@ def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
                 raise
 
 
-__all__ = ["Client", "Generation", "DeltafinError", "RequestError", "RuntimeDeadError",
+__all__ = ["Client", "Generation", "Stream", "DeltafinError", "RequestError", "RuntimeDeadError",
            "ExpertUnavailableError", "ProtocolMismatch", "RuntimeUnavailable", "RuntimeRestarting",
-           "RuntimeBusy", "wait_until_ready"]
+           "RuntimeBusy", "RequestCancelled", "wait_until_ready"]
