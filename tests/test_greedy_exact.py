@@ -28,7 +28,17 @@ def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+# On the lent H200 (MLX 0.32.4 CUDA) the tiny DeepSeek checkpoints' kv_b_proj (4-bit, input 64 =
+# one quantization group, 31 rows) gave different results when the same quantized_matmul on the
+# same inputs was evaluated twice (max difference 4.7): mlx-lm's own output varies there too, so
+# neither side can be compared. The DeepSeek-V2-Lite-shaped checkpoint (input 512) is exact on it.
+CUDA_TINY_MLA = pytest.mark.xfail(mx.cuda.is_available(), strict=False,
+                                  reason="MLX CUDA quantized_matmul is not repeatable on this tiny shape")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                                  pytest.param("deepseek_v2", marks=CUDA_TINY_MLA),
+                                  pytest.param("deepseek_v3", marks=CUDA_TINY_MLA)])
 def test_bfloat16_greedy_tokens_equal_mlx_lm(mlx_lm_stores, arch):
     ckpt, store = mlx_lm_stores(arch)  # bfloat16 checkpoint, mlx-lm quantized, and its store
     ref = mlx_lm_greedy(ckpt, PROMPT, N)
