@@ -363,7 +363,7 @@ class HttpFrontend:
 
     async def _not_found(self, request, exc):
         return self.error(ApiError(404, f"no route {request.method} {request.url.path}",
-                                   "not_found_error", code="not_found"))
+                                   "invalid_request_error", code="not_found"))
 
     async def _not_allowed(self, request, exc):
         return self.error(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
