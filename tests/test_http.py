@@ -15,13 +15,13 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import psutil
 import pytest
 
 from deltafin.client import Client
 from deltafin.tools.run import running_supervisor
 
-openai = pytest.importorskip("openai")
 BIG = "4GiB"
 PROMPT = "the quick brown fox"
 

@@ -731,6 +731,13 @@ class FrontendProcess:
                 p = self.proc = self._spawn()
                 self.starts += 1
             url = self._await_listening(p, timeout=120)
+            if url is None and self.url is None and not self._stop.is_set():
+                # Never served (port taken, runtime unreachable): its own stderr said why, and
+                # starting it again would fail the same way. The ZeroMQ endpoint serves on.
+                p.wait()
+                self.log(f"the HTTP frontend could not start on {self.host}:{self.port} (exit code "
+                         f"{p.returncode}); the runtime serves without it")
+                return
             if url:
                 if self.url is None:
                     self.url = url
