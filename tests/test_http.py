@@ -277,6 +277,13 @@ def test_disconnect_mid_stream_and_frontend_restart(tiny_stores):
                 break
             time.sleep(0.2)
         assert "deltafin_http_streams_cancelled_total 1.0" in text
+        if hasattr(Client, "cancel"):  # the protocol's cancel: the runtime stopped long before 1500
+            with Client(endpoint, timeout=60) as c:
+                deadline = time.monotonic() + 30
+                while c.stats()["active_requests"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                stats = c.stats()
+            assert stats["active_requests"] == 0 and stats["totals"]["decode_tokens"] < 1000
         r = oa.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
 

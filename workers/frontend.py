@@ -272,22 +272,12 @@ def prometheus_text(snap: dict, http: dict) -> str:
 
 
 # -- the frontend ----------------------------------------------------------------------------------
-class _Client(Client):
-    """Remembers the id of its latest request: what `cancel` names on a disconnect."""
-
-    request_id: int | None = None
-
-    def _next(self) -> int:
-        self.request_id = super()._next()
-        return self.request_id
-
-
 class ClientPool:
     """Connected Clients, one per request in flight; at most `keep` idle ones are kept."""
 
     def __init__(self, endpoint: str, timeout: float, keys: str | None, keep: int = 8):
         self.endpoint, self.timeout, self.keys, self.keep = endpoint, timeout, keys, keep
-        self._idle: list[_Client] = []
+        self._idle: list[Client] = []
         self._lock = threading.Lock()
 
     def connect(self, timeout: float):
@@ -295,7 +285,7 @@ class ClientPool:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                c = _Client(self.endpoint, timeout=min(5.0, max(0.1, deadline - time.monotonic())),
+                c = Client(self.endpoint, timeout=min(5.0, max(0.1, deadline - time.monotonic())),
                             keys=self.keys)
                 break
             except RuntimeUnavailable:
@@ -305,13 +295,13 @@ class ClientPool:
         self.put(c)
         return c.info
 
-    def get(self) -> _Client:
+    def get(self) -> Client:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return _Client(self.endpoint, timeout=self.timeout, keys=self.keys)
+        return Client(self.endpoint, timeout=self.timeout, keys=self.keys)
 
-    def put(self, c: _Client) -> None:
+    def put(self, c: Client) -> None:
         with self._lock:
             if len(self._idle) < self.keep:
                 self._idle.append(c)
@@ -599,8 +589,7 @@ class _StreamPump:
                     break
                 self._put(("piece", piece))
             if self.stop.is_set():
-                pieces.close()
-                self._cancel(c)
+                self._cancel(c, pieces)
             else:
                 self._put(("done", c.last))
                 clean = True
@@ -611,16 +600,22 @@ class _StreamPump:
                 self.pool.put(c) if clean else c.close()
 
     @staticmethod
-    def _cancel(c: _Client) -> None:
-        """The runtime's `cancel` where this client library has it (it frees compute at once);
-        otherwise closing the Client is all a client can do, and the runtime finishes the request
-        into a peer that is gone."""
-        cancel = getattr(c, "cancel", None)
-        if cancel is not None and c.request_id is not None:
-            try:
-                cancel(c.request_id)
-            except Exception:
-                pass
+    def _cancel(c: Client, pieces) -> None:
+        """The runtime's `cancel` where the client library has it (the stream's own `cancel`, or
+        `Client.cancel(id)`): compute stops within a token. Without it, closing the Client is all
+        a client can do, and the runtime finishes the request into a peer that is gone."""
+        cancel = getattr(pieces, "cancel", None)
+        rid, by_id = getattr(pieces, "id", None), getattr(c, "cancel", None)
+        if cancel is None and rid is not None and by_id is not None:
+            cancel = lambda: by_id(rid)
+        try:
+            if cancel is not None:
+                cancel()
+            close = getattr(pieces, "close", None)  # a generator: end it here, on its own thread
+            if close is not None:
+                close()
+        except Exception:  # the Client is closed next anyway
+            pass
 
 
 class _EventStream(StreamingResponse):
