@@ -52,8 +52,7 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text, chat: bool = False) -> list[int]:
-        """text: a prompt, or with chat=True also a whole conversation [{role, content}, ...]."""
+    def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
             return self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
         return self.tok.encode(text).ids
