@@ -264,7 +264,11 @@ def test_disconnect_mid_stream_and_frontend_restart(tiny_stores):
     with http_runtime(tiny_stores("mixtral")) as (endpoint, url, proc):
         oa = _openai(url)
         model = oa.models.list().data[0].id
-        # The HTTP client goes away after two events of a long answer.
+        with Client(endpoint, timeout=60) as c:  # how long the answer is when nobody cancels it
+            n_alone = len(c.generate(PROMPT, max_tokens=1500).token_ids)
+            decoded = c.stats()["totals"]["decode_tokens"]
+        assert n_alone > 100
+        # The HTTP client goes away after two events of that answer.
         stream = oa.completions.create(model=model, prompt=PROMPT, max_tokens=1500, temperature=0,
                                        stream=True)
         for _, chunk in zip(range(2), stream):
@@ -277,13 +281,14 @@ def test_disconnect_mid_stream_and_frontend_restart(tiny_stores):
                 break
             time.sleep(0.2)
         assert "deltafin_http_streams_cancelled_total 1.0" in text
-        if hasattr(Client, "cancel"):  # the protocol's cancel: the runtime stopped long before 1500
+        if hasattr(Client, "cancel"):  # the protocol's cancel: the runtime stopped the request early
             with Client(endpoint, timeout=60) as c:
                 deadline = time.monotonic() + 30
                 while c.stats()["active_requests"] and time.monotonic() < deadline:
                     time.sleep(0.1)
                 stats = c.stats()
-            assert stats["active_requests"] == 0 and stats["totals"]["decode_tokens"] < 1000
+            assert stats["active_requests"] == 0
+            assert stats["totals"]["decode_tokens"] - decoded < n_alone // 2
         r = oa.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
 
