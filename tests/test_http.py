@@ -201,6 +201,10 @@ def test_bad_requests_get_openai_errors(tiny_stores):
             status, body = _post(f"{url}/v1/chat/completions", json.dumps({"model": model, **bad}).encode())
             assert status == 400, bad
             check(status, body, param)
+        big = json.dumps({"model": model, "prompt": "x" * (16 << 20)}).encode()  # default 16 MiB limit
+        status, body = _post(f"{url}/v1/completions", big)
+        assert status == 413
+        check(status, body, code="request_too_large")
         status, body = _post(f"{url}/v1/completions", json.dumps({"prompt": "x"}).encode())
         assert status == 400
         check(status, body, "model")
