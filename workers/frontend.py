@@ -60,6 +60,10 @@ RESTART_BACKOFF_S = (0.5, 10.0)  # first and longest wait before restarting a ch
 
 
 # -- errors -----------------------------------------------------------------------------------------
+class FrontendError(RuntimeError):
+    """The frontend cannot serve this runtime (its store's tokenizer is out of reach)."""
+
+
 class ApiError(Exception):
     """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
 
@@ -325,13 +329,23 @@ class HttpFrontend:
         self.store_path = Path(info.model)
         self.model_id = self.store_path.name
         self.max_context = info.max_context
+        # A body larger than the runtime's request limit could not be relayed anyway; it is
+        # refused while arriving, before any of it is parsed or tokenized.
+        self.max_body = info.max_request_bytes
         self.created = int(time.time())
         try:  # the store's own files: the tokenizer the runtime uses, whatever the runtime's cwd
             store = Store(self.store_path)
             self.tokenizer = Tokenizer(store.tokenizer_dir, store.config)
         except Exception as e:
-            raise SystemExit(f"deltafin-http: cannot read the tokenizer of the runtime's store "
-                             f"{self.store_path} ({e}); run deltafin-http on the runtime's machine")
+            self.pool.close()
+            raise FrontendError(f"cannot read the tokenizer of the runtime's store {self.store_path} "
+                                f"({e}); run deltafin-http on the runtime's machine, from the "
+                                f"supervisor's directory when its --model was relative") from None
+        # No token stands for more characters than its stored spelling has (byte-level BPE spells
+        # each byte with one character), so a longer text surely holds more than max_context
+        # tokens: refused at once, never tokenized.
+        longest = max((len(t) for t in self.tokenizer.tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_prompt_chars = self.max_context * max(1, longest)
         self.http_counts = {"requests": {}, "cancelled": 0, "started": time.time()}
         routes = [Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -360,8 +374,14 @@ class HttpFrontend:
                                    "invalid_request_error", code="method_not_allowed"))
 
     async def _body(self, request) -> dict:
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_body:
+                raise ApiError(413, f"the body exceeds the runtime's {self.max_body} byte request "
+                                    f"limit (runtime.max_request_bytes)", code="request_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -373,6 +393,23 @@ class HttpFrontend:
             raise ApiError(404, f"the model '{model}' does not exist; this server runs "
                                 f"'{self.model_id}'", "invalid_request_error", "model", "model_not_found")
         return body
+
+    async def _encode(self, prompt, chat: bool) -> list[int]:
+        """The runtime's tokenization (`chat: true` renders the whole conversation with the chat
+        template), on a worker thread so a long prompt never stalls other requests' streams."""
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt's {chars} characters hold more than the "
+                                f"{self.max_context} tokens of the context (max_context)",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        try:
+            return await run_in_threadpool(self.tokenizer.encode, prompt, chat)
+        except TemplateError as e:
+            raise ApiError(400, f"the model's chat template refused the messages: {e}",
+                           param="messages") from None
+        except Exception as e:
+            raise ApiError(400, f"cannot tokenize the prompt: {e}",
+                           param="messages" if chat else "prompt") from None
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "deltafin",
@@ -432,7 +469,7 @@ class HttpFrontend:
             if isinstance(prompt, str):
                 if not prompt:
                     raise ApiError(400, "'prompt' is empty", param="prompt")
-                ids = self.tokenizer.encode(prompt)
+                ids = await self._encode(prompt, False)
             elif (isinstance(prompt, list) and prompt
                   and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
                 ids = list(prompt)
@@ -461,14 +498,7 @@ class HttpFrontend:
             if fmt not in (None, {"type": "text"}):
                 raise ApiError(400, "only response_format {'type': 'text'} is supported",
                                param="response_format")
-            msgs = chat_messages(body)
-            try:  # the runtime's `chat: true` path, with the whole conversation
-                ids = self.tokenizer.encode(msgs, chat=True)
-            except TemplateError as e:
-                raise ApiError(400, f"the model's chat template refused the messages: {e}",
-                               param="messages") from None
-            except Exception as e:
-                raise ApiError(400, f"cannot render the chat: {e}", param="messages") from None
+            ids = await self._encode(chat_messages(body), True)
             params = sampling(body, max(0, self.max_context - len(ids)))  # OpenAI: up to the context
         except ApiError as e:
             return self.error(e)
@@ -792,6 +822,9 @@ def main(argv=None) -> int:
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:
         front = HttpFrontend(a.endpoint, timeout=a.timeout, keys=a.keys)
+    except FrontendError as e:
+        print(f"deltafin-http: error: {e}", file=sys.stderr)
+        return 1
     except (DeltafinError, OSError) as e:
         print(f"deltafin-http: error: cannot reach the runtime at {a.endpoint}: {e}", file=sys.stderr)
         return 1
