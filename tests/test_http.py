@@ -201,10 +201,11 @@ def test_bad_requests_get_openai_errors(tiny_stores):
             status, body = _post(f"{url}/v1/chat/completions", json.dumps({"model": model, **bad}).encode())
             assert status == 400, bad
             check(status, body, param)
-        long = json.dumps({"model": model, "prompt": "x" * (8 << 20)}).encode()  # never tokenized
-        status, body = _post(f"{url}/v1/completions", long)
-        assert status == 400
-        check(status, body, "prompt", "context_length_exceeded")
+        for n in (8 << 20, 20000):  # never tokenized; tokenized (~2500 tokens in this vocabulary)
+            long = json.dumps({"model": model, "prompt": "the fox " * (n // 8)}).encode()
+            status, body = _post(f"{url}/v1/completions", long)
+            assert status == 400
+            check(status, body, "prompt", "context_length_exceeded")
         big = json.dumps({"model": model, "prompt": "x" * (16 << 20)}).encode()  # default 16 MiB limit
         status, body = _post(f"{url}/v1/completions", big)
         assert status == 413, body

@@ -403,13 +403,18 @@ class HttpFrontend:
                                 f"{self.max_context} tokens of the context (max_context)",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         try:
-            return await run_in_threadpool(self.tokenizer.encode, prompt, chat)
+            ids = await run_in_threadpool(self.tokenizer.encode, prompt, chat)
         except TemplateError as e:
             raise ApiError(400, f"the model's chat template refused the messages: {e}",
                            param="messages") from None
         except Exception as e:
             raise ApiError(400, f"cannot tokenize the prompt: {e}",
                            param="messages" if chat else "prompt") from None
+        if len(ids) >= self.max_context:  # the runtime would refuse it too, after a longer trip
+            raise ApiError(400, f"the prompt's {len(ids)} tokens leave no room in the context of "
+                                f"{self.max_context} tokens (max_context)",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        return ids
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "deltafin",
