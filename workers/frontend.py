@@ -736,7 +736,10 @@ class FrontendProcess:
                "--listen", f"{host}:{self.port}", "--parent-pid", str(os.getpid())]
         cmd += ["--allow-remote"] if self.allow_remote else []
         cmd += ["--keys", self.keys] if self.keys else []
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        # Its own session: a terminal's Ctrl-C reaches the supervisor, which stops the frontend
+        # itself, rather than both at once (which would look like a death to restart from).
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                start_new_session=True)
 
     def _await_listening(self, p: subprocess.Popen, timeout: float) -> str | None:
         deadline, buf = time.monotonic() + timeout, b""
