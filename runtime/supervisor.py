@@ -667,6 +667,9 @@ def main(argv=None) -> int:
                    help="allow tcp:// on non-loopback addresses; turns CURVE authentication on "
                         "(keys in runtime.keys_dir, docs/SECURITY.md)")
     p.add_argument("--config", help="TOML file overriding configs/default.toml")
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API (deltafin-http, docs/HTTP.md) "
+                        "as a child process, restarted if it dies; loopback unless --allow-remote")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
@@ -690,8 +693,14 @@ def main(argv=None) -> int:
         stop["flag"] = True
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    sup = None
+    sup = http = None
     try:
+        if a.http:  # a bad --http is refused before anything starts
+            from deltafin.workers.frontend import parse_listen
+            try:
+                parse_listen(a.http, a.allow_remote)
+            except ValueError as e:
+                raise SecurityError(str(e)) from None
         config = load_config(a.config, {"runtime.memory_budget": a.memory_budget,
                                         "runtime.allow_remote": True if a.allow_remote else None,
                                         "compute.max_context": a.max_context, "compute.dtype": a.dtype,
@@ -709,6 +718,12 @@ def main(argv=None) -> int:
         if stop["flag"]:
             return 0
         print(f"READY {endpoint}", flush=True)
+        if a.http:  # its own process, a client of the endpoint; it prints `HTTP <url>` once it serves
+            from deltafin.workers.frontend import FrontendProcess
+            keys = (str(Path(config.runtime.keys_dir).expanduser() if config.runtime.keys_dir
+                        else default_keys_dir()) if sup.curve is not None else None)
+            http = FrontendProcess(endpoint, a.http, a.allow_remote, keys)
+            http.start()
         sup.serve_forever(lambda: stop["flag"])
         log("shutting down")
         return 0
@@ -720,6 +735,8 @@ def main(argv=None) -> int:
         log(f"error: {e}")
         return 2
     finally:
+        if http is not None:
+            http.stop()
         if sup is not None:
             sup.shutdown()
 

@@ -126,7 +126,8 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, prompt: str) -> str:
+    def render_chat(self, prompt) -> str:
+        """prompt: one user message, or a list of {role, content} messages (the HTTP frontend)."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; run without --chat")
         from jinja2.exceptions import TemplateError
@@ -139,7 +140,8 @@ class Tokenizer:
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
+            add_generation_prompt=True,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
