@@ -415,7 +415,11 @@ class SlotTable:
         else:
             slot = self.policy.victim()
             if slot is None:
-                raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
+                # a prefetch still being read gives its slot up to a need, so prefetch never leaves
+                # a need short of slots; its late `loaded` is then a superseded fill
+                slot = next((s for s in self.prefetched if not self.ready(s) and s not in self.pinned), None)
+                if slot is None:
+                    raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
             self.evictions += 1
             self._forget(slot)
         self._fill(slot, key)
@@ -480,12 +484,15 @@ class SlotTable:
             self.policy.on_release(slot, key)
         return True
 
-    def failed(self, slot: int, key: Key, generation: int) -> None:
-        """The read of key into slot failed: the slot goes back to the free list."""
+    def failed(self, slot: int, key: Key, generation: int) -> bool:
+        """The read of key into slot failed: the slot goes back to the free list. False for a
+        fill that was superseded (the slot holds another fill now; nothing changes)."""
         if self.key[slot] == key and self.generation[slot] == generation and not self.ready(slot):
             self.pinned.pop(slot, None)
             self._forget(slot)
             self.free.append(slot)
+            return True
+        return False
 
     def release(self) -> None:
         """Unpins every slot; ready ones become evictable (loading ones when they are loaded)."""

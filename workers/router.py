@@ -251,7 +251,10 @@ class Router:
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []
         g, slot = use[0], use[1]
-        self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation)
+        if not self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation):
+            # superseded (a need took over a prefetch's slot): the slot holds another fill now,
+            # which compute must keep
+            return self._free_staging(msg.slot)
         p = self.pending
         req = p["req"] if p and p["group"] == g and slot in p["waiting"] else -1
         if req != -1:
