@@ -131,10 +131,12 @@ def test_demand_reads_go_before_prefetch_reads():
     assert all(m.slot not in router.prefetching for _, m in out)
 
 
-def test_a_need_takes_over_a_slot_a_prefetch_is_still_reading():
+@pytest.mark.parametrize("late", ["loaded", "load_failed"])
+def test_a_need_takes_over_a_slot_a_prefetch_is_still_reading(late):
     """A pool of 3 slots: one need of 2 experts leaves room for one prefetch, still being read
-    when a need of 3 experts comes. The need takes its slot; the prefetch's late `loaded` frees
-    its staging slot and sends compute nothing."""
+    when a need of 3 experts comes. The need takes its slot; the prefetch's late `loaded` (or
+    `load_failed`) frees its staging slot and sends compute nothing (a `fill_failed` would make
+    compute drop the need's expert from the slot)."""
     router = Router(3, "lru", n_staging=8, moe_layers=[0, 1], n_experts=6, prefetch=ALWAYS)
     out = router.need(1, 0, [0, 1])
     reads = [m for _, m in out]
@@ -145,7 +147,13 @@ def test_a_need_takes_over_a_slot_a_prefetch_is_still_reading():
     out = router.need(2, 1, wanted)
     assert len([m for _, m in out if isinstance(m, M.Read)]) == 3
     assert (1, pf[0].expert) not in router.table.where and all((1, e) in router.table.where for e in wanted)
-    assert router.loaded(_loaded(pf[0])) == [] and pf[0].slot in router.staging_free
+    r = pf[0]
+    if late == "loaded":
+        assert router.loaded(_loaded(r)) == []
+    else:
+        assert router.load_failed(M.LoadFailed(slot=r.slot, generation=r.generation, layer=r.layer,
+                                               expert=r.expert, error="loader: checksum mismatch")) == []
+    assert r.slot in router.staging_free
     assert router.stats()["prefetch_wasted"] == 1
 
 
@@ -210,19 +218,20 @@ class Wire:
             self.loader_step()
 
 
-@pytest.mark.parametrize("n_staging, n_slots, policy", [(2, 6, "predictive"), (3, 6, "lru"),
-                                                        (4, 8, "predictive"), (1, 6, "predictive")])
+@pytest.mark.parametrize("n_staging, n_slots, policy", [(2, 5, "predictive"), (3, 5, "lru"),
+                                                        (4, 5, "predictive"), (1, 5, "predictive")])
 def test_no_deadlock_with_tiny_staging_and_pool(n_staging, n_slots, policy):
-    """Chunks of 1-3 tokens (2 to 4 distinct experts a need) over a pool barely larger than one
-    need, staging rings of 1-4 slots, every key of the next layer prefetched: every need is
-    answered, consistently, whatever order the reads finish in."""
+    """Chunks of 1-4 tokens (2 to 5 distinct experts a need) over a pool of 5 slots, staging
+    rings of 1-4 slots, every key of the next layer prefetched: every need is answered,
+    consistently, whatever order the reads finish in (a large need takes over the slots of
+    prefetches still being read)."""
     rng = np.random.default_rng(n_staging)
     ids = _chain_ids(400, 4, 8)[:, :, 0]
     router = Router(n_slots, policy, n_staging=n_staging, moe_layers=range(4), n_experts=8, prefetch=ALWAYS)
     wire = Wire(router, seed=n_staging)
     t = 0
     while t < len(ids):
-        chunk = ids[t:t + int(rng.integers(1, 4))]
+        chunk = ids[t:t + int(rng.integers(1, 5))]
         t += len(chunk)
         for layer in range(4):
             wire.layer(layer, sorted({int(e) for e in chunk[:, layer]} | {int(chunk[0, layer]) ^ 1}))
