@@ -337,7 +337,7 @@ def test_prefetch_config_keys():
 # -- exactness in real runs ---------------------------------------------------------------------------------
 def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_path):
     """Real supervisor, router, loader and compute on a small pool (2 of 6 layers' worth of
-    slots, 6 staging slots): LRU without prefetch, then the predictive policy and LRU with every
+    slots, 6 staging slots): LRU and the predictive policy without prefetch, and both with every
     key of the next layer prefetched (threshold 0), give the same greedy tokens and logits."""
     from deltafin.client import Client
     from deltafin.tools import convert
@@ -349,6 +349,7 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
     prompt = [5, 9, 200, 31, 77]
     runs = {}
     for name, cache in (("lru", {"policy": "lru", "prefetch": False}),
+                        ("predictive", {"policy": "predictive", "prefetch": False}),
                         ("predictive+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0})):
         path = tmp_path / f"{name}.toml"
@@ -362,8 +363,10 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
     assert "prefetch_reads" not in ref_stats and ref_stats.get("evictions", 0) > 0
-    for name in ("predictive+prefetch", "lru+prefetch"):
+    for name in ("predictive", "predictive+prefetch", "lru+prefetch"):
         toks, logits, stats = runs[name]
-        assert stats["policy"] == name.split("+")[0] and stats["prefetch_reads"] > 0
+        assert stats["policy"] == name.split("+")[0]
+        assert ("prefetch_reads" in stats) == name.endswith("prefetch")
+        assert stats.get("prefetch_reads", 1) > 0
         assert toks == ref_toks
         np.testing.assert_array_equal(logits, ref_logits)
