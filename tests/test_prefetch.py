@@ -93,14 +93,19 @@ def test_prefetched_slots_are_counted_and_a_need_takes_over_a_loading_one():
         table.acquire("g")
 
 
-def test_a_prefetch_keeps_a_victim_worth_more_and_the_lru_order_stays():
-    table = SlotTable(2, make_policy("lru"))
-    for key in ("a", "b"):
+@pytest.mark.parametrize("policy", ["lru", "lfuda"])
+def test_a_prefetch_keeps_a_victim_worth_more_and_the_order_stays(policy):
+    """The policy's victim is refused by `keep`: it stays, first in line, as if never asked for
+    (LFUDA's age too)."""
+    table = SlotTable(2, make_policy(policy))
+    for key in ("a", "b", "b"):  # b used twice: a is first in line for LRU and LFUDA alike
         slot, _ = table.acquire(key)
         table.loaded(slot, key, table.generation[slot])
-    table.release()
+        table.release()
+    age = getattr(table.policy, "age", None)
     assert table.prefetch("p", keep=lambda key: key == "a") is None   # a is worth more: kept
     assert table.where.keys() == {"a", "b"} and table.prefetches == 0
+    assert getattr(table.policy, "age", None) == age
     table.acquire("c")                                                # a is still first in line
     assert "a" not in table.where and "b" in table.where
     table.release()
