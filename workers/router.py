@@ -277,8 +277,9 @@ class Router:
 
     def _prefetch(self) -> list[tuple[str, object]]:
         """Read orders for what the prefetcher predicts, after a demand need is answered. Only
-        into free staging slots, never queued, never while a demand read waits, and within the
-        prefetch share of the staging ring; the victim of a prefetch must be less likely to be
+        into free staging slots, never queued, never while a demand read waits (implied: reads
+        queue only while no staging slot is free; checked anyway), and within the prefetch share
+        of the staging ring; the victim of a prefetch must be less likely to be
         used than the key read into its slot (`SlotTable.prefetch`'s keep)."""
         f = self.prefetcher
         if f is None or self.queued or not (self.pending and self.pending["demand"]):
