@@ -10,6 +10,10 @@ exactly what the table says it is.
 
 Policies are registered by name in `POLICIES`. Online policies may run in the router
 (`cache.policy`); offline ones (`belady`) need the future and exist for replay only.
+`predictive` reads the router's routing predictor (runtime/predictor.py).
+
+The table can also fill a slot ahead of need (`SlotTable.prefetch`): unpinned, evictable once
+loaded, and counted (used before its eviction, found ready when used, or evicted unused).
 """
 from __future__ import annotations
 
@@ -67,6 +71,12 @@ class Policy:
         """Removes and returns the evictable slot to reuse, or None when no slot is evictable."""
         raise NotImplementedError
 
+    def unvictim(self, slot: int, key: Key) -> None:
+        """The slot `victim` just returned is kept after all (a prefetch found it worth more than
+        what it would read): evictable again. By default as if just released; policies whose
+        order matters override it to put the slot back where it was."""
+        self.on_release(slot, key)
+
 
 class LRU(Policy):
     """Least recently used: the slot released longest ago goes first."""
@@ -90,6 +100,10 @@ class LRU(Policy):
         if not self.order:
             return None
         return self.order.popitem(last=False)[0]
+
+    def unvictim(self, slot, key):
+        self.order[slot] = None
+        self.order.move_to_end(slot, last=False)  # first in line again, as it was
 
 
 class _MinHeap:
@@ -138,6 +152,7 @@ class LFUDA(Policy):
         self.count: dict[Key, int] = {}
         self.priority: dict[int, float] = {}  # slot -> priority at its last access
         self.heap = _MinHeap()
+        self.aged: tuple = (0.0, None)  # (age before, slot) of the last victim, for unvictim
 
     def _access(self, slot, key):
         n = self.count.get(key, 0) + 1
@@ -161,8 +176,15 @@ class LFUDA(Policy):
         got = self.heap.pop()
         if got is None:
             return None
-        slot, self.age = got
+        slot, age = got
+        self.aged = (self.age, slot)  # what unvictim undoes
+        self.age = age
         return slot
+
+    def unvictim(self, slot, key):
+        if self.aged[1] == slot:
+            self.age = self.aged[0]
+        self.heap.push(slot, self.priority[slot])
 
 
 class Belady(Policy):
@@ -224,7 +246,121 @@ class Belady(Policy):
         return None if got is None else got[0]
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFUDA, Belady)}
+class Predictive(Policy):
+    """Keeps what the routing predictor (runtime/predictor.py) says the next layers will use.
+
+    rank="probability" (the default): the victim is the evictable key least likely to be used at
+    its layer's next occurrence (`RoutingPredictor.q`: neighbours' votes for the layers ahead in
+    this pass, age and distance for all), ties to the slot released first. A prefetched key that
+    was not used when its layer came keeps its old age and has no votes left, so it goes early.
+    rank="recency": least recently *used* first (a prefetched key never used is the oldest), but
+    keys given at least `keep` within the next `keep_depth` layers go last. Measured with prefetch
+    on the DeepSeek-V2-Lite traces: probability is better at 25% and 50% of the experts, recency at
+    10%, where a cache holds about one pass (docs/TRACES.md).
+
+    Keys are (layer, expert) with the router's layer ids; `layer_index` maps a layer id to the
+    predictor's row (MoE layers numbered from 0; None: the same). The router owns and feeds the
+    predictor (workers/router.py); this class only reads it.
+    """
+
+    name = "predictive"
+    RANKS = ("probability", "recency")
+
+    def __init__(self, predictor=None, layer_index=None, rank: str = "probability", keep: float = 0.4,
+                 keep_depth: int = 2):
+        if predictor is None:
+            raise CacheError("the predictive policy reads a routing predictor: the router makes one "
+                             "from the store's shape (Router(..., moe_layers=..., n_experts=...))")
+        if rank not in self.RANKS:
+            raise CacheError(f"predictive rank {rank!r} is not one of: {', '.join(self.RANKS)}")
+        self.predictor = predictor
+        self.rank, self.keep, self.keep_depth = rank, keep, keep_depth
+        self.n_experts = predictor.n_experts
+        rows = np.arange(predictor.n_layers) if layer_index is None else None
+        if layer_index is not None:
+            rows = np.full(max(layer_index) + 1, -1, dtype=np.int64)
+            for layer, row in layer_index.items():
+                rows[layer] = row
+        self.row_of = rows
+        # per slot, grown on demand: its key's code (row * n_experts + expert), whether it is
+        # evictable, and when it was last released (ties go to the slot released first)
+        self.code = np.zeros(0, dtype=np.int64)
+        self.evictable = np.zeros(0, dtype=bool)
+        self.released = np.zeros(0, dtype=np.int64)
+        self.n_evictable = 0
+        self.seq = 0
+        self.ranked: list[int] = []   # evictable slots in eviction order, for one predictor state
+        self.next = 0
+        self.version = -1
+
+    def _grow(self, slot: int) -> None:
+        n = max(2 * len(self.code), slot + 1, 64)
+        for name in ("code", "evictable", "released"):
+            old = getattr(self, name)
+            new = np.zeros(n, dtype=old.dtype)
+            new[:len(old)] = old
+            setattr(self, name, new)
+
+    def _drop(self, slot: int) -> None:
+        if slot < len(self.evictable) and self.evictable[slot]:
+            self.evictable[slot] = False
+            self.n_evictable -= 1
+
+    def on_hit(self, slot, key):
+        self._drop(slot)
+
+    def on_release(self, slot, key):
+        if slot >= len(self.code):
+            self._grow(slot)
+        if not self.evictable[slot]:
+            self.evictable[slot] = True
+            self.n_evictable += 1
+        self.code[slot] = self.row_of[key[0]] * self.n_experts + key[1]
+        self.seq += 1
+        self.released[slot] = self.seq
+        self.version = -1  # a new candidate: rank again
+
+    def on_evict(self, slot, key):
+        self._drop(slot)
+
+    def unvictim(self, slot, key):
+        self.evictable[slot] = True  # its code and release stamp are still there
+        self.n_evictable += 1
+        self.version = -1
+
+    def _order(self, slots: np.ndarray) -> np.ndarray:
+        """The eviction order of `slots`, first victim first."""
+        p = self.predictor
+        codes = self.code[slots]
+        q = p.q.reshape(-1)[codes]
+        if self.rank == "probability":
+            return slots[np.lexsort((self.released[slots], q))]
+        row = codes // self.n_experts
+        used_at = p.last_use.reshape(-1)[codes] * p.n_layers + row  # in steps of the need stream
+        kept = (q >= self.keep) & (p.distances()[row] <= self.keep_depth)
+        return slots[np.lexsort((self.released[slots], used_at, kept))]
+
+    def victim(self):
+        if self.n_evictable == 0:
+            return None
+        if self.version != self.predictor.version:
+            # one ranking per predictor state: the victims of one need come from one sort
+            self.ranked = self._order(np.flatnonzero(self.evictable)).tolist()
+            self.next = 0
+            self.version = self.predictor.version
+        evictable = self.evictable
+        while self.next < len(self.ranked):
+            slot = self.ranked[self.next]
+            self.next += 1
+            if evictable[slot]:  # slots hit or evicted since the ranking are skipped
+                evictable[slot] = False
+                self.n_evictable -= 1
+                return slot
+        self.version = -1  # every ranked slot is gone: rank what is evictable now
+        return self.victim()
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFUDA, Belady, Predictive)}
 
 
 def policy_names(online_only: bool = False) -> list[str]:
@@ -258,6 +394,10 @@ class SlotTable:
         self.free = list(range(n_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.pinned: dict[int, None] = {}  # insertion-ordered: released in the order used
         self.evictions = 0
+        # slots filled by `prefetch` and not used yet; how prefetched fills ended: used before
+        # their eviction (of which ready when used: a miss avoided), or evicted unused
+        self.prefetched: set[int] = set()
+        self.prefetches = self.prefetch_used = self.prefetch_hits = self.prefetch_wasted = 0
 
     def ready(self, slot: int) -> bool:
         return self.state[slot] is SlotState.READY
@@ -266,6 +406,7 @@ class SlotTable:
         """Pins key's slot, choosing and filling a new one on a miss. Returns (slot, new)."""
         slot = self.where.get(key)
         if slot is not None:
+            self._prefetch_used(slot)
             self.policy.on_hit(slot, key)
             self.pinned[slot] = None
             return slot, False
@@ -274,16 +415,52 @@ class SlotTable:
         else:
             slot = self.policy.victim()
             if slot is None:
-                raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
+                # a prefetch still being read gives its slot up to a need, so prefetch never leaves
+                # a need short of slots; its late `loaded` is then a superseded fill
+                slot = next((s for s in self.prefetched if not self.ready(s) and s not in self.pinned), None)
+                if slot is None:
+                    raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
             self.evictions += 1
             self._forget(slot)
+        self._fill(slot, key)
+        self.pinned[slot] = None
+        return slot, True
+
+    def prefetch(self, key: Key, keep=None) -> int | None:
+        """Starts filling a slot with key ahead of need, unpinned (evictable once loaded): a free
+        slot, else the policy's victim unless `keep(victim's key)` says it is worth more than key
+        (then it stays and nothing is filled). None when key holds a slot already or no slot is
+        taken. A later use of key counts the prefetch as used; its eviction before that, wasted."""
+        if key in self.where:
+            return None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot = self.policy.victim()
+            if slot is None:
+                return None
+            if keep is not None and keep(self.key[slot]):
+                self.policy.unvictim(slot, self.key[slot])
+                return None
+            self.evictions += 1
+            self._forget(slot)
+        self._fill(slot, key)
+        self.prefetched.add(slot)
+        self.prefetches += 1
+        return slot
+
+    def _fill(self, slot: int, key: Key) -> None:
         self.key[slot] = key
         self.where[key] = slot
         self.generation[slot] += 1
         self.state[slot] = SlotState.LOADING
         self.policy.on_insert(slot, key)
-        self.pinned[slot] = None
-        return slot, True
+
+    def _prefetch_used(self, slot: int) -> None:
+        if slot in self.prefetched:
+            self.prefetched.discard(slot)
+            self.prefetch_used += 1
+            self.prefetch_hits += self.ready(slot)
 
     def use(self, key: Key) -> bool:
         """A use of a ready key that needed no acquire (compute found it resident and reported it
@@ -292,6 +469,7 @@ class SlotTable:
         slot = self.where.get(key)
         if slot is None or not self.ready(slot):
             return False
+        self._prefetch_used(slot)
         self.policy.on_hit(slot, key)
         if slot not in self.pinned:
             self.policy.on_release(slot, key)
@@ -306,12 +484,15 @@ class SlotTable:
             self.policy.on_release(slot, key)
         return True
 
-    def failed(self, slot: int, key: Key, generation: int) -> None:
-        """The read of key into slot failed: the slot goes back to the free list."""
+    def failed(self, slot: int, key: Key, generation: int) -> bool:
+        """The read of key into slot failed: the slot goes back to the free list. False for a
+        fill that was superseded (the slot holds another fill now; nothing changes)."""
         if self.key[slot] == key and self.generation[slot] == generation and not self.ready(slot):
             self.pinned.pop(slot, None)
             self._forget(slot)
             self.free.append(slot)
+            return True
+        return False
 
     def release(self) -> None:
         """Unpins every slot; ready ones become evictable (loading ones when they are loaded)."""
@@ -324,6 +505,9 @@ class SlotTable:
         self.policy.on_hint(keys)
 
     def _forget(self, slot: int) -> None:
+        if slot in self.prefetched:
+            self.prefetched.discard(slot)
+            self.prefetch_wasted += 1
         key = self.key[slot]
         self.policy.on_evict(slot, key)
         del self.where[key]

@@ -90,6 +90,8 @@ class CacheConfig:
     max_slots: int = 0
     staging_slots: int = 0
     preload: bool = True
+    prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    prefetch_threshold: float = 0.4
 
 
 @dataclass
@@ -131,8 +133,10 @@ class Config:
                 want = type(getattr(target, key))
                 if want is float and isinstance(value, int):
                     value = float(value)
-                if not isinstance(value, want):
-                    raise ConfigError(f"{where}: {section}.{key} must be {want.__name__}")
+                types = known[key].metadata.get("types", (want,))  # a key of several types
+                if not isinstance(value, types):
+                    raise ConfigError(f"{where}: {section}.{key} must be "
+                                      f"{' or '.join(t.__name__ for t in types)}")
                 setattr(target, key, value)
         cfg.validate()
         return cfg
@@ -148,6 +152,10 @@ class Config:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
         if self.cache.max_slots < 0:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
+        if self.cache.prefetch not in (True, False, "auto"):
+            raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
+        if not 0.0 <= self.cache.prefetch_threshold <= 1.0:
+            raise ConfigError("cache.prefetch_threshold must be within 0..1 (a probability of use)")
         if self.cache.staging_slots < 0:
             raise ConfigError("cache.staging_slots must be >= 0 (0: automatic)")
         if self.bench.standin_moe_ms < 0 or self.bench.standin_dense_ms < 0:

@@ -149,9 +149,9 @@ def test_generations_name_each_fill():
 
 
 def test_registry_and_router_take_policy_names():
-    assert policy_names() == ["lru", "lfuda", "belady"]
-    assert policy_names(online_only=True) == ["lru", "lfuda"]
-    with pytest.raises(CacheError, match="choices: lru, lfuda, belady"):
+    assert policy_names() == ["lru", "lfuda", "belady", "predictive"]
+    assert policy_names(online_only=True) == ["lru", "lfuda", "predictive"]
+    with pytest.raises(CacheError, match="choices: lru, lfuda, belady, predictive"):
         make_policy("mru")
     with pytest.raises(RouterError, match="unknown cache policy 'mru'"):
         Router(4, "mru")
@@ -161,6 +161,7 @@ def test_registry_and_router_take_policy_names():
 
 @pytest.mark.parametrize("name", ["mru", "belady"])
 def test_config_takes_only_online_policies(name):
-    with pytest.raises(ConfigError, match=f"cache.policy '{name}' is not one of: lru, lfuda"):
+    with pytest.raises(ConfigError, match=f"cache.policy '{name}' is not one of: lru, lfuda, predictive"):
         Config.from_dict({"cache": {"policy": name}})
     assert Config.from_dict({"cache": {"policy": "lfuda"}}).cache.policy == "lfuda"
+    assert Config.from_dict({"cache": {"policy": "predictive"}}).cache.policy == "predictive"

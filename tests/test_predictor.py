@@ -1,5 +1,5 @@
-"""The routing predictor alone (runtime/predictor.py). Its policy and prefetch integration was
-written against the router before Speed I and waits in docs/parked/ for the pipeline issue."""
+"""The routing predictor alone (runtime/predictor.py). Its use in the router (predictive policy,
+prefetch) is tested in tests/test_prefetch.py."""
 from __future__ import annotations
 
 from pathlib import Path

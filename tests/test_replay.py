@@ -151,6 +151,28 @@ def test_replay_report_and_cli(tmp_path, capsys):
     assert "n_experts is 2" in capsys.readouterr().err
 
 
+def test_cli_predictive_policy_with_prefetch(tmp_path, capsys):
+    """--policy predictive --prefetch: the policy with prefetch, once more without it (for the
+    recall), LRU and Belady; precision and recall in the table and the JSON."""
+    chain = (np.random.default_rng(0).integers(0, 8, 300)[:, None] + np.arange(3)[None, :]) % 8
+    save_trace(tmp_path / "c-dev.npz", chain.astype(np.uint8)[:, :, None], [300], ["chain"])
+    out = tmp_path / "r.json"
+    assert R.main([str(tmp_path / "c-dev.npz"), "--cache-frac", "0.5", "--policy", "predictive", "--prefetch",
+                   "--prefetch-threshold", "0.3", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    pf, base = got["policy"], got["no_prefetch"]
+    assert pf["policy"] == base["policy"] == "predictive" and pf["prefetch"]["threshold"] == 0.3
+    assert pf["prefetch_reads"] > 0 and pf["reads"] == pf["demand_reads"] + pf["prefetch_reads"]
+    assert pf["prefetch_precision"] == pf["prefetch_used"] / pf["prefetch_reads"]
+    misses = base["uses"] - base["hits"]
+    assert pf["prefetch_recall"] == (misses - (pf["uses"] - pf["hits"])) / misses > 0.2
+    assert pf["bytes_vs_lru"] == pf["reads"] / got["lru"]["reads"]
+    table = capsys.readouterr().out
+    assert "predictive + prefetch" in table and f"{pf['prefetch_recall']:.3f}" in table
+    assert R.main([str(tmp_path / "c-dev.npz"), "--cache-frac", "0.5", "--policy", "belady", "--prefetch"]) == 2
+    assert "needs an online policy" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not (SHARED_TRACES / "dsv2lite-dev.npz").exists(), reason="shared traces not present")
 def test_dev_trace_matches_the_reference_figures():
     """ANCHORS.md, dev split at 25% of the experts: LRU 0.446, Belady 0.716."""

@@ -1,11 +1,16 @@
-"""deltafin-replay: a routing trace through the router's own slot table and policies.
+"""deltafin-replay: a routing trace through the router's own slot table, policies and prefetcher.
 
-  deltafin-replay TRACE --cache-frac F [--policy P] [--experts N] [--record-bytes N] [--json OUT] [--splits]
+  deltafin-replay TRACE --cache-frac F [--policy P] [--rank probability|recency] [--prefetch]
+                  [--prefetch-threshold P] [--prefetch-depth D] [--prefetch-min-precision P]
+                  [--experts N] [--record-bytes N] [--json OUT] [--splits]
 
 Every (token, MoE layer) of the trace becomes one `need` of that token's top-k experts, in
-trace order, answered by an instant loader (each read order comes back `loaded` at once). So the
-hit rate is the policy's alone, with the runtime's pins and one global slot budget. LRU and
-Belady (the offline optimum) run on the same trace and cache size for reference.
+trace order (`drive_need`), answered by an instant loader (each read order comes back `loaded` at
+once). So the hit rate is the policy's alone, with the runtime's pins and one global slot budget.
+With --prefetch the router also orders, each time it answers a need, reads of what its
+prefetcher predicts for the next layer(s); they take slots and count as reads like any other,
+and the policy is replayed once more without prefetch for the recall. LRU and Belady (the offline
+optimum) run on the same trace and cache size for reference.
 docs/TRACES.md describes the format and how the figures are counted.
 """
 from __future__ import annotations
@@ -19,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.protocol import messages as M
-from deltafin.runtime.cache import POLICIES, Policy, make_policy, policy_names
+from deltafin.runtime.cache import POLICIES, Policy, Predictive, make_policy, policy_names
 from deltafin.runtime.directio import round_up
 from deltafin.runtime.store import ALIGN, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
-from deltafin.workers.router import Router, RouterError, drive_need
+from deltafin.workers.router import PREFETCH_DEFAULTS, Router, RouterError, drive_need
 
 # Expert counts of the MoE models deltafin knows (Mixtral 8, Qwen2-MoE 60, OLMoE/DSV2-Lite 64,
 # Qwen3 128, DeepSeek-V2 160, DeepSeek-V3 256, Kimi-K2 384): a trace may never use the
@@ -74,19 +79,32 @@ def future_uses(ids: np.ndarray) -> np.ndarray:
 
 
 def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
-           record_bytes: int = DSV2_LITE_RECORD_BYTES, per_step: bool = False) -> dict:
+           record_bytes: int = DSV2_LITE_RECORD_BYTES, per_step: bool = False,
+           prefetch: bool | dict = False, n_experts: int | None = None,
+           policy_options: dict | None = None, predictor_options: dict | None = None,
+           n_staging: int | None = None) -> dict:
     """Replays the trace through a `Router`; returns the hit rate and read volume.
 
     `policy`: a registered name (an offline one such as "belady" is given the trace's future
-    here) or a Policy instance. per_step: also return "reads_per_step", the reads of every
-    (token, layer) as an int array [tokens, layers] (what the forecast prices)."""
+    here; "predictive" the router's routing predictor) or a Policy instance. `prefetch`: True or a
+    dict of `Prefetcher` options (threshold, depth, min_precision, ...). `policy_options` go to the
+    policy (predictive: rank), `predictor_options` to the routing predictor. `n_staging`: the
+    router's staging slots (None: one per resident slot). per_step: also return
+    "reads_per_step", the demand reads (misses) of every (token, layer) as an int array
+    [tokens, layers] (what the forecast prices)."""
     ids = trace_or_ids.ids if isinstance(trace_or_ids, Trace) else np.asarray(trace_or_ids)
     if ids.ndim != 3:
         raise TraceError(f"ids must be [tokens, moe_layers, top_k], got shape {ids.shape}")
+    n_layers = ids.shape[1]
     if isinstance(policy, str):
         cls = POLICIES.get(policy)
-        policy = make_policy(policy, **({} if cls is None or cls.online else {"future": future_uses(ids)}))
-    router = Router(n_slots, policy)
+        if cls is not None and not cls.online:
+            policy = make_policy(policy, future=future_uses(ids))
+    if prefetch and not isinstance(policy, str) and not policy.online:
+        raise TraceError(f"prefetch is replayed with online policies only, not {policy.name}")
+    router = Router(n_slots, policy, n_staging=n_staging, moe_layers=range(n_layers),
+                    n_experts=n_experts or infer_experts(ids), prefetch=prefetch,
+                    policy_options=policy_options, predictor_options=predictor_options)
 
     def instant_read(r: M.Read) -> M.Loaded:
         return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert,
@@ -94,41 +112,73 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
 
     def ignore(fill) -> None:  # no compute: nothing to copy
         pass
-    n_layers = ids.shape[1]
+    counters = router.counters
     t0 = time.perf_counter()
     req = 0
     steps = np.zeros(ids.shape[:2], dtype=np.int32) if per_step else None
     for t, token in enumerate(ids):
         row = token.tolist()  # per token: python ints for the router, without a list of the whole trace
         for layer in range(n_layers):
-            before = router.counters.get("reads")
+            before = counters.get("reads") - counters.get("prefetch_reads")
             drive_need(router, req, layer, row[layer], instant_read, ignore)
             req += 1
             if steps is not None:
-                steps[t, layer] = router.counters.get("reads") - before
-        router.release()  # end of the token's forward pass
+                steps[t, layer] = counters.get("reads") - counters.get("prefetch_reads") - before
+        router.end_pass()  # end of the token's forward pass
     stats = router.stats()
     uses, hits, reads, tokens = stats.get("uses", 0), stats.get("hits", 0), stats.get("reads", 0), ids.shape[0]
-    return {"policy": policy.name, "n_slots": n_slots, "tokens": tokens, "uses": uses, "hits": hits,
-            "reads": reads, "hit_rate": hits / uses if uses else None,
-            "reads_per_token": reads / tokens if tokens else None,
-            "bytes_read_per_token": reads * record_bytes / tokens if tokens else None,
-            "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0,
-            **({"reads_per_step": steps} if per_step else {})}
+    out = {"policy": router.policy_name, "n_slots": n_slots, "tokens": tokens, "uses": uses, "hits": hits,
+           "reads": reads, "hit_rate": hits / uses if uses else None,
+           "reads_per_token": reads / tokens if tokens else None,
+           "bytes_read_per_token": reads * record_bytes / tokens if tokens else None,
+           "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0,
+           **({"reads_per_step": steps} if per_step else {})}
+    if router.prefetcher is not None:
+        f = router.prefetcher
+        out.update({"prefetch": {k: getattr(f, k) for k in ("threshold", "depth", "min_precision")},
+                    "demand_reads": reads - stats["prefetch_reads"],
+                    **{k: stats[k] for k in ("prefetch_reads", "prefetch_used", "prefetch_hits",
+                                             "prefetch_wasted", "prefetch_precision", "prefetch_gate")},
+                    # recall as one run counts it (the router's figure); replay_report replaces
+                    # prefetch_recall by the comparison with a replay without prefetch
+                    "prefetch_coverage": stats["prefetch_recall"]})
+    return out
+
+
+def add_recall(with_prefetch: dict, without: dict) -> None:
+    """prefetch_recall (DESIGN-NOTES): misses avoided by prefetch / misses without it, from a
+    replay of the same policy without prefetch on the same trace and cache."""
+    before = without["uses"] - without["hits"]
+    after = with_prefetch["uses"] - with_prefetch["hits"]
+    with_prefetch["prefetch_recall"] = (before - after) / before if before else None
 
 
 def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
-                  record_bytes: int = DSV2_LITE_RECORD_BYTES, n_experts: int | None = None) -> dict:
+                  record_bytes: int = DSV2_LITE_RECORD_BYTES, n_experts: int | None = None,
+                  prefetch: bool | dict = False, policy_options: dict | None = None) -> dict:
     """`policy` on the trace at a cache of `cache_frac` of all experts, with LRU and Belady on the
-    same trace and cache size as references (keys "policy", "lru", "belady")."""
+    same trace and cache size as references (keys "policy", "lru", "belady"). With `prefetch`,
+    "policy" is replayed with it and "no_prefetch" without (for prefetch_recall)."""
     n_experts = n_experts or infer_experts(trace.ids)
     if trace.ids.size and int(trace.ids.max()) >= n_experts:
         raise TraceError(f"the trace uses expert id {int(trace.ids.max())} but n_experts is {n_experts}")
     n_slots = n_slots_for(cache_frac, trace.n_layers, n_experts)
-    runs = {name: replay(trace, n_slots, name, record_bytes) for name in dict.fromkeys([policy, "lru", "belady"])}
+
+    def run(name, pf=False):
+        return replay(trace, n_slots, name, record_bytes, prefetch=pf, n_experts=n_experts,
+                      policy_options=policy_options if name == policy else None)
+    runs = {"policy": run(policy, prefetch)}
+    if prefetch:
+        runs["no_prefetch"] = run(policy)
+        add_recall(runs["policy"], runs["no_prefetch"])
+    plain = runs.get("no_prefetch", runs["policy"])
+    for ref in ("lru", "belady"):
+        runs[ref] = plain if ref == policy else run(ref)
+    for r in runs.values():
+        r["bytes_vs_lru"] = r["reads"] / runs["lru"]["reads"] if runs["lru"]["reads"] else None
     return {"tokens": trace.tokens, "requests": len(trace.lengths), "n_layers": trace.n_layers,
             "n_experts": n_experts, "top_k": trace.top_k, "cache_frac": cache_frac, "n_slots": n_slots,
-            "record_bytes": record_bytes, "policy": runs[policy], "lru": runs["lru"], "belady": runs["belady"]}
+            "record_bytes": record_bytes, **runs}
 
 
 def sibling_splits(path: Path) -> dict[str, Path]:
@@ -139,15 +189,22 @@ def sibling_splits(path: Path) -> dict[str, Path]:
 
 
 def format_table(reports: dict[str, dict]) -> str:
-    rows = [f"{'trace':<12} {'policy':<13} {'slots':>6} {'hit rate':>9} {'reads/token':>12} {'MiB read/token':>15}"]
+    rows = [f"{'trace':<12} {'policy':<22} {'slots':>6} {'hit rate':>9} {'reads/token':>12} "
+            f"{'MiB read/token':>15} {'vs LRU':>7} {'pf precision':>13} {'pf recall':>10}"]
     for label, rep in reports.items():
-        for key in dict.fromkeys(["policy", "lru", "belady"]):
-            r = rep[key]
-            if key != "policy" and r["policy"] == rep["policy"]["policy"]:
-                continue  # the policy asked for is LRU: one row
-            name = r["policy"] + ("" if key == "policy" else " (ref)")
-            rows.append(f"{label:<12} {name:<13} {r['n_slots']:>6} {r['hit_rate']:>9.3f} "
-                        f"{r['reads_per_token']:>12.2f} {r['bytes_read_per_token'] / 2**20:>15.1f}")
+        shown = []
+        for key in ("policy", "no_prefetch", "lru", "belady"):
+            r = rep.get(key)
+            if r is None or any(r is x for x in shown):
+                continue  # the policy asked for is a reference too: one row
+            shown.append(r)
+            name = r["policy"] + (" + prefetch" if "prefetch_reads" in r else "")
+            name += "" if key in ("policy", "no_prefetch") else " (ref)"
+            pf, rc = r.get("prefetch_precision"), r.get("prefetch_recall")
+            rows.append(f"{label:<12} {name:<22} {r['n_slots']:>6} {r['hit_rate']:>9.3f} "
+                        f"{r['reads_per_token']:>12.2f} {r['bytes_read_per_token'] / 2**20:>15.1f} "
+                        f"{r['bytes_vs_lru']:>6.2f}x {'' if pf is None else f'{pf:.3f}':>13} "
+                        f"{'' if rc is None else f'{rc:.3f}':>10}")
     return "\n".join(rows)
 
 
@@ -158,6 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache size as a share of all experts (n_layers x n_experts), e.g. 0.25")
     ap.add_argument("--policy", default="lru", choices=policy_names(),
                     help="replacement policy (default lru); lru and belady are always reported too")
+    ap.add_argument("--rank", choices=Predictive.RANKS, default="probability",
+                    help="eviction order of the predictive policy (default probability; recency "
+                         "measured better at 10%% of the experts)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="the router reads what its routing predictor expects in the next layers "
+                         "(self-gated); the policy is also replayed without it, for the recall")
+    ap.add_argument("--prefetch-threshold", type=float, default=PREFETCH_DEFAULTS["threshold"],
+                    help="read a key ahead when its predicted probability of use is at least this "
+                         f"(default {PREFETCH_DEFAULTS['threshold']})")
+    ap.add_argument("--prefetch-depth", type=int, default=PREFETCH_DEFAULTS["depth"],
+                    help=f"layers ahead to prefetch (default {PREFETCH_DEFAULTS['depth']})")
+    ap.add_argument("--prefetch-min-precision", type=float, default=PREFETCH_DEFAULTS["min_precision"],
+                    help="a layer distance whose measured prefetch precision falls under this only "
+                         f"probes (default {PREFETCH_DEFAULTS['min_precision']})")
     ap.add_argument("--experts", type=int, default=None,
                     help="experts per layer (default: max id + 1, rounded up to a known model's count)")
     ap.add_argument("--record-bytes", type=int, default=DSV2_LITE_RECORD_BYTES,
@@ -173,12 +244,18 @@ def main(argv=None) -> int:
     if not 0 < args.cache_frac <= 1:
         print("deltafin-replay: --cache-frac must be within (0, 1]", file=sys.stderr)
         return 2
+    if args.prefetch and not POLICIES[args.policy].online:
+        print(f"deltafin-replay: --prefetch needs an online policy, not {args.policy}", file=sys.stderr)
+        return 2
+    prefetch = {"threshold": args.prefetch_threshold, "depth": args.prefetch_depth,
+                "min_precision": args.prefetch_min_precision} if args.prefetch else False
     paths = sibling_splits(args.trace) if args.splits else {args.trace.stem: args.trace}
     reports = {}
     try:
         for label, path in paths.items():
             reports[label] = {"trace": str(path), **replay_report(
-                load_trace(path), args.cache_frac, args.policy, args.record_bytes, args.experts)}
+                load_trace(path), args.cache_frac, args.policy, args.record_bytes, args.experts, prefetch,
+                {"rank": args.rank} if args.policy == "predictive" else None)}
     except (TraceError, RouterError) as e:
         print(f"deltafin-replay: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,16 @@ and a free staging slot; once read, compute is told to copy staging into the res
 Compute uses resident experts without asking and reports those uses afterwards (`used`), so the
 policy still sees every hit, in order. The slot bookkeeping and policies live in runtime/cache.py.
 
+Prediction (runtime/predictor.py): given the model's shape, the router feeds a routing predictor
+everything it sees, in order (`need`, and the hits of `used`), for the `predictive` policy and
+for prefetch. With prefetch on, each time a demand need is answered the router orders reads of
+the experts the self-gating `Prefetcher` predicts for the next layer(s) into free or evictable
+resident slots whose own keys are less likely to be used. Demand first: a prefetch read is never
+queued (only issued into a free staging slot, and only while no demand read waits for one), at
+most half of the staging ring holds prefetch reads, and none is ordered before the need's own
+reads are in. A prefetched expert's `fill` reaches compute like any other; compute applies it the
+next time it waits on a need, which also frees its staging slot, so prefetch cannot starve a need.
+
 `Router` is plain logic with no sockets: its methods return the messages to send as
 [(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
 (`drive_need`); `run_router_process` wraps it with the data-plane socket.
@@ -22,6 +32,12 @@ from collections import deque
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
 from deltafin.runtime.metrics import Counter, Latency
+from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredictor
+
+# Prefetcher settings unless told otherwise: tuned on the train split, chosen on dev
+# (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
+# ahead; min_precision: a layer distance whose measured precision falls under it only probes.
+PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5}
 
 
 class RouterError(RuntimeError):
@@ -38,10 +54,17 @@ class Router:
     every layer) or {group: n} with `groups` {layer: group}. `policy` is a registered name
     (cache.policy) or, with one group only, a Policy instance (replay gives Belady its future that
     way). `n_staging`: staging slots, reads in flight at most (None: one per resident slot).
+
+    `moe_layers` (the MoE layer ids in order) and `n_experts` give the model's shape, which the
+    routing predictor needs: with the `predictive` policy or `prefetch` (True, or a dict of
+    `Prefetcher` options over PREFETCH_DEFAULTS). `policy_options` go to the policy,
+    `predictor_options` to the `RoutingPredictor`.
     """
 
     def __init__(self, n_slots: int | dict, policy: str | Policy = "lru", history: int = 4096,
-                 n_staging: int | None = None, groups: dict | None = None):
+                 n_staging: int | None = None, groups: dict | None = None,
+                 moe_layers=None, n_experts: int | None = None, prefetch: bool | dict = False,
+                 policy_options: dict | None = None, predictor_options: dict | None = None):
         sizes = n_slots if isinstance(n_slots, dict) else {0: n_slots}
         if groups is None and len(sizes) != 1:
             raise RouterError("several slot groups need the layer -> group map")
@@ -49,10 +72,34 @@ class Router:
             raise RouterError("a Policy instance serves one slot group only")
         if any(n < 1 for n in sizes.values()):
             raise RouterError("the slot pool has no slots")
+        self.predictor: RoutingPredictor | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.layer_row: dict[int, int] = {}
+        predictive = policy == "predictive" or getattr(policy, "name", "") == "predictive"
+        if predictive or prefetch:
+            if moe_layers is None or n_experts is None:
+                raise RouterError("the predictive policy and prefetch need the model's shape "
+                                  "(moe_layers, n_experts)")
+            self.row_layer = [int(x) for x in moe_layers]
+            self.layer_row = {layer: i for i, layer in enumerate(self.row_layer)}
+            try:
+                self.predictor = getattr(policy, "predictor", None) or RoutingPredictor(
+                    len(self.row_layer), n_experts, **(predictor_options or {}))
+                if prefetch:
+                    options = {**PREFETCH_DEFAULTS, **(prefetch if isinstance(prefetch, dict) else {})}
+                    self.prefetcher = Prefetcher(self.predictor, **options)
+            except (PredictorError, TypeError) as e:
+                raise RouterError(f"prefetch/predictor settings: {e}") from None
+
+        def build(name):
+            if name == "predictive":
+                return make_policy(name, predictor=self.predictor, layer_index=self.layer_row,
+                                   **(policy_options or {}))
+            return make_policy(name, **(policy_options or {}))
         try:
-            self.tables = {g: SlotTable(n, make_policy(policy) if isinstance(policy, str) else policy)
+            self.tables = {g: SlotTable(n, build(policy) if isinstance(policy, str) else policy)
                            for g, n in sizes.items()}
-        except CacheError as e:
+        except (CacheError, TypeError) as e:
             raise RouterError(str(e)) from None
         self.groups = groups
         self.only = next(iter(sizes)) if len(sizes) == 1 else None
@@ -60,7 +107,11 @@ class Router:
         self.policy_name = next(iter(self.tables.values())).policy.name
         self.staging_free = list(range((n_staging or self.n_slots) - 1, -1, -1))  # slot 0 first
         self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
-        self.queued: deque = deque()              # reads waiting for a staging slot
+        self.queued: deque = deque()              # demand reads waiting for a staging slot
+        self.prefetching: set[int] = set()        # staging slots held by prefetch reads
+        # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
+        # compute): the other half is always there for demand reads
+        self.prefetch_cap = len(self.staging_free) // 2
         self.pending: dict | None = None
         self.counters = Counter()
         self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
@@ -136,9 +187,10 @@ class Router:
             self.counters.add("uses", len(slots))
             self.counters.add("hits", hits)
         self.pending = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
-                        "hits": hits, "t0": time.perf_counter()}
+                        "hits": hits, "t0": time.perf_counter(), "demand": not prefetch}
         if not waiting:
             out.append(("compute", self._reply()))
+            out += self._prefetch()
         return out
 
     def filled(self, msg: M.Filled) -> list[tuple[str, object]]:
@@ -153,10 +205,24 @@ class Router:
             table.release()
         self.pending = None
 
+    def end_pass(self) -> None:
+        """A forward pass is over (compute's `release`): unpins, and closes the predictor's pass
+        (a lower layer than the last one closes it too; this also serves a one-layer model)."""
+        self.release()
+        if self.predictor is not None:
+            self.predictor.end_pass()
+
     def hint(self, keys) -> None:
-        """(layer, expert) keys predicted to be needed soon, for a prediction-aware policy."""
+        """(layer, expert) keys predicted to be needed soon (gate lookahead): to the policy, and to
+        the routing predictor, which keeps them until their layer comes."""
+        keys = list(keys)
+        by_row: dict[int, list[int]] = {}
         for layer, e in keys:
             self.tables[self.group(layer)].hint([(layer, e)])
+            if layer in self.layer_row:
+                by_row.setdefault(self.layer_row[layer], []).append(e)
+        for row, experts in by_row.items():
+            self.predictor.hint(row, experts)
 
     # -- the loader's messages --------------------------------------------------------------------
     def loaded(self, msg: M.Loaded) -> list[tuple[str, object]]:
@@ -175,6 +241,7 @@ class Router:
             p["waiting"].discard(slot)
             if not p["waiting"]:
                 out.append(("compute", self._reply()))
+                out += self._prefetch()  # the need's own reads are in: now the next layer's
         return out
 
     def load_failed(self, msg: M.LoadFailed) -> list[tuple[str, object]]:
@@ -184,7 +251,10 @@ class Router:
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []
         g, slot = use[0], use[1]
-        self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation)
+        if not self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation):
+            # superseded (a need took over a prefetch's slot): the slot holds another fill now,
+            # which compute must keep
+            return self._free_staging(msg.slot)
         p = self.pending
         req = p["req"] if p and p["group"] == g and slot in p["waiting"] else -1
         if req != -1:
@@ -197,6 +267,51 @@ class Router:
     def _history(self, layer, experts) -> None:
         self.recent.append((layer, tuple(experts)))
         self.uses.update([(layer, e) for e in experts])
+        row = self.layer_row.get(layer)
+        if row is not None:
+            self.predictor.observe(row, experts)
+
+    def _probability(self, key) -> float:
+        row = self.layer_row.get(key[0])
+        return 0.0 if row is None else float(self.predictor.q[row, key[1]])
+
+    def _prefetch(self) -> list[tuple[str, object]]:
+        """Read orders for what the prefetcher predicts, after a demand need is answered. Only
+        into free staging slots, never queued, never while a demand read waits (implied: reads
+        queue only while no staging slot is free; checked anyway), and within the prefetch share
+        of the staging ring; the victim of a prefetch must be less likely to be
+        used than the key read into its slot (`SlotTable.prefetch`'s keep)."""
+        f = self.prefetcher
+        if f is None or self.queued or not (self.pending and self.pending["demand"]):
+            return []
+        room = min(self.prefetch_cap - len(self.prefetching), len(self.staging_free))
+        if room <= 0:
+            return []
+        rows = self.row_layer
+
+        def resident(key):
+            layer = rows[key[0]]
+            return (layer, key[1]) in self.tables[self.group(layer)].where
+        keys = f.plan(resident)
+        out = []
+        for i, (row, e) in enumerate(keys):
+            layer = rows[row]
+            g = self.group(layer)
+            table = self.tables[g]
+            q = float(self.predictor.q[row, e])
+            slot = None if room <= 0 else table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
+            if slot is None:  # out of room, or the best victim is worth more: the rest, less likely, too
+                f.unissued(keys[i:])
+                break
+            t = self.staging_free.pop()
+            gen = table.generation[slot]
+            self.staging_use[t] = (g, slot, gen, layer, e)
+            self.prefetching.add(t)
+            self.counters.add("reads")
+            self.counters.add("prefetch_reads")
+            out.append(("loader", M.Read(slot=t, generation=gen, layer=layer, expert=e)))
+            room -= 1
+        return out
 
     def _read(self, g, slot, gen, layer, expert) -> list[tuple[str, object]]:
         if not self.staging_free:
@@ -209,6 +324,7 @@ class Router:
 
     def _free_staging(self, t: int) -> list[tuple[str, object]]:
         self.staging_use.pop(t, None)
+        self.prefetching.discard(t)
         self.staging_free.append(t)
         while self.queued:
             g, slot, gen, layer, expert = self.queued.popleft()
@@ -233,12 +349,31 @@ class Router:
         if evictions:
             c["evictions"] = evictions
         uses = c.get("uses", 0)
+        if self.prefetcher is not None:
+            c.update(self.prefetch_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
                 "distinct_experts_used": len(self.uses),
                 "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)],
                 "stall": self.stall.summary(), "resident_experts": self.residency()}
+
+    def prefetch_stats(self) -> dict:
+        """Prefetch counters (DESIGN-NOTES names). prefetch_precision: prefetched and used before
+        eviction / prefetched. prefetch_recall, as one run can count it: misses avoided (uses
+        found ready because a prefetch read them) / (those + the misses left), the misses there
+        would have been without prefetch if the cache were otherwise the same; deltafin-replay
+        also measures it against a second replay without prefetch."""
+        tables = self.tables.values()
+        issued = sum(t.prefetches for t in tables)
+        used = sum(t.prefetch_used for t in tables)
+        avoided = sum(t.prefetch_hits for t in tables)
+        misses = self.counters.get("uses") - self.counters.get("hits")
+        return {"prefetch_reads": issued, "prefetch_used": used, "prefetch_hits": avoided,
+                "prefetch_wasted": sum(t.prefetch_wasted for t in tables),
+                "prefetch_precision": used / issued if issued else None,
+                "prefetch_recall": avoided / (avoided + misses) if avoided + misses else None,
+                "prefetch_gate": self.prefetcher.stats()}
 
     def residency(self) -> list:
         """[[layer, [expert, ...]], ...]: the experts holding a slot (ready or loading), by layer."""
@@ -276,6 +411,18 @@ def drive_need(router: Router, req: int, layer: int, experts: list[int], read, f
     return reply
 
 
+def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
+    """The router's `prefetch` from the config's cache section: cache.prefetch true, false or
+    "auto" (on with the predictive policy when the resident slots cannot hold every expert: with
+    room for all, preload reads them and there is nothing to predict), and cache.prefetch_threshold."""
+    on = cache.get("prefetch", False)
+    if on == "auto":
+        on = cache.get("policy") == "predictive" and n_slots < n_keys
+    if not on:
+        return False
+    return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"])}
+
+
 def run_router_process(run_dir: str) -> None:
     import zmq
 
@@ -294,9 +441,13 @@ def run_router_process(run_dir: str) -> None:
         def on_pool(self, msg: M.AttachPool):
             from deltafin.runtime.store import Store
             from deltafin.runtime.tiers import layer_groups
-            groups = layer_groups(Store(self.run["store"]))
-            self.router = Router(msg.resident, self.config["cache"]["policy"], n_staging=msg.n_slots,
-                                 groups=groups)
+            store = Store(self.run["store"])
+            cache = self.config["cache"]
+            self.router = Router(msg.resident, cache["policy"], n_staging=msg.n_slots,
+                                 groups=layer_groups(store), moe_layers=store.moe_layers,
+                                 n_experts=store.n_experts,
+                                 prefetch=prefetch_setting(cache, sum(msg.resident.values()),
+                                                           len(store.moe_layers) * store.n_experts))
 
         def on_socket(self, sock):
             sender, msg = recv(self.data, routed=True)
@@ -309,7 +460,7 @@ def run_router_process(run_dir: str) -> None:
                 elif isinstance(msg, M.Used):
                     self.router.used(msg.uses)
                 elif isinstance(msg, M.Release):
-                    self.router.release()
+                    self.router.end_pass()
                 elif isinstance(msg, M.Filled):
                     out = self.router.filled(msg)
                 elif isinstance(msg, M.Loaded):
