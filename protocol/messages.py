@@ -382,6 +382,14 @@ class Used:
     uses: list
 
 
+@message("hint")
+class Hint:
+    """compute -> router, no answer: gate lookahead, [[layer, [expert, ...]], ...], the experts a
+    layer's gate picks when applied to the previous MoE layer's input. The router's predictor
+    weighs them by their measured precision; sent only where compute reads a gate back anyway."""
+    hints: list
+
+
 @message("fill")
 class Fill:
     """router -> compute: copy staging slot `staging` (read by the loader) into resident slot

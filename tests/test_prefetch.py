@@ -363,7 +363,12 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
-                runs[name] = (toks, c.logits(prompt + toks), c.stats()["workers"]["router"])
+                stats = c.stats()["workers"]
+                runs[name] = (toks, c.logits(prompt + toks), stats["router"])
+                # gate lookahead: compute hints the next layer where the router prefetches
+                hints = stats["compute"]["messages"].get("hint", 0)
+                assert (hints > 0) == name.endswith("prefetch"), (name, hints)
+                assert (stats["router"].get("hinted", 0) > 0) == name.endswith("prefetch")
     for name, (_, _, s) in runs.items():
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
@@ -373,5 +378,7 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         assert stats["policy"] == name.split("+")[0]
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
         assert stats.get("prefetch_reads", 1) > 0
+        if name.endswith("prefetch"):
+            assert 0 < stats["hint_precision"] <= 1
         assert toks == ref_toks
         np.testing.assert_array_equal(logits, ref_logits)

@@ -50,6 +50,7 @@ from deltafin.runtime.tiers import layer_groups
 from deltafin.runtime.tokenizer import PromptTooLong, StreamDecoder, Tokenizer
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.resident import ResidentTier, probe_zero_copy
+from deltafin.workers.router import prefetch_setting
 
 
 class RequestError(ValueError):
@@ -111,6 +112,10 @@ class LocalExpertSource:
         self.messages.add("used")
         self.router.used(uses)
 
+    def hint(self, hints: list) -> None:
+        self.messages.add("hint")
+        self.router.hint((layer, e) for layer, experts in hints for e in experts)
+
     def release(self) -> None:
         self.router.release()
 
@@ -151,6 +156,11 @@ class RouterClient:
         from deltafin.runtime.sockets import send
         send(self.sock, M.Used(uses=uses))
         self.messages.add("used")
+
+    def hint(self, hints: list) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Hint(hints=hints))
+        self.messages.add("hint")
 
     def release(self) -> None:
         from deltafin.runtime.sockets import send
@@ -278,11 +288,34 @@ class SlotExperts(ExpertProvider):
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         self.tier: ResidentTier | None = None
         self.force_sync = False  # measurement only: read every layer's ids back, as before
+        self.cache_config: dict = {}  # the config's [cache], set by Compute before attach
+        self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
+        self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         self.tier = ResidentTier(self.store, self.dtype, resident)
+        n_keys = self.store.n_experts * len(self.store.moe_layers)
+        self.hints = (self.routing.mode == "gate" and
+                      prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
+
+    def wants_lookahead(self, layer: int) -> bool:
+        """Whether the model should apply the next MoE layer's gate to this layer's input: only
+        where the router prefetches and this layer reads its gate back anyway (not all resident)."""
+        return self.hints and not self.tier.full(layer) and not self.force_sync
+
+    def lookahead(self, layer: int, inds) -> None:
+        self._look = (layer, inds)
+
+    def _send_hint(self, ids) -> None:
+        """Evaluates the lookahead with this layer's ids (one sync for both) and sends it."""
+        look, self._look = self._look, None
+        if look is None or not isinstance(ids, mx.array):
+            return
+        mx.eval(ids, look[1])
+        self.counters.add("hints")
+        self.source.hint([[look[0], sorted(set(np.array(look[1]).reshape(-1).tolist()))]])
 
     def apply(self, msg) -> None:
         """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
@@ -365,6 +398,10 @@ class SlotExperts(ExpertProvider):
             return switch_glu(x, slots, w, quant)
         if isinstance(ids, mx.array):
             self.counters.add("gate_syncs")
+        if self._look is not None:
+            t0 = time.perf_counter()
+            self._send_hint(ids)  # before the need: the router prefetches after answering it
+            self.t_sync += time.perf_counter() - t0
         flat = self._host(ids).reshape(-1, ids.shape[-1])  # the sync: which experts, on the CPU
         experts = np.unique(flat).tolist()
         cap = tier.n_slots[tier.group_of[layer]]
@@ -428,6 +465,9 @@ class MmapSource:
         return memoryview(m)[rec.offset:rec.offset + rec.nbytes]
 
     def used(self, uses: list) -> None:
+        pass
+
+    def hint(self, hints: list) -> None:
         pass
 
     def release(self) -> None:
@@ -692,6 +732,7 @@ class Compute:
         # Where MLX could use shared memory in place (Metal), the probe says so; the owned
         # resident tier is what runs everywhere (workers/resident.py).
         self.expert_tier = {"kind": "owned", **probe_zero_copy()}
+        self.experts.cache_config = config.get("cache") or {}
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source

@@ -216,6 +216,7 @@ class Router:
         """(layer, expert) keys predicted to be needed soon (gate lookahead): to the policy, and to
         the routing predictor, which keeps them until their layer comes."""
         keys = list(keys)
+        self.counters.add("hinted", len(keys))
         by_row: dict[int, list[int]] = {}
         for layer, e in keys:
             self.tables[self.group(layer)].hint([(layer, e)])
@@ -373,7 +374,8 @@ class Router:
                 "prefetch_wasted": sum(t.prefetch_wasted for t in tables),
                 "prefetch_precision": used / issued if issued else None,
                 "prefetch_recall": avoided / (avoided + misses) if avoided + misses else None,
-                "prefetch_gate": self.prefetcher.stats()}
+                "prefetch_gate": self.prefetcher.stats(),
+                "hint_precision": self.predictor.hint_precision() if self.counters.get("hinted") else None}
 
     def residency(self) -> list:
         """[[layer, [expert, ...]], ...]: the experts holding a slot (ready or loading), by layer."""
@@ -459,6 +461,8 @@ def run_router_process(run_dir: str) -> None:
                     out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch)
                 elif isinstance(msg, M.Used):
                     self.router.used(msg.uses)
+                elif isinstance(msg, M.Hint):
+                    self.router.hint((int(layer), int(e)) for layer, experts in msg.hints for e in experts)
                 elif isinstance(msg, M.Release):
                     self.router.end_pass()
                 elif isinstance(msg, M.Filled):

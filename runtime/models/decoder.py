@@ -49,6 +49,7 @@ class SparseMoE:
     def __init__(self, layer, gate: Linear, route, shared=None, shared_gate: Linear | None = None):
         self.layer, self.gate, self.route = layer, gate, route
         self.shared, self.shared_gate = shared, shared_gate
+        self.next: SparseMoE | None = None  # the next MoE layer, for gate lookahead
 
     def __call__(self, x, experts):
         # The gate and the shared experts see x as mlx-lm's do, [B, L, D]: a GPU picks its
@@ -57,6 +58,10 @@ class SparseMoE:
         x2 = x.reshape(-1, x.shape[-1])
         inds, scores = self.route(self.gate(x))
         k = inds.shape[-1]
+        if self.next is not None and getattr(experts, "wants_lookahead", None) and experts.wants_lookahead(self.layer):
+            # Gate lookahead: the next MoE layer's gate on this layer's input guesses its experts
+            # early, so the router can read them while this layer and the next attention run.
+            experts.lookahead(self.next.layer, self.next.route(self.next.gate(x))[0].reshape(-1, k))
         y = experts(self.layer, x2, inds.reshape(-1, k))
         y = (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
         if self.shared is not None:
@@ -101,6 +106,8 @@ class MoETransformer:
             p = f"model.layers.{i}"
             mlp = self.make_mlp(i, f"{p}.mlp")
             if isinstance(mlp, SparseMoE):
+                if self.moe_layers:
+                    self.layers[self.moe_layers[-1]][3].next = mlp
                 self.moe_layers.append(i)
             self.layers.append((self.w[f"{p}.input_layernorm.weight"], self.make_attention(i, f"{p}.self_attn"),
                                 self.w[f"{p}.post_attention_layernorm.weight"], mlp))
