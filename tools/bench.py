@@ -32,7 +32,7 @@ DELTAFIN_MODES = {
     "deltafin": [],
     "deltafin-sync-lru": ["--policy", "lru"],
     "deltafin-lfuda": ["--policy", "lfuda"],
-    "deltafin-predictive": ["--policy", "predictive"],  # prefetch "auto": on with this policy
+    "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")

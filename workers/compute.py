@@ -949,7 +949,7 @@ def local_router(store: Store, config: dict, n_slots: int = 0):
     layouts in proportion to their experts. Returns (source, staging buffer, loader)."""
     from deltafin.runtime import tiers
     from deltafin.workers.loader import Loader
-    from deltafin.workers.router import Router
+    from deltafin.workers.router import router_for
     cache = config.get("cache") or {}
     n_slots = n_slots or int(cache.get("max_slots") or 0) or len(store.records)
     sizes = tiers.group_sizes(store)
@@ -958,9 +958,7 @@ def local_router(store: Store, config: dict, n_slots: int = 0):
                                     int(cache.get("staging_slots") or 0))
     pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
     loader = Loader(store, memoryview(pool), store.max_record_bytes)
-    router = Router(resident, cache.get("policy", "lru"), n_staging=n_staging,
-                    groups=tiers.layer_groups(store))
-    return LocalExpertSource(router, loader), memoryview(pool), loader
+    return LocalExpertSource(router_for(store, cache, resident, n_staging), loader), memoryview(pool), loader
 
 
 def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: int,

@@ -425,6 +425,15 @@ def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
     return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"])}
 
 
+def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
+    """The router of a store from the config's [cache] section, resident slots per record-layout
+    group and staging slots: what the router process and in-process tools both build."""
+    from deltafin.runtime.tiers import layer_groups
+    return Router(resident, cache.get("policy", "lru"), n_staging=n_staging, groups=layer_groups(store),
+                  moe_layers=store.moe_layers, n_experts=store.n_experts,
+                  prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
+
+
 def run_router_process(run_dir: str) -> None:
     import zmq
 
@@ -442,14 +451,7 @@ def run_router_process(run_dir: str) -> None:
 
         def on_pool(self, msg: M.AttachPool):
             from deltafin.runtime.store import Store
-            from deltafin.runtime.tiers import layer_groups
-            store = Store(self.run["store"])
-            cache = self.config["cache"]
-            self.router = Router(msg.resident, cache["policy"], n_staging=msg.n_slots,
-                                 groups=layer_groups(store), moe_layers=store.moe_layers,
-                                 n_experts=store.n_experts,
-                                 prefetch=prefetch_setting(cache, sum(msg.resident.values()),
-                                                           len(store.moe_layers) * store.n_experts))
+            self.router = router_for(Store(self.run["store"]), self.config["cache"], msg.resident, msg.n_slots)
 
         def on_socket(self, sock):
             sender, msg = recv(self.data, routed=True)
