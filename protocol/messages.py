@@ -291,7 +291,8 @@ def check_request(msg, limits: RequestLimits) -> None:
             most = limits.max_result_bytes // (limits.vocab_size * 4)
             raise BadRequest(f"logits of {len(msg.token_ids)} tokens x {limits.vocab_size} vocabulary "
                              f"would be a {need} byte reply, over the {limits.max_result_bytes} byte "
-                             f"message limit; ask for at most {most} tokens per request")
+                             f"limit (the message limit, or the memory budget's reserve for replies); "
+                             f"ask for at most {most} tokens per request")
 
 
 # --------------------------------------------------------------------------------------------

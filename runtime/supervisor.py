@@ -49,6 +49,7 @@ from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSa
 
 ROLES = ("router", "loader", "compute")
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
+LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor.limits)
 
 
 class SupervisorError(RuntimeError):
@@ -234,8 +235,12 @@ class Supervisor:
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
         # max_prompt_bytes is set once compute has said what its tokenizer's longest token is
+        # A logits reply is admitted against the budget: it exists about LOGITS_COPIES times at
+        # once (compute's array and encodings, the socket queues, the supervisor's decode and
+        # re-encode), all after the forward pass, in the memory reserved for its activations.
         self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
-                                      max_context=config.compute.max_context)
+                                      max_context=config.compute.max_context,
+                                      max_result_bytes=min(M.MAX_RESULT_BYTES, self.plan.activations // LOGITS_COPIES))
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()

@@ -192,3 +192,29 @@ def test_demo_command_streams_an_answer_under_its_budget(store):
     assert "stage latencies" in r.stderr and "time split: compute" in r.stderr
     slots = int(re.search(r"(\d+) expert slots of", r.stderr)[1])
     assert 2 <= slots < len(store.records)  # the budget is smaller than the expert store
+
+
+def test_logits_replies_are_admitted_against_the_budget(store):
+    """A logits reply is 4 bytes x vocabulary per token (196 KiB here): compute refuses at once
+    those that the budget's reserve could not hold, naming how many tokens fit, and answers the
+    largest that fits with the whole tree's peak PSS (sampled from outside) within the budget."""
+    import re
+
+    from deltafin.client import Client, RequestError
+    from deltafin.tools.bench import TreeSampler
+    from deltafin.tools.run import running_supervisor
+    budget = 400 * 2**20
+    ids = [int(i) for i in np.random.default_rng(1).integers(10, 40000, 400)]
+    with running_supervisor(store.path, str(budget), ["--max-context", "512"]) as (ep, proc):
+        with Client(ep, timeout=120) as c:
+            with pytest.raises(RequestError, match="memory budget's reserve") as err:
+                c.logits(ids)
+            most = int(re.search(r"at most (\d+) tokens", str(err.value)).group(1))
+            assert 8 <= most < len(ids)
+            with pytest.raises(RequestError):
+                c.logits(ids[:most + 1])
+            sampler = TreeSampler(proc.pid, interval=0.005).start()
+            out = c.logits(ids[:most])
+            seen = sampler.stop()
+    assert out.shape == (most, store.config["vocab_size"]) and np.isfinite(out).all()
+    assert 0 < seen["peak_tree_pss_bytes"] <= budget, seen

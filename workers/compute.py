@@ -819,11 +819,15 @@ class Compute:
         self._check_ids(token_ids)
         self._begin_request()
         cache = self.model.make_cache()
-        out = []
+        out = None  # one float32 array filled chunk by chunk: the reply's only copy in this process
         for i in range(0, len(token_ids), self.prefill_chunk):
-            out.append(np.array(self.forward(token_ids[i:i + self.prefill_chunk], cache).astype(mx.float32)))
+            part = self.forward(token_ids[i:i + self.prefill_chunk], cache)
+            if out is None:
+                out = np.empty((len(token_ids), part.shape[-1]), dtype=np.float32)
+            out[i:i + part.shape[0]] = np.array(part.astype(mx.float32))
+            del part
         self._end_request(name)
-        return np.concatenate(out, axis=0).reshape(len(token_ids), -1)
+        return out
 
     def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:
         t_request = time.perf_counter()
@@ -1201,8 +1205,10 @@ def run_compute_process(run_dir: str) -> None:
                     self.reply(client, done)
                 else:
                     arr = self.compute.logits(list(req.token_ids), name=str(req.id))
+                    # msgpack packs the array's memory as it is: no tobytes() copy
                     self.reply(client, M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
-                                                      data=arr.astype(np.float32).tobytes()))
+                                                      data=memoryview(np.ascontiguousarray(arr, np.float32)).cast("B")))
+                    del arr
             except (RequestError, ExpertUnavailable, PromptTooLong) as e:
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
