@@ -382,3 +382,32 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
             assert 0 < stats["hint_precision"] <= 1
         assert toks == ref_toks
         np.testing.assert_array_equal(logits, ref_logits)
+
+
+def test_routing_history_warms_the_predictor_before_the_first_token(tmp_path):
+    """A router that learnt a chain from a routing history predicts the next layer at its very
+    first need; a cold one has nothing above the threshold yet. A history that does not fit the
+    store is refused before any worker starts."""
+    import subprocess
+    import sys
+
+    from deltafin.runtime.traces import save_trace
+    ids = _chain_ids(400, 6, 32)
+    save_trace(tmp_path / "h.npz", ids, np.array([len(ids)]), np.array(["chain"]))
+
+    def first_plan(learn: bool):
+        router = Router(64, "predictive", n_staging=8, moe_layers=range(6), n_experts=32, prefetch=True)
+        if learn:
+            assert router.learn_history(str(tmp_path / "h.npz"), 300) == 300
+        router.predictor.observe(0, [5])
+        return router.prefetcher.plan(lambda key: False)
+    assert first_plan(learn=False) == []
+    assert (1, 6) in first_plan(learn=True)  # row 1 (layer 1): expert 5 + 1
+
+    from deltafin.tools.synth import tiny
+    from deltafin.tools import convert
+    src = tiny("mixtral", tmp_path / "hf", layers=2, experts=8, top_k=2, seed=1)
+    assert convert.main([str(src), str(tmp_path / "store"), "--no-progress"]) == 0
+    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "store"),
+                        "--routing-history", str(tmp_path / "h.npz")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "routing_history" in r.stderr and "6 MoE layers" in r.stderr, r.stderr[-500:]
