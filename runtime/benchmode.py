@@ -133,4 +133,14 @@ def check_bench_config(store: Store, config: dict) -> dict:
     out = (config.get("runtime") or {}).get("record_trace")
     if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ConfigError(f"runtime.record_trace {out}: its directory does not exist")
+    history = (config.get("cache") or {}).get("routing_history")
+    if history:
+        try:
+            ids = load_trace(history).ids
+        except TraceError as e:
+            raise ConfigError(f"cache.routing_history: {e}") from None
+        if ids.shape[1] != len(store.moe_layers) or ids.max(initial=0) >= store.n_experts:
+            raise ConfigError(f"cache.routing_history {history}: {ids.shape[1]} MoE layers of ids below "
+                              f"{int(ids.max(initial=0)) + 1}; the store has {len(store.moe_layers)} MoE layers "
+                              f"of {store.n_experts} experts")
     return bench_mode(store, config)[2]

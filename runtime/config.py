@@ -86,12 +86,15 @@ class ComputeConfig:
 
 @dataclass
 class CacheConfig:
-    policy: str = "lru"
+    policy: str = "predictive"
     max_slots: int = 0
     staging_slots: int = 0
     preload: bool = True
     prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch_threshold: float = 0.4
+    prefetch_depth: int = 3  # layers ahead the prefetcher reads for
+    routing_history: str = ""  # a routing trace (.npz) the router's predictor learns from at start
+    history_tokens: int = 4096  # of it, at most this many tokens (the last ones)
 
 
 @dataclass
@@ -154,6 +157,10 @@ class Config:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
+        if not 1 <= self.cache.prefetch_depth <= 16:
+            raise ConfigError("cache.prefetch_depth must be within 1..16 (layers ahead)")
+        if self.cache.history_tokens < 0:
+            raise ConfigError("cache.history_tokens must be >= 0")
         if not 0.0 <= self.cache.prefetch_threshold <= 1.0:
             raise ConfigError("cache.prefetch_threshold must be within 0..1 (a probability of use)")
         if self.cache.staging_slots < 0:

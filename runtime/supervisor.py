@@ -680,6 +680,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
     p.add_argument("--policy", help="slot replacement policy (cache.policy)")
     p.add_argument("--prefetch", choices=("on", "off", "auto"), help="prefetch reads from routing prediction (cache.prefetch)")
+    p.add_argument("--routing-history", metavar="TRACE.npz",
+                   help="routing trace the router's predictor learns from at start (cache.routing_history)")
     bench = p.add_argument_group("benchmark modes (every stats report says which is on)")
     bench.add_argument("--record-trace", metavar="OUT.npz",
                        help="record the routing of every token processed (saved after each request)")
@@ -712,6 +714,7 @@ def main(argv=None) -> int:
                                         "compute.max_context": a.max_context, "compute.dtype": a.dtype,
                                         "cache.max_slots": a.max_slots, "cache.policy": a.policy,
                                         "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
+                                        "cache.routing_history": absolute(a.routing_history),
                                         "runtime.record_trace": absolute(a.record_trace),
                                         "bench.routing_trace": absolute(a.routing_trace),
                                         "bench.standin": True if a.standin else None,

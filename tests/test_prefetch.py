@@ -335,8 +335,8 @@ def test_prefetch_config_keys():
     lru, pred = {"policy": "lru", "prefetch": "auto"}, {"policy": "predictive", "prefetch": "auto"}
     assert prefetch_setting(lru, 10, 100) is False                      # auto: the predictive policy only
     assert prefetch_setting(pred, 100, 100) is False                    # ... and only when not all fit
-    assert prefetch_setting({**pred, "prefetch_threshold": 0.3}, 10, 100) == {"threshold": 0.3}
-    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {"threshold": 0.4}
+    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {"threshold": 0.3, "depth": 3}
+    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {"threshold": 0.4, "depth": 1}
 
 
 # -- exactness in real runs ---------------------------------------------------------------------------------

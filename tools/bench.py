@@ -121,6 +121,7 @@ class Setup:
     store: Store
     trace_path: Path | None
     trace_ids: np.ndarray | None
+    history_path: Path | None  # routing history deltafin's predictor learns from at start
     n_slots: int
     budget: int
     prompt_ids: list[int]
@@ -180,6 +181,8 @@ def _common_flags(s: Setup, regime: str) -> list[str]:
     flags = []
     if s.trace_path is not None:
         flags += ["--routing-trace", str(s.trace_path)]
+    if s.history_path is not None:
+        flags += ["--routing-history", str(s.history_path)]
     if regime == "standin":
         flags += ["--standin", "--standin-moe-ms", str(s.standin_moe_ms),
                   "--standin-dense-ms", str(s.standin_dense_ms)]
@@ -569,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="layers of the preset store (default: the preset's own)")
     p.add_argument("--trace", help="routing trace .npz (default: ../shared/traces/dsv2lite-test.npz when "
                                    "present); 'none' routes by the gate")
+    p.add_argument("--history", help="routing trace deltafin's predictor learns from at start (default: the "
+                                     "trace's -train split beside a -test trace); 'none': start cold")
     p.add_argument("--cache-frac", type=float, default=0.25, help="expert slots as a share of all experts")
     p.add_argument("--regimes", default=",".join(REGIMES), help="standin,real")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=",".join(CONTENDERS))
@@ -627,7 +632,13 @@ def main(argv=None) -> int:
     gbps = disk["gbps"]
     log(f"disk: {gbps:.2f} GB/s direct reads ({disk.get('page_cache')})")
 
-    setup_common = dict(store=store, trace_path=trace_path, trace_ids=trace_ids, n_slots=n_slots, budget=budget,
+    history = None if a.history == "none" else Path(a.history) if a.history else (
+        trace_path.with_name(trace_path.name.replace("-test", "-train")) if trace_path and "-test" in trace_path.name else None)
+    if history is not None and not history.exists():
+        history = None
+    log(f"routing history for the predictor: {history or 'none (starts cold)'}")
+    setup_common = dict(store=store, trace_path=trace_path, trace_ids=trace_ids, history_path=history,
+                        n_slots=n_slots, budget=budget,
                         prompt_ids=prompt_ids, max_context=max_context, dtype=a.dtype, standin_moe_ms=moe_ms,
                         standin_dense_ms=dense_ms, timeout_s=a.timeout, out=out, disk=disk,
                         drop_cache=not a.no_drop_cache, cap=not a.no_cap)
@@ -638,6 +649,7 @@ def main(argv=None) -> int:
               "command": " ".join(["deltafin-bench", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine_info(),
               "setup": {"store": str(store.path), "store_name": store.path.name,
+                        "routing_history": str(history) if history else None,
                         "architecture": store.manifest["architecture"], "layers": int(store.config["num_hidden_layers"]),
                         "moe_layers": len(store.moe_layers), "n_experts_total": n_total, "top_k": store.top_k,
                         "record_bytes": store.max_record_bytes, "expert_bytes_total": store.expert_bytes_total,

@@ -205,6 +205,23 @@ class Router:
             table.release()
         self.pending = None
 
+    def learn_history(self, path: str, max_tokens: int) -> int:
+        """Trains the predictor on a routing trace's last max_tokens tokens, one pass per token,
+        before serving: prediction (and so prefetch) works from the first token. The slot tables
+        and policies are untouched. Returns the tokens learnt."""
+        from deltafin.runtime.traces import load_trace
+        ids = load_trace(path).ids
+        if ids.shape[1] != len(self.row_layer) or ids.max(initial=0) >= self.predictor.n_experts:
+            raise RouterError(f"routing history {path}: {ids.shape[1]} layers x top-{ids.shape[2]} "
+                              f"does not fit this model ({len(self.row_layer)} MoE layers)", code="bad_config")
+        ids = ids[-max_tokens:] if max_tokens else ids[:0]
+        for row in ids:
+            for j, experts in enumerate(row):
+                self.predictor.observe(j, experts)
+            self.predictor.end_pass()
+        self.counters.add("history_tokens", len(ids))
+        return len(ids)
+
     def end_pass(self) -> None:
         """A forward pass is over (compute's `release`): unpins, and closes the predictor's pass
         (a lower layer than the last one closes it too; this also serves a one-layer model)."""
@@ -422,16 +439,20 @@ def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
         on = cache.get("policy") == "predictive" and n_slots < n_keys
     if not on:
         return False
-    return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"])}
+    return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"]),
+            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"]))}
 
 
 def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
     """The router of a store from the config's [cache] section, resident slots per record-layout
     group and staging slots: what the router process and in-process tools both build."""
     from deltafin.runtime.tiers import layer_groups
-    return Router(resident, cache.get("policy", "lru"), n_staging=n_staging, groups=layer_groups(store),
-                  moe_layers=store.moe_layers, n_experts=store.n_experts,
-                  prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
+    router = Router(resident, cache.get("policy", "lru"), n_staging=n_staging, groups=layer_groups(store),
+                    moe_layers=store.moe_layers, n_experts=store.n_experts,
+                    prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
+    if cache.get("routing_history") and router.predictor is not None:
+        router.learn_history(cache["routing_history"], int(cache.get("history_tokens", 4096)))
+    return router
 
 
 def run_router_process(run_dir: str) -> None:
