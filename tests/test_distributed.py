@@ -140,6 +140,29 @@ def test_share_modulo_and_balanced(tiny_stores):
     assert load == [110, 110]
 
 
+# -- the forecast's arithmetic -------------------------------------------------------------------------
+def test_forecast_hosts_arithmetic():
+    """One host: the same price as the single-host forecast. Two hosts: each rank's misses come
+    from its share only, the slower rank sets each layer, plus the ring exchanges."""
+    from deltafin.tools.forecast import Shape, forecast, forecast_hosts, ring_all_sum_s, share_steps
+    shape = Shape("toy", n_moe=2, n_dense=0, n_experts=4, top_k=2, record_bytes=1_000_000)
+    ids = np.array([[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1], [2, 3]]], dtype=np.uint8)
+    gbps = {1: 1.0, 2: 2.0}
+    one = share_steps(shape, ids, 8, "lru", 1)
+    assert one.shape == (1, 3, 2) and one[0].tolist() == [[2, 2], [1, 1], [0, 0]]
+    f1 = forecast_hosts(shape, one, 0.01, 1e-4, 1e-3, gbps, 2, 1, 40.0, 50e-6, 16)
+    assert f1["s_per_token"] == pytest.approx(forecast(shape, one[0], 0.01, 1e-4, 1e-3, gbps, 2)["s_per_token"])
+    two = share_steps(shape, ids, 8, "lru", 2)  # rank 0 owns 0 and 2, rank 1 owns 1 and 3
+    assert two[0].tolist() == [[1, 1], [1, 0], [0, 0]] and two[1].tolist() == [[1, 1], [0, 1], [0, 0]]
+    f2 = forecast_hosts(shape, two, 0.01, 1e-4, 1e-3, gbps, 2, 2, 40.0, 50e-6, 16)
+    layer = 1e6 / 1e9 + 2e-4 + 1e-3  # one miss: a read at queue depth 1, two hops, one fill
+    ring = 2 * 50e-6 + (2 * 1 / 2) * 64 * 8 / 40e9  # 2(N-1) steps + 2(N-1)/N x 64 B at 40 Gb/s
+    assert ring_all_sum_s(64, 2, 40.0, 50e-6) == pytest.approx(ring)
+    exchange = 2 * ring_all_sum_s(64, 2, 40.0, 50e-6) + ring_all_sum_s(4, 2, 40.0, 50e-6)
+    assert f2["s_per_token"] == pytest.approx(0.01 + (2 * layer + 2 * layer + 0) / 3 + exchange)
+    assert f2["exchange_bytes"] == 64 and f2["exchanges_per_token"] == 3
+
+
 # -- exactness ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("max_slots", [0, 3], ids=["share-resident", "3-slots-per-rank"])
 def test_two_ranks_equal_one_host(tiny_stores, tmp_path, max_slots):
