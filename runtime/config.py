@@ -176,8 +176,8 @@ class Config:
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES
         if not 1024 <= parse_size(self.runtime.max_request_bytes) <= MAX_MESSAGE_BYTES:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
-        if self.distributed.backend not in ("ring", "mpi", "any"):
-            raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, mpi or any")
+        if self.distributed.backend not in ("ring", "jaccl", "mpi", "any"):
+            raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, jaccl, mpi or any")
         if self.distributed.timeout_s <= 0:
             raise ConfigError("distributed.timeout_s must be > 0")
         if self.distributed.enabled and (self.cache.prefetch is True or self.cache.policy == "predictive"):

@@ -722,6 +722,12 @@ def main(argv=None) -> int:
                                         "bench.standin": True if a.standin else None,
                                         "bench.standin_moe_ms": a.standin_moe_ms,
                                         "bench.standin_dense_ms": a.standin_dense_ms})
+        rank = launch_rank() if config.distributed.enabled else None
+        if rank is not None and rank[0] != 0 and a.endpoint:
+            # one command line for every rank (mlx.launch): rank 0 serves it, the followers take
+            # no client requests and keep the private default endpoint
+            log(f"rank {rank[0]} of {rank[1]} follows rank 0: --endpoint {a.endpoint} is rank 0's")
+            a.endpoint = None
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config.to_dict())  # a trace that does not fit: refused now

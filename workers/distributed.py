@@ -114,7 +114,9 @@ class Group:
     ends the process (fail-stop, RANK_LOST_EXIT), naming the peers."""
 
     def __init__(self, timeout_s: float, backend: str = "ring", join_timeout_s: float = 180.0):
-        self.timeout_s = join_timeout_s  # joining waits for every rank's process to start
+        self.timeout_s = timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.limit = join_timeout_s  # the running collective's; joining waits for every rank to start
         self.since: float | None = None
         self.what = ""
         self.count = 0  # collectives run, so a caller can tell whether a request began its exchanges
@@ -122,28 +124,27 @@ class Group:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="distributed-watchdog", daemon=True)
         self._thread.start()
-        self._enter("joining the group")
+        self._enter("joining the group", join_timeout_s)
         try:
             self.group = mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as e:
             self.fail(f"cannot join the group: {e}")
         finally:
             self.since = None
-        self.timeout_s = timeout_s
         self.rank, self.size = self.group.rank(), self.group.size()
 
     def peers(self) -> list[int]:
         return [r for r in range(getattr(self, "size", 0)) if r != getattr(self, "rank", -1)]
 
-    def _enter(self, what: str) -> None:
-        self.what, self.since = what, time.monotonic()
+    def _enter(self, what: str, limit: float | None = None) -> None:
+        self.what, self.limit = what, limit or self.timeout_s
+        self.since = time.monotonic()
 
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
             since = self.since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self.fail(f"{self.what}: no answer from the group within distributed.timeout_s="
-                          f"{self.timeout_s:g} s")
+            if since is not None and time.monotonic() - since > self.limit:
+                self.fail(f"{self.what}: no answer from the group within {self.limit:g} s")
 
     def fail(self, why: str, code: int = RANK_LOST_EXIT) -> None:
         """Ends the process at once: a broken group cannot be joined again from inside it."""
@@ -152,9 +153,10 @@ class Group:
               f"{self.peers() or 'unknown'}): {why}", file=sys.stderr, flush=True)
         os._exit(code)
 
-    def all_sum(self, x: mx.array, what: str) -> mx.array:
-        """all_sum over the group, evaluated now (under the watchdog)."""
-        self._enter(what)
+    def all_sum(self, x: mx.array, what: str, limit: float | None = None) -> mx.array:
+        """all_sum over the group, evaluated now, under the watchdog: `limit` seconds
+        (default distributed.timeout_s)."""
+        self._enter(what, limit)
         try:
             y = mx.distributed.all_sum(x, group=self.group)
             mx.eval(y)
@@ -310,9 +312,9 @@ class Lockstep:
                 "collectives": self.group.count, "sent_bytes": self.group.bytes}
 
     # -- exchanges --
-    def _header(self, cmd: int, nbytes: int) -> tuple[int, int]:
+    def _header(self, cmd: int, nbytes: int, limit: float | None = None) -> tuple[int, int]:
         h = mx.array([cmd, nbytes] if self.leader else [0, 0], dtype=mx.int32)
-        out = np.array(self.group.all_sum(h, "header"))
+        out = np.array(self.group.all_sum(h, "idle turn" if cmd == IDLE else "request header", limit))
         return int(out[0]), int(out[1])
 
     def _payload(self, data: bytes | None, nbytes: int) -> bytes:
@@ -359,7 +361,9 @@ class Lockstep:
     def idle(self, compute) -> bool:
         """One header exchange; a follower runs the request it announces. False once rank 0
         said stop (the follower's compute should end)."""
-        cmd, nbytes = self._header(IDLE, 0)
+        # Idle ranks meet here once per loop turn; start-up (dense weights, the supervisor's
+        # measurement) can keep one rank from its loop for long, so the start-up timeout applies.
+        cmd, nbytes = self._header(IDLE, 0, self.group.join_timeout_s)
         if cmd == STOP:
             return False
         if cmd != REQUEST or self.leader:
