@@ -264,3 +264,40 @@ def test_lost_rank_fails_the_request(tiny_stores, tmp_path, how):
             c.wait_until_serving(120)
             assert c.generate(PROMPT[:8], max_tokens=8).token_ids == want
         assert "distributed group lost" in rs[0][2].read_text()
+
+
+# -- as a user starts it -------------------------------------------------------------------------------
+def test_mlx_launch_two_ranks(tiny_stores, tmp_path):
+    """docs/DISTRIBUTED.md's command on one machine: `mlx.launch -n 2 --backend ring --
+    deltafin-supervisor --distributed --endpoint tcp://...` (one command line; rank 0 takes the
+    endpoint), then a client of rank 0; Ctrl-C (SIGINT to the launch's process group) stops all."""
+    store = tiny_stores("qwen3_moe")
+    with _single(store) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            want = c.generate(PROMPT, max_tokens=16).token_ids
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    port, ring_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    log = open(tmp_path / "launch.log", "w+")
+    proc = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(ring_port),
+                             "--", sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
+                             "--memory-budget", BUDGET, "--distributed", "--endpoint", f"tcp://127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        from deltafin.client import wait_until_ready
+        client = wait_until_ready(f"tcp://127.0.0.1:{port}", timeout=180)
+        with client as c:
+            got = c.generate(PROMPT, max_tokens=16).token_ids
+            dist = c.stats()["workers"]["compute"]["distributed"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        log.close()
+    assert got == want, (tmp_path / "launch.log").read_text()
+    assert dist["size"] == 2 and dist["leader"]
