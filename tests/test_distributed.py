@@ -301,3 +301,39 @@ def test_mlx_launch_two_ranks(tiny_stores, tmp_path):
         log.close()
     assert got == want, (tmp_path / "launch.log").read_text()
     assert dist["size"] == 2 and dist["leader"]
+
+
+def test_share_balanced_by_a_recorded_trace(tiny_stores, tmp_path):
+    """--balance-trace: the routing one host recorded deals the experts out by use; the two
+    ranks still give the single-host tokens, and each reads only what it owns."""
+    from deltafin.runtime.traces import load_trace
+    from deltafin.workers.distributed import ExpertShare
+    store = tiny_stores("qwen3_moe")
+    trace = tmp_path / "routing.npz"
+    with _single(store, ["--record-trace", str(trace)]) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            want = c.generate(PROMPT, max_tokens=16).token_ids
+    st = Store(store)
+    shares = [ExpertShare.from_trace(st, r, 2, trace) for r in range(2)]
+    modulo = ExpertShare.modulo(st, 0, 2)
+    assert any(shares[0].mine(l) != modulo.mine(l) for l in st.moe_layers)  # a different deal
+    ids = load_trace(trace).ids
+    for i, layer in enumerate(st.moe_layers):  # within one most-used expert's uses of even
+        uses = np.bincount(ids[:, i].reshape(-1), minlength=st.n_experts)
+        load = [int(uses[s.mine(layer)].sum()) for s in shares]
+        assert abs(load[0] - load[1]) <= uses.max()
+    with ranks(store, tmp_path, 2, ["--balance-trace", str(trace)]) as rs:
+        with Client(rs[0][0], timeout=60) as c:
+            got = c.generate(PROMPT, max_tokens=16).token_ids
+        record = st.layout(st.moe_layers[0])["nbytes"]
+        owned = [record * sum(len(s.mine(l)) for l in st.moe_layers) for s in shares]
+        read = []
+        for (ep, _, _), want_bytes in zip(rs, owned):
+            with Client(ep, timeout=60) as c:
+                read.append(_loader_bytes(c, want_bytes))  # the preload of its share
+                share = c.stats()["workers"]["compute"]["distributed"]["share"]
+                assert share == shares[0].digest() != modulo.digest()
+        logs = [log.read_text() for _, _, log in rs]
+    assert got == want
+    assert read == owned
+    assert all("balanced by" in text for text in logs)

@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 
 import mlx.core as mx
 import numpy as np
@@ -100,6 +101,13 @@ class ExpertShare:
         counts = np.stack([np.bincount(ids[:, i].reshape(-1).astype(np.int64), minlength=store.n_experts)
                            for i in range(ids.shape[1])])
         return cls.balanced(store, rank, size, counts)
+
+    def digest(self) -> str:
+        """CRC-32 of the owner tables in layer order: equal on every rank of a group (stats)."""
+        crc = 0
+        for layer in sorted(self.owner):
+            crc = zlib.crc32(self.owner[layer].astype(np.int64).tobytes(), crc)
+        return f"{crc:08x}"
 
     def mine(self, layer: int) -> list[int]:
         return np.nonzero(self.owner[layer] == self.rank)[0].tolist()
@@ -309,6 +317,8 @@ class Lockstep:
 
     def info(self) -> dict:
         return {"rank": self.group.rank, "size": self.group.size, "leader": self.leader,
+                "share": self.share.digest(),
+                "owned": sum(len(self.share.mine(l)) for l in self.share.owner),
                 "collectives": self.group.count, "sent_bytes": self.group.bytes}
 
     # -- exchanges --
