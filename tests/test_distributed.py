@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from deltafin.client import Client, DeltafinError
+from deltafin.client import Client, RequestError, RuntimeDeadError
 from deltafin.runtime.store import Store
 from deltafin.tools.run import StartError, _await_ready, running_supervisor
 
@@ -181,7 +181,7 @@ def test_two_ranks_equal_one_host(tiny_stores, tmp_path, max_slots):
             got_logits = c.logits(PROMPT[:20])
             dist = c.stats()["workers"]["compute"]["distributed"]
         with Client(rs[1][0], timeout=60) as c:  # a follower takes no requests of its own
-            with pytest.raises(DeltafinError) as e:
+            with pytest.raises(RequestError) as e:
                 c.generate(PROMPT, max_tokens=2)
             assert e.value.code == "not_leader"
     assert got == want
@@ -253,7 +253,7 @@ def test_lost_rank_fails_the_request(tiny_stores, tmp_path, how):
             victim.send_signal(signal.SIGSTOP)
             if how == "killed":
                 victim.kill()
-            with pytest.raises(DeltafinError) as e:
+            with pytest.raises(RuntimeDeadError) as e:
                 for _ in stream:
                     pass
             if how == "hung":

@@ -342,7 +342,8 @@ def forecast_hosts(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: flo
                    gbps: dict, threads: int, hosts: int, link_gbps: float, latency_s: float,
                    hidden: int, act_bytes: int = 2) -> dict:
     """Decode time per token on `hosts` hosts from each rank's misses steps[rank, tokens, layers]
-    (the module doc's formula); each rank's layer cost is priced as `forecast` prices one host's."""
+    (the module doc's formula); each rank's layer cost is priced as `forecast` prices one host's.
+    A rank's hit rate takes its uses as top_k / hosts per layer (an even share)."""
     m = steps.astype(np.float64)
     q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
     bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
