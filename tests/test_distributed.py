@@ -61,9 +61,10 @@ def _config(tmp: Path, text: str) -> str:
 
 
 @contextmanager
-def ranks(store, tmp: Path, n: int = 2, extra: list[str] | None = None):
+def ranks(store, tmp: Path, n: int = 2, extra: list[str] | None = None, per_rank: dict | None = None):
     """n supervisor trees started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE), with
-    --distributed; yields [(endpoint, process, log path)] in rank order."""
+    --distributed (and per_rank[r]'s flags on rank r); yields [(endpoint, process, log path)] in
+    rank order."""
     ports = _free_ports(n)
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
@@ -75,7 +76,7 @@ def ranks(store, tmp: Path, n: int = 2, extra: list[str] | None = None):
             env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
-                 "--memory-budget", BUDGET, "--distributed", *(extra or [])],
+                 "--memory-budget", BUDGET, "--distributed", *(extra or []), *(per_rank or {}).get(r, [])],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=env))
         try:
             eps = [_await_ready(p, 180) for p in procs]
@@ -158,7 +159,7 @@ def test_forecast_hosts_arithmetic():
     layer = 1e6 / 1e9 + 2e-4 + 1e-3  # one miss: a read at queue depth 1, two hops, one fill
     ring = 2 * 50e-6 + (2 * 1 / 2) * 64 * 8 / 40e9  # 2(N-1) steps + 2(N-1)/N x 64 B at 40 Gb/s
     assert ring_all_sum_s(64, 2, 40.0, 50e-6) == pytest.approx(ring)
-    exchange = 2 * ring_all_sum_s(64, 2, 40.0, 50e-6) + ring_all_sum_s(4, 2, 40.0, 50e-6)
+    exchange = 2 * ring_all_sum_s(64, 2, 40.0, 50e-6) + ring_all_sum_s(8, 2, 40.0, 50e-6)
     assert f2["s_per_token"] == pytest.approx(0.01 + (2 * layer + 2 * layer + 0) / 3 + exchange)
     assert f2["exchange_bytes"] == 64 and f2["exchanges_per_token"] == 3
 
@@ -337,3 +338,20 @@ def test_share_balanced_by_a_recorded_trace(tiny_stores, tmp_path):
     assert got == want
     assert read == owned
     assert all("balanced by" in text for text in logs)
+
+
+def test_ranks_that_route_differently_stop(tiny_stores, tmp_path):
+    """Ranks whose routing differs (here rank 1 routes from a trace, as if its hardware rounded
+    differently) would sum the wrong experts: the between-tokens digest catches it, rank 1
+    stops saying so, and rank 0's request fails with `rank_lost` instead of wrong tokens."""
+    store = tiny_stores("qwen3_moe")
+    trace = tmp_path / "other.npz"
+    with _single(store, ["--record-trace", str(trace)]) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            c.generate(PROMPT[::-1], max_tokens=8)  # another prompt: other routing
+    with ranks(store, tmp_path, 2, per_rank={1: ["--routing-trace", str(trace)]}) as rs:
+        with Client(rs[0][0], timeout=30) as c:
+            with pytest.raises(RuntimeDeadError) as e:
+                c.generate(PROMPT, max_tokens=8)
+        assert e.value.code == "rank_lost"
+        assert "routing diverged from rank 0's" in rs[1][2].read_text()

@@ -26,7 +26,7 @@ count. A layer ends when the slowest rank has its experts, then every rank excha
 partial [rows, top_k, hidden] outputs (one all_sum); so per decode token
 
     t = compute + sum over layers of [max over ranks of (messages + reads + fills of its misses)
-                                      + exchange(top_k x hidden x act_bytes)] + exchange(4 bytes)
+                                      + exchange(top_k x hidden x act_bytes)] + exchange(8 bytes)
 
 with a ring all_sum of B bytes over N ranks costing 2(N-1) steps of the link latency plus
 2(N-1)/N x B over the link bandwidth (reduce-scatter then all-gather). Compute is not divided by
@@ -351,7 +351,7 @@ def forecast_hosts(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: flo
     slowest = cost.max(axis=0)  # the layer's all_sum waits for the last rank
     exchange_bytes = shape.top_k * hidden * act_bytes  # one decode row's partial outputs
     exchange = shape.n_moe * ring_all_sum_s(exchange_bytes, hosts, link_gbps, latency_s) + \
-        ring_all_sum_s(4, hosts, link_gbps, latency_s)  # + the between-tokens stop exchange
+        ring_all_sum_s(8, hosts, link_gbps, latency_s)  # + the between-tokens exchange (stop, routing digest)
     per_token = compute_s + slowest.sum(axis=1) + exchange
     t = float(per_token.mean())
     per_rank_misses = m.sum(axis=2).mean(axis=1)

@@ -192,6 +192,11 @@ class ShardedExperts(SlotExperts):
         super().__init__(*args, **kwargs)
         self.exchange_bytes = 0
         self.exchanges = 0
+        self.route_crc = 0  # CRC-32 of every routing this rank computed, compared between tokens
+        self.group.provider = self
+
+    def _route(self, ids: np.ndarray) -> None:
+        self.route_crc = zlib.crc32(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), self.route_crc)
 
     def can_overlap(self) -> bool:
         return False  # each rank's cache differs: every rank must launch the same passes
@@ -228,6 +233,7 @@ class ShardedExperts(SlotExperts):
     def fetch(self, layer: int) -> None:
         """The stand-in: own experts read and filled, and the exchange a real layer makes."""
         ids = self.routing.choose(layer, None)
+        self._route(ids)
         own = ids[self.share.owner[layer][ids] == self.share.rank]
         experts = np.unique(own).tolist()
         cap = self.tier.n_slots[self.tier.group_of[layer]]
@@ -245,6 +251,7 @@ class ShardedExperts(SlotExperts):
         if isinstance(ids, mx.array):
             self.counters.add("gate_syncs")
         flat = self._host(ids).reshape(-1, ids.shape[-1])  # every rank reads the same ids
+        self._route(flat)
         tier = self.tier
         w, quant = tier.weights(layer), tier.quant(layer)
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
@@ -335,9 +342,18 @@ class Lockstep:
         return out.astype(np.uint8).tobytes()
 
     def agree_stop(self, stop: bool) -> bool:
-        """Between tokens: rank 0's stop (a cancel, a shutdown) for every rank."""
-        h = mx.array([1 if (stop and self.leader) else 0], dtype=mx.int32)
-        return bool(np.array(self.group.all_sum(h, "between tokens"))[0])
+        """Between tokens: rank 0's stop (a cancel) for every rank, and rank 0's routing digest,
+        which each follower checks against its own: ranks whose dense math differs (other
+        hardware or MLX versions) would pick other experts and tokens and fall out of step, so
+        such a follower stops at once, saying why, instead of computing wrong outputs."""
+        provider = getattr(self.group, "provider", None)
+        crc = (provider.route_crc if provider is not None else 0) & 0x7FFFFFFF
+        h = mx.array([1 if stop else 0, crc] if self.leader else [0, 0], dtype=mx.int32)
+        out = np.array(self.group.all_sum(h, "between tokens"))
+        if not self.leader and int(out[1]) != crc:
+            self.group.fail("routing diverged from rank 0's (every rank needs the same hardware class "
+                            "and the same MLX and deltafin versions)", code=OUT_OF_STEP_EXIT)
+        return bool(out[0])
 
     # -- rank 0 --
     def lead(self, req, between_tokens):
