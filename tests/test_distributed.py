@@ -180,6 +180,14 @@ def test_two_ranks_equal_one_host(tiny_stores, tmp_path, max_slots):
         with Client(rs[0][0], timeout=60) as c:
             got = c.generate(PROMPT, max_tokens=24).token_ids
             got_logits = c.logits(PROMPT[:20])
+            # a cancel on rank 0 stops every rank at the same token; they serve on in step
+            stream = c.stream(PROMPT, max_tokens=1500)
+            next(iter(stream))
+            stream.cancel()
+            for _ in stream:
+                pass
+            assert stream.result.finish_reason == "cancelled"
+            assert c.generate(PROMPT, max_tokens=24).token_ids == want
             dist = c.stats()["workers"]["compute"]["distributed"]
         with Client(rs[1][0], timeout=60) as c:  # a follower takes no requests of its own
             with pytest.raises(RequestError) as e:

@@ -398,7 +398,9 @@ class Lockstep:
         before = self.group.count
         try:
             if isinstance(req, M.Generate):
-                compute.generate(req, between_tokens=lambda: self.agree_stop(False))
+                done = compute.generate(req, between_tokens=lambda: self.agree_stop(False))
+                if done.finish_reason == "cancelled":
+                    compute.abandon()  # as rank 0 does after a cancel
             else:
                 compute.logits(list(req.token_ids), name=str(req.id))
         except (RequestError, PromptTooLong) as e:
