@@ -428,7 +428,7 @@ class Supervisor:
             self.log(f"{death}; {then}")
             code, why = "worker_died", str(death)
             if death.role == "compute" and death.code == RANK_LOST_EXIT:  # [distributed]: a peer rank
-                code, why = "rank_lost", f"{peer_note(*(launch_rank() or (0, 0)))} ({death})"
+                code, why = "rank_lost", f"{peer_note(*(launch_rank() or (None, 0)))} ({death})"
             for (ident, rid) in list(self.inflight):
                 self._reply(ident, M.Error(id=rid, code=code, message=f"{why}; {then}"))
             self.inflight.clear()
