@@ -54,6 +54,19 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _free_pair() -> int:
+    """A port p with p + 1 free too (mlx.launch's ring listens on consecutive ports)."""
+    for _ in range(50):
+        p = _free_ports(1)[0]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
 def _config(tmp: Path, text: str) -> str:
     path = tmp / f"cfg-{abs(hash(text))}.toml"
     path.write_text(text)
@@ -287,7 +300,7 @@ def test_mlx_launch_two_ranks(tiny_stores, tmp_path):
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         pytest.skip("mlx.launch is not installed next to this python")
-    port, ring_port = _free_ports(2)
+    port, ring_port = _free_ports(1)[0], _free_pair()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(ring_port),
@@ -296,8 +309,8 @@ def test_mlx_launch_two_ranks(tiny_stores, tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         from deltafin.client import wait_until_ready
-        client = wait_until_ready(f"tcp://127.0.0.1:{port}", timeout=180)
-        with client as c:
+        wait_until_ready(f"tcp://127.0.0.1:{port}", timeout=180).close()
+        with Client(f"tcp://127.0.0.1:{port}", timeout=60) as c:
             got = c.generate(PROMPT, max_tokens=16).token_ids
             dist = c.stats()["workers"]["compute"]["distributed"]
     finally:
