@@ -112,12 +112,21 @@ class BenchConfig:
 
 
 @dataclass
+class DistributedConfig:
+    enabled: bool = False
+    backend: str = "ring"
+    timeout_s: float = 20.0
+    balance_trace: str = ""
+
+
+@dataclass
 class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,6 +183,17 @@ class Config:
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES
         if not 1024 <= parse_size(self.runtime.max_request_bytes) <= MAX_MESSAGE_BYTES:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
+        if self.distributed.backend not in ("ring", "jaccl", "mpi", "any"):
+            raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, jaccl, mpi or any")
+        if self.distributed.timeout_s <= 0:
+            raise ConfigError("distributed.timeout_s must be > 0")
+        if self.distributed.enabled:
+            # the router's prefetch would read experts of other ranks' shares; the predictive
+            # policy alone only ranks what this rank's router sees, its share
+            if self.cache.prefetch is True:
+                raise ConfigError("distributed.enabled: cache.prefetch is not supported yet (the router "
+                                  "does not know its rank's share); use false or \"auto\" (off here)")
+            self.cache.prefetch = False
         if not 0 <= self.compute.max_queue <= MAX_QUEUE:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
 

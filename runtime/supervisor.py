@@ -42,6 +42,7 @@ from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_m
 from deltafin.runtime.config import ConfigError, format_size, load_config
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, file_identity, ipc_path, remove_socket_file)
+from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
@@ -430,8 +431,11 @@ class Supervisor:
                     f"the runtime stops: {len(self.restart_times)} restart(s) in the last {window:.0f} s "
                     f"(runtime.restart_max = {self.config.runtime.restart_max})")
             self.log(f"{death}; {then}")
+            code, why = "worker_died", str(death)
+            if death.role == "compute" and death.code == RANK_LOST_EXIT:  # [distributed]: a peer rank
+                code, why = "rank_lost", f"{peer_note(*(launch_rank() or (None, 0)))} ({death})"
             for (ident, rid) in list(self.inflight):
-                self._reply(ident, M.Error(id=rid, code="worker_died", message=f"{death}; {then}"))
+                self._reply(ident, M.Error(id=rid, code=code, message=f"{why}; {then}"))
             self.inflight.clear()
             self.cancelling.clear()
             for ident, rid, _, _ in self.pending_stats:
@@ -678,6 +682,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
+    p.add_argument("--distributed", action="store_true",
+                   help="join an mx.distributed group as one rank (run under mlx.launch, or with "
+                        "MLX_RANK and MLX_HOSTFILE set): this tree reads, caches and computes only its "
+                        "share of the experts; rank 0 serves clients (docs/DISTRIBUTED.md)")
+    p.add_argument("--balance-trace", metavar="TRACE.npz",
+                   help="with --distributed: share the experts among ranks by their use in this trace")
     p.add_argument("--policy", help="slot replacement policy (cache.policy)")
     p.add_argument("--prefetch", choices=("on", "off", "auto"), help="prefetch reads from routing prediction (cache.prefetch)")
     p.add_argument("--routing-history", metavar="TRACE.npz",
@@ -715,11 +725,19 @@ def main(argv=None) -> int:
                                         "cache.max_slots": a.max_slots, "cache.policy": a.policy,
                                         "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
                                         "cache.routing_history": absolute(a.routing_history),
+                                        "distributed.enabled": True if a.distributed else None,
+                                        "distributed.balance_trace": absolute(a.balance_trace),
                                         "runtime.record_trace": absolute(a.record_trace),
                                         "bench.routing_trace": absolute(a.routing_trace),
                                         "bench.standin": True if a.standin else None,
                                         "bench.standin_moe_ms": a.standin_moe_ms,
                                         "bench.standin_dense_ms": a.standin_dense_ms})
+        rank = launch_rank() if config.distributed.enabled else None
+        if rank is not None and rank[0] != 0 and a.endpoint:
+            # one command line for every rank (mlx.launch): rank 0 serves it, the followers take
+            # no client requests and keep the private default endpoint
+            log(f"rank {rank[0]} of {rank[1]} follows rank 0: --endpoint {a.endpoint} is rank 0's")
+            a.endpoint = None
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config.to_dict())  # a trace that does not fit: refused now

@@ -18,6 +18,20 @@ with --disk-gbps etc.) prices reads from a direct-read probe at the record size 
 1..threads, messages from a socket round trip between two processes, fills from the prepare code
 alone. Compute is given (stand-in waits or ms per token) or measured with every expert resident.
 docs/BENCHMARKS.md compares forecasts with deltafin-bench.
+
+`--hosts N --link-gbps G` (experts sharded over N hosts, workers/distributed.py; docs/DISTRIBUTED.md):
+each host has the same slots (the per-host budget) and owns experts e % N of every layer, so rank
+r's misses come from replaying only its share of the trace through the policy at the host's slot
+count. A layer ends when the slowest rank has its experts, then every rank exchanges the layer's
+partial [rows, top_k, hidden] outputs (one all_sum); so per decode token
+
+    t = compute + sum over layers of [max over ranks of (messages + reads + fills of its misses)
+                                      + exchange(top_k x hidden x act_bytes)] + exchange(8 bytes)
+
+with a ring all_sum of B bytes over N ranks costing 2(N-1) steps of the link latency plus
+2(N-1)/N x B over the link bandwidth (reduce-scatter then all-gather). Compute is not divided by
+N: the dense layers are replicated and the expert math of one token is small next to them at
+decode (an assumption, reported; it makes the forecast conservative).
 """
 from __future__ import annotations
 
@@ -272,6 +286,85 @@ def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str
     return steps if tokens is None else steps[tokens]
 
 
+def replay_share(ids: np.ndarray, n_slots: int, policy: str, rank: int, hosts: int, n_experts: int) -> np.ndarray:
+    """Misses per (token, layer) of rank `rank`'s router, which only ever sees experts e % hosts ==
+    rank: the trace's other experts are computed elsewhere."""
+    from deltafin.protocol import messages as M
+    from deltafin.workers.router import Router, drive_need
+    router = Router(n_slots, policy, moe_layers=range(ids.shape[1]), n_experts=n_experts)
+
+    def instant_read(r):
+        return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert, read_us=0, nbytes=1)
+    steps = np.zeros(ids.shape[:2], dtype=np.float64)
+    req = 0
+    for t, token in enumerate(ids):
+        for layer, row in enumerate(token.tolist()):
+            own = [e for e in row if e % hosts == rank]
+            if not own:
+                continue
+            before = router.counters.get("reads")
+            drive_need(router, req, layer, own, instant_read, lambda fill: None)
+            req += 1
+            steps[t, layer] = router.counters.get("reads") - before
+        router.end_pass()
+    return steps
+
+
+def share_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str, hosts: int) -> np.ndarray:
+    """Misses per rank [hosts, tokens, layers] at n_slots per host. A trace of another shape is
+    replayed at the same per-host cache fraction, its misses scaled by top-k and tiled over the
+    layers (as routing_steps does)."""
+    from deltafin.tools.replay import infer_experts
+    same = trace_ids.shape[1] >= shape.n_moe and trace_ids.shape[2] == shape.top_k and \
+        int(trace_ids.max()) < shape.n_experts
+    if same:
+        ids = trace_ids[:, :shape.n_moe, :]
+        return np.stack([replay_share(ids, n_slots, policy, r, hosts, shape.n_experts) for r in range(hosts)])
+    frac = n_slots / (shape.n_moe * shape.n_experts)
+    t_layers, t_k, t_experts = trace_ids.shape[1], trace_ids.shape[2], infer_experts(trace_ids)
+    t_slots = max(t_k, round(frac * t_layers * t_experts))
+    out = []
+    for r in range(hosts):
+        raw = replay_share(trace_ids, t_slots, policy, r, hosts, t_experts) * (shape.top_k / t_k)
+        out.append(np.tile(raw, (1, -(-shape.n_moe // t_layers)))[:, :shape.n_moe])
+    return np.stack(out)
+
+
+def ring_all_sum_s(nbytes: float, hosts: int, link_gbps: float, latency_s: float) -> float:
+    """One ring all_sum of nbytes over `hosts` ranks: 2(N-1) steps (reduce-scatter, all-gather),
+    each a link latency, moving 2(N-1)/N x nbytes over the link. Zero on one host."""
+    if hosts <= 1:
+        return 0.0
+    return 2 * (hosts - 1) * latency_s + 2 * (hosts - 1) / hosts * nbytes * 8 / (link_gbps * 1e9)
+
+
+def forecast_hosts(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, prepare_s: float,
+                   gbps: dict, threads: int, hosts: int, link_gbps: float, latency_s: float,
+                   hidden: int, act_bytes: int = 2) -> dict:
+    """Decode time per token on `hosts` hosts from each rank's misses steps[rank, tokens, layers]
+    (the module doc's formula); each rank's layer cost is priced as `forecast` prices one host's.
+    A rank's hit rate takes its uses as top_k / hosts per layer (an even share)."""
+    m = steps.astype(np.float64)
+    q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
+    bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
+    cost = np.where(m > 0, m * shape.record_bytes / bw + 2 * hop_s, 0.0) + m * prepare_s  # [rank, t, layer]
+    slowest = cost.max(axis=0)  # the layer's all_sum waits for the last rank
+    exchange_bytes = shape.top_k * hidden * act_bytes  # one decode row's partial outputs
+    exchange = shape.n_moe * ring_all_sum_s(exchange_bytes, hosts, link_gbps, latency_s) + \
+        ring_all_sum_s(8, hosts, link_gbps, latency_s)  # + the between-tokens exchange (stop, routing digest)
+    per_token = compute_s + slowest.sum(axis=1) + exchange
+    t = float(per_token.mean())
+    per_rank_misses = m.sum(axis=2).mean(axis=1)
+    return {"hosts": hosts, "s_per_token": t, "tok_s": 1.0 / t, "compute_s": compute_s,
+            "experts_s": float(slowest.sum(axis=1).mean()), "exchange_s": exchange,
+            "exchanges_per_token": shape.n_moe + 1 if hosts > 1 else 0,
+            "exchange_bytes": exchange_bytes if hosts > 1 else 0,
+            "misses_per_token_per_rank": per_rank_misses.tolist(),
+            "hit_rate_per_rank": [1.0 - float(m[r].sum()) / max(1.0, m.shape[1] * m.shape[2] * shape.top_k / hosts)
+                                  for r in range(hosts)],
+            "bytes_read_per_token_per_rank": (per_rank_misses * shape.record_bytes).tolist()}
+
+
 def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, prepare_s: float,
              gbps: dict, threads: int) -> dict:
     """Decode time per token from misses per step [tokens, layers] and the micro calibrations: a
@@ -317,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "constants in a short run of the runtime; 'micro' from a disk probe, a socket round trip "
                    "and the prepare code alone (what a preset without a store gets, with --disk-gbps etc.)")
     p.add_argument("--check", help="a deltafin-bench report.json: forecast its stand-in runs and compare")
+    p.add_argument("--hosts", type=int, help="experts sharded over this many hosts (same budget each; "
+                   "docs/DISTRIBUTED.md); forces --calibrate micro")
+    p.add_argument("--link-gbps", type=float, default=40.0, help="with --hosts: link bandwidth between "
+                   "hosts, Gb/s (default 40)")
+    p.add_argument("--link-latency-us", type=float, default=50.0, help="with --hosts: one ring step's "
+                   "latency, microseconds (default 50)")
     p.add_argument("--json", help="write the forecast here")
     p.add_argument("--echo", help=argparse.SUPPRESS)
     return p
@@ -347,7 +446,10 @@ def main(argv=None) -> int:
     trace_ids = load_trace(trace_path).ids
 
     # calibrations: measured here unless given
-    mode = a.calibrate or ("run" if store is not None else "micro")
+    mode = a.calibrate or ("run" if store is not None and not a.hosts else "micro")
+    if a.hosts and mode != "micro":
+        log("--hosts prices each rank with the micro calibration: use --calibrate micro")
+        return 2
     calib = {"mode": mode}
     if mode == "run":
         if store is None:
@@ -433,6 +535,9 @@ def main(argv=None) -> int:
             n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
             fracs = [n / (shape.n_moe * shape.n_experts)]
         cases = []
+        if a.hosts:
+            return _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,
+                               hop["s"], prep["s_per_expert"], gbps, threads)
         for frac in fracs:
             n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
             steps = routing_steps(shape, trace_ids, n_slots, policy, None)
@@ -444,6 +549,39 @@ def main(argv=None) -> int:
                   f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
                   f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
         out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _hidden(shape: Shape, store) -> int:
+    if store is not None:
+        return int(store.config["hidden_size"])
+    from deltafin.tools.synth import PRESETS
+    return int(PRESETS[shape.name]["hidden_size"])
+
+
+def _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib, hop_s, prep_s,
+                gbps, threads) -> int:
+    """--hosts: the forecast on 1..N hosts side by side (1, 2, 4, ... up to N, and N)."""
+    counts = sorted({h for h in (1, 2, 4, 8) if h <= a.hosts} | {a.hosts})
+    hidden = _hidden(shape, store)
+    calib["link"] = {"gbps": a.link_gbps, "latency_us": a.link_latency_us, "how": "given"}
+    cases = []
+    for frac in fracs:
+        n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+        for hosts in counts:
+            steps = share_steps(shape, trace_ids, n_slots, policy, hosts)
+            f = forecast_hosts(shape, steps, compute_s, hop_s, prep_s, gbps, threads, hosts, a.link_gbps,
+                               a.link_latency_us / 1e6, hidden)
+            cases.append({"cache_frac_per_host": frac, "n_slots_per_host": n_slots, "policy": policy,
+                          "cache_bytes_per_host": n_slots * shape.record_bytes, **f})
+            print(f"{shape.name}: {hosts} host(s), cache {frac:.0%} of all experts per host ({n_slots} slots, "
+                  f"{format_size(n_slots * shape.record_bytes)} each), {policy}: {f['tok_s']:.2f} tok/s "
+                  f"(compute {f['compute_s'] * 1e3:.1f} ms, experts {f['experts_s'] * 1e3:.1f} ms, exchange "
+                  f"{f['exchange_s'] * 1e3:.2f} ms = {f['exchanges_per_token']} x {f['exchange_bytes']} B per token; "
+                  f"hit rate per rank {', '.join(f'{h:.2f}' for h in f['hit_rate_per_rank'])})")
+    out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     return 0

@@ -1101,8 +1101,12 @@ def run_compute_process(run_dir: str) -> None:
             self.data = self.connect_data_plane()
             self.source = RouterClient(self.data, self.config["compute"]["expert_timeout_s"],
                                        self.parent_alive)
+            # [distributed]: join the group first; the provider then computes this rank's share
+            from deltafin.workers.distributed import Lockstep
+            self.dist = Lockstep.from_config(self.config, self.store)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
-            self.compute = Compute(self.store, self.config, self.source, None, 0)
+            self.compute = Compute(self.store, self.config, self.source, None, 0,
+                                   experts_cls=self.dist.experts_cls if self.dist else None)
             self.queue = RequestQueue(int(self.config["compute"]["max_queue"]))
             self.in_request = False
             if mx.default_device().type == mx.DeviceType.gpu:
@@ -1124,6 +1128,8 @@ def run_compute_process(run_dir: str) -> None:
             return getattr(self, "preloading", False)
 
         def idle(self):
+            if self.dist is not None and not self.dist.idle(self.compute):
+                self.running = False  # rank 0 stopped: this follower's group is gone
             # one layer per loop turn: requests and the supervisor are answered in between
             if self.busy():
                 try:
@@ -1195,6 +1201,8 @@ def run_compute_process(run_dir: str) -> None:
                 self.poll_control()
                 return item.cancelled or not self.running
             try:
+                if self.dist is not None:  # the other ranks run it too, in step
+                    req, between_tokens = self.dist.lead(req, between_tokens)
                 if isinstance(req, M.Generate):
                     done = self.compute.generate(req, emit=emit, between_tokens=between_tokens)
                     done.stats["queue_s"] = queue_s  # the request's own times exclude its wait
@@ -1212,16 +1220,33 @@ def run_compute_process(run_dir: str) -> None:
             except (RequestError, ExpertUnavailable, PromptTooLong) as e:
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
+                if self.dist is not None:
+                    self.dist.after_error(e)
             except Exception as e:  # the model raised: report it and keep serving
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
+                if self.dist is not None:
+                    self.dist.after_error(e)
 
         def stats(self):
-            return {**self.compute.stats(), "queue": self.queue.stats()}
+            out = {**self.compute.stats(), "queue": self.queue.stats()}
+            if self.dist is not None:
+                e = self.compute.experts
+                out["distributed"] = {**self.dist.info(), "exchanges": e.exchanges,
+                                      "exchange_bytes": e.exchange_bytes}
+            return out
+
+        def teardown(self):
+            if getattr(self, "dist", None) is not None:
+                self.dist.stop()
 
     ComputeProcess(run_dir).serve()
 
 
 if __name__ == "__main__":
     import sys
-    run_compute_process(sys.argv[1])
+
+    # through the package module, not __main__: the classes other modules raise and subclass
+    # (workers/distributed.py) are then the ones this process catches
+    from deltafin.workers.compute import run_compute_process as run
+    run(sys.argv[1])

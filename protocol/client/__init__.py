@@ -76,7 +76,8 @@ class RequestCancelled(DeltafinError):
     "cancelled" instead)."""
 
 
-_ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError,
+_ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError, "rank_lost": RuntimeDeadError,
+           "not_leader": RequestError,
            "expert_unavailable": ExpertUnavailableError, "expert_read_failed": ExpertUnavailableError,
            "budget_too_small": ExpertUnavailableError, "version_mismatch": ProtocolMismatch,
            "bad_message": ProtocolMismatch, "restarting": RuntimeRestarting, "queue_full": RuntimeBusy,
