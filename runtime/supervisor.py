@@ -50,6 +50,7 @@ from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSa
 
 ROLES = ("router", "loader", "compute")
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
+STATS_SYNC_S = 5.0  # longest a stats reply waits for the snapshots that include the last request
 LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor.limits)
 
 
@@ -523,7 +524,7 @@ class Supervisor:
         if isinstance(msg, M.Stats):
             # Answered from the latest snapshots, at once, even mid-prompt; only right after a
             # request finished does it wait for the snapshots that include that request.
-            wait = 1.0 if self.state == "serving" else 0.0
+            wait = STATS_SYNC_S if self.state == "serving" else 0.0
             self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait))
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):

@@ -128,7 +128,7 @@ def _loader_bytes(client: Client, want: int | None = None, timeout_s: float = 60
     runs while idle) or the deadline passes, then whatever it read."""
     deadline = time.monotonic() + timeout_s
     while True:
-        got = int(client.stats()["workers"]["loader"]["bytes"])
+        got = int(client.stats()["workers"]["loader"].get("bytes", 0))  # none before the first read
         if want is None or got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.1)
