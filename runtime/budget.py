@@ -119,6 +119,12 @@ class BudgetPlan:
         self.resident = tiers.split_resident(self.group_experts, self.resident_bytes, room, cap)
         return self.n_slots
 
+    def unplanned(self) -> int:
+        """Budget bytes no part of the plan takes (where cache.max_slots capped the resident
+        tier, or every expert fits): free for what a request needs beyond the reserves."""
+        resident = sum(n * self.resident_bytes[g] for g, n in self.resident.items())
+        return max(0, self.budget - self.dense - self.processes - self.reserves - self.staging - resident)
+
     def budget_for(self, n_resident: int) -> int:
         """The whole-tree budget that gives about n_resident resident experts (bench, tests)."""
         total = sum(self.group_experts.values())

@@ -237,12 +237,9 @@ class Supervisor:
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
         # max_prompt_bytes is set once compute has said what its tokenizer's longest token is
-        # A logits reply is admitted against the budget: it exists about LOGITS_COPIES times at
-        # once (compute's array and encodings, the socket queues, the supervisor's decode and
-        # re-encode), all after the forward pass, in the memory reserved for its activations.
+        # max_result_bytes is admitted against the budget once the pool is sized (_size_pool)
         self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
-                                      max_context=config.compute.max_context,
-                                      max_result_bytes=min(M.MAX_RESULT_BYTES, self.plan.activations // LOGITS_COPIES))
+                                      max_context=config.compute.max_context)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
@@ -333,6 +330,12 @@ class Supervisor:
         except BudgetError as e:
             raise BudgetError(f"{e}; measured processes with dense weights loaded: "
                               f"{format_size(measured)}") from None
+        # A logits reply is admitted against the budget: it exists about LOGITS_COPIES times at
+        # once (compute's array and encodings, the socket queues, the supervisor's decode and
+        # re-encode), all after the forward pass, in the memory reserved for its activations
+        # plus what the plan leaves unused.
+        self.limits = dataclasses.replace(self.limits, max_result_bytes=min(
+            M.MAX_RESULT_BYTES, (self.plan.activations + self.plan.unplanned()) // LOGITS_COPIES))
         if min(self.plan.resident.values()) < self.plan.min_slots:
             raise BudgetError(f"{min(self.plan.resident.values())} resident expert slots cannot hold one "
                               f"token's {self.plan.min_slots} experts of a layer; raise cache.max_slots "
