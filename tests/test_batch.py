@@ -154,11 +154,13 @@ def test_a_request_joins_while_others_decode(tiny_stores):
 
 
 def test_cancelling_one_batched_request_leaves_the_others_exact(tiny_stores):
+    """x (a prompt the tiny store does not stop early on) is cancelled two tokens in, while a and
+    b decode with it: x stops there, a and b give their tokens alone, its KV cache is free."""
     with running_supervisor(tiny_stores("mixtral"), BIG) as (ep, _):
         with Client(ep, timeout=120) as a, Client(ep, timeout=120) as b, Client(ep, timeout=120) as x:
-            ref_a = a.generate(PROMPTS[0], max_tokens=60).token_ids
+            ref_a = a.generate(PROMPTS[2], max_tokens=60).token_ids
             ref_b = b.generate(PROMPTS[1], max_tokens=60).token_ids
-            sa, sx = a.stream(PROMPTS[0], max_tokens=60), x.stream(PROMPTS[2], max_tokens=1500)
+            sa, sx = a.stream(PROMPTS[2], max_tokens=60), x.stream(PROMPTS[0], max_tokens=1500)
             sb = b.stream(PROMPTS[1], max_tokens=60)
             next(sa), next(sb), next(sx)
             next(sx)
