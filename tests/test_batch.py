@@ -194,3 +194,27 @@ def test_the_kv_reserve_bounds_the_requests_decoded_together(tiny_stores, tmp_pa
     assert batch["kv_peak_bytes"] <= batch["kv_pool_bytes"]
     assert batch["max_rows"] == 2 and batch["kv_peak_bytes"] == batch["kv_pool_bytes"], batch
     assert max(d.stats["queue_s"] for d in together) > 0
+
+
+def test_the_queue_counts_free_batch_places_as_room():
+    """max_batch run and max_queue wait: more are refused with queue_full; several run at once
+    and a cancel marks the running one it names."""
+    from deltafin.workers.compute import QueueFull, RequestQueue
+    q = RequestQueue(1, max_batch=3)
+    items = [q.add(b"c", M.Generate(id=i, token_ids=[1])) for i in range(4)]
+    with pytest.raises(QueueFull, match="max_batch=3"):
+        q.add(b"c", M.Generate(id=9, token_ids=[1]))
+    running = [q.next() for _ in range(3)]
+    assert running == items[:3] and q.stats()["running"] == 3 and q.stats()["waiting"] == 1
+    assert q.cancel(b"c", 1) is None and items[1].cancelled and not items[0].cancelled
+    q.finish(items[1])
+    assert q.stats()["running"] == 2
+    q.add(b"c", M.Generate(id=10, token_ids=[1]))  # the place it left is room again
+
+
+def test_config_bounds_max_batch():
+    from deltafin.runtime.config import Config, ConfigError
+    assert Config().compute.max_batch == 8 and Config().compute.max_inflight == 8 + 16
+    for bad in ({"max_batch": 0}, {"kv_tokens": -1}):
+        with pytest.raises(ConfigError):
+            Config.from_dict({"compute": bad}).validate()
