@@ -557,7 +557,7 @@ def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
     return mx.random.categorical(z, key=key)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the batch finds and removes its own sequences
 class Sequence:
     """One request in the decode loop: its KV cache, sampling key, where its prefill stands and
     what it has produced; the times its stats are made of."""
