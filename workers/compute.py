@@ -12,14 +12,18 @@ router without waiting (`used`), so the cache policy still sees every hit. Each 
 depends only on its own tokens and weights, so the output is the same whatever the memory budget,
 the slot assignment or the order experts arrive in.
 
-Generation runs as steps (`Scheduler`): the next forward pass is built and sampled on the device
-(`mx.async_eval`) before the previous token is read back, the way mlx-lm's generate_step overlaps
-them, whenever the pass cannot stop on a miss (every expert resident).
+Generation runs as steps (`Scheduler`): every running request is a `Sequence` with its own KV
+cache, and each step is one forward pass over one row per sequence (`forward_batch`: attention per
+sequence, everything else on the rows stacked), so each MoE layer asks for the union of the
+batch's experts once. The next pass is built and sampled on the device (`mx.async_eval`) before
+the previous tokens are read back, the way mlx-lm's generate_step overlaps them, whenever the
+pass cannot stop on a miss (every expert resident).
 
-Requests (`RequestQueue`): one runs, the others wait in arrival order in a bounded queue
-(compute.max_queue). Between tokens the process answers its control channel; a request that
-arrives then only joins the queue (requests never nest), and a `cancel` removes a waiting one or
-stops the running one at the next token.
+Requests (`RequestQueue`): up to compute.max_batch decode together, the others wait in arrival
+order in a bounded queue (compute.max_queue) and join between steps when a place and their KV
+cache fit (the budget's KV reserve, compute.kv_tokens). Between steps the process answers its
+control channel; a request that arrives then only joins the queue (requests never nest), and a
+`cancel` removes a waiting one or stops a running one at the next step.
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
