@@ -218,3 +218,15 @@ def test_config_bounds_max_batch():
     for bad in ({"max_batch": 0}, {"kv_tokens": -1}):
         with pytest.raises(ConfigError):
             Config.from_dict({"compute": bad}).validate()
+
+
+def test_the_concurrency_benchmark_reports_each_level(tiny_stores, tmp_path):
+    """tools/bench_concurrency on a tiny store: a row per concurrency and the two TTFT rows."""
+    from deltafin.tools import bench_concurrency
+    out = tmp_path / "r.json"
+    assert bench_concurrency.main(["--store", str(tiny_stores("mixtral")), "--concurrency", "1,2",
+                                   "--max-tokens", "6", "--ttft-rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["levels"]] == [1, 2]
+    assert all(r["answered"] == r["concurrency"] and r["generated_tokens"] > 0 for r in report["levels"])
+    assert [t["busy"] for t in report["ttft"]] == [0, 3] and report["n_slots"] < report["experts"]
