@@ -27,9 +27,13 @@ from deltafin.protocol import messages as M
 from deltafin.runtime.store import Store
 
 
+VOCAB = [4200]  # the store's vocabulary size (main sets it)
+
+
 def _prompt(i: int, n: int) -> list[int]:
-    """A different prompt per request (different routing), ids well inside any vocabulary."""
-    return [(i * 997 + j * 131) % 4000 + 200 for j in range(n)]
+    """A different prompt per request (different routing), ids inside the vocabulary."""
+    span = max(8, min(4000, VOCAB[0] - 200))
+    return [(i * 997 + j * 131) % span + min(200, VOCAB[0] - span) for j in range(n)]
 
 
 def _compute(c: Client) -> dict:
@@ -125,6 +129,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     levels = [int(x) for x in a.concurrency.split(",")]
     store = Store(a.store)
+    VOCAB[0] = int(store.config["vocab_size"])
     n_slots = max(store.top_k * 2, int(len(store.records) * a.slot_frac))
     budget = plan_budget_for_slots(store, n_slots, a.max_context, a.dtype)
     with tempfile.TemporaryDirectory() as tmp:
