@@ -41,6 +41,18 @@ def kv_bytes_per_token(config: dict, itemsize: int) -> int:
     return layers * per * itemsize
 
 
+def kv_reserve_tokens(max_context: int, kv_tokens: int = 0) -> int:
+    """Positions the KV reserve holds, shared by the sequences decoded together
+    (compute.kv_tokens; never fewer than one max_context sequence)."""
+    return max(int(kv_tokens), int(max_context))
+
+
+def sequence_kv_tokens(n_tokens: int, step: int = 256) -> int:
+    """Positions a sequence of n_tokens may hold in its KV cache: the cache grows in steps
+    (KVCache.step), so admission charges whole steps."""
+    return -(-max(1, int(n_tokens)) // step) * step
+
+
 @dataclass
 class BudgetPlan:
     budget: int
@@ -154,7 +166,7 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     plan = BudgetPlan(
         budget=config.runtime.budget_bytes,
         dense=dense,
-        kv_cache=kv_bytes_per_token(store.config, itemsize) * cc.max_context,
+        kv_cache=kv_bytes_per_token(store.config, itemsize) * kv_reserve_tokens(cc.max_context, cc.kv_tokens),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

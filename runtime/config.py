@@ -77,11 +77,13 @@ class ComputeConfig:
     prefill_chunk: int = 128
     expert_timeout_s: float = 60.0
     max_queue: int = 16
+    max_batch: int = 8
+    kv_tokens: int = 0
 
     @property
     def max_inflight(self) -> int:
-        """Requests in flight at most, over all clients: the running one and the waiting ones."""
-        return 1 + self.max_queue
+        """Requests in flight at most, over all clients: those decoded together and the waiting ones."""
+        return self.max_batch + self.max_queue
 
 
 @dataclass
@@ -194,6 +196,8 @@ class Config:
                 raise ConfigError("distributed.enabled: cache.prefetch is not supported yet (the router "
                                   "does not know its rank's share); use false or \"auto\" (off here)")
             self.cache.prefetch = False
+        if not 1 <= self.compute.max_batch <= 256 or self.compute.kv_tokens < 0:
+            raise ConfigError("compute.max_batch must be within 1..256 and compute.kv_tokens >= 0")
         if not 0 <= self.compute.max_queue <= MAX_QUEUE:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
 

@@ -545,9 +545,10 @@ class Supervisor:
                 return self._reply(ident, M.Error(id=msg.id, code="bad_request",
                                                   message=f"request id {msg.id} is already in flight"))
             cc = self.config.compute
-            if len(self.inflight) >= cc.max_inflight:  # one running + compute's queue, all full
+            if len(self.inflight) >= cc.max_inflight:  # max_batch running + compute's queue, all full
+                running = "one" if cc.max_batch == 1 else f"compute.max_batch={cc.max_batch}"
                 return self._reply(ident, M.Error(id=msg.id, code="queue_full",
-                                                  message=f"{len(self.inflight)} requests are in flight: one "
+                                                  message=f"{len(self.inflight)} requests are in flight: {running} "
                                                           f"running and compute.max_queue={cc.max_queue} "
                                                           f"waiting; retry later"))
             self.inflight[(ident, msg.id)] = time.monotonic()

@@ -75,7 +75,7 @@ def test_eight_clients_at_once_get_the_answers_they_get_alone(tiny_stores):
 
 def test_requests_beyond_max_inflight_are_refused_at_once(tiny_stores, tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[compute]\nmax_queue = 0\n")  # one running, none waiting
+    cfg.write_text("[compute]\nmax_queue = 0\nmax_batch = 1\n")  # one running, none waiting
     with running_supervisor(tiny_stores("deepseek_v2"), "4GiB", ["--config", str(cfg)]) as (ep, _):
         with Client(ep, timeout=60) as busy, Client(ep, timeout=60) as other:
             stream = busy.stream([100, 200, 300, 400], max_tokens=300)

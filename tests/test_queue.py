@@ -92,11 +92,11 @@ def test_prompt_bytes_are_bounded_before_tokenizing(tiny_stores):
 
 
 # -- with real processes --------------------------------------------------------------------------------
-def test_requests_run_one_at_a_time_in_arrival_order(tiny_stores):
+def test_requests_run_one_at_a_time_in_arrival_order(tiny_stores, tmp_path):
     """Two clients' requests sent while a third generates wait their turn, in arrival order, and
     none runs inside another (compute's [start, end] event numbers never overlap); each one's
     answer is the one it gets alone and its stats time excludes its wait (queue_s)."""
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_batch": 1})) as (ep, _):
         with Client(ep, timeout=120) as a, Client(ep, timeout=120) as b, \
                 Client(ep, timeout=120) as c, Client(ep, timeout=120) as watcher:
             alone_b = b.generate([1, 2, 3], max_tokens=8).token_ids
@@ -126,7 +126,7 @@ def test_requests_run_one_at_a_time_in_arrival_order(tiny_stores):
 
 
 def test_a_full_queue_is_refused_at_once_with_queue_full(tiny_stores, tmp_path):
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 1})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 1, "max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as a, Client(ep, timeout=60) as b, Client(ep, timeout=60) as c:
             running = a.stream(LONG, max_tokens=1500)
             next(running)
@@ -143,8 +143,8 @@ def test_a_full_queue_is_refused_at_once_with_queue_full(tiny_stores, tmp_path):
             assert len(c.generate([4, 5, 6], max_tokens=4).token_ids) == 4  # room again
 
 
-def test_cancel_removes_a_queued_request_and_stops_a_running_one(tiny_stores):
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG) as (ep, _):
+def test_cancel_removes_a_queued_request_and_stops_a_running_one(tiny_stores, tmp_path):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as a, Client(ep, timeout=60) as b:
             before = b.generate(LONG, max_tokens=12).token_ids
             running = a.stream(LONG, max_tokens=1500)
@@ -255,7 +255,7 @@ def _send_many(c: Client, n: int, max_tokens: int) -> dict:
 def test_hundreds_of_requests_from_one_client_queue_and_never_nest(tiny_stores, tmp_path):
     """Once, ~245 requests in flight from one client ended in RecursionError (each ran inside
     the one before): now 300 wait their turn and all get their answer."""
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 300})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 300, "max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as c:
             ref = c.generate([1, 2, 3], max_tokens=2).token_ids
             finals = _send_many(c, 300, 2)

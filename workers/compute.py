@@ -12,14 +12,18 @@ router without waiting (`used`), so the cache policy still sees every hit. Each 
 depends only on its own tokens and weights, so the output is the same whatever the memory budget,
 the slot assignment or the order experts arrive in.
 
-Generation runs as steps (`Scheduler`): the next forward pass is built and sampled on the device
-(`mx.async_eval`) before the previous token is read back, the way mlx-lm's generate_step overlaps
-them, whenever the pass cannot stop on a miss (every expert resident).
+Generation runs as steps (`Scheduler`): every running request is a `Sequence` with its own KV
+cache, and each step is one forward pass over one row per sequence (`forward_batch`: attention per
+sequence, everything else on the rows stacked), so each MoE layer asks for the union of the
+batch's experts once. The next pass is built and sampled on the device (`mx.async_eval`) before
+the previous tokens are read back, the way mlx-lm's generate_step overlaps them, whenever the
+pass cannot stop on a miss (every expert resident).
 
-Requests (`RequestQueue`): one runs, the others wait in arrival order in a bounded queue
-(compute.max_queue). Between tokens the process answers its control channel; a request that
-arrives then only joins the queue (requests never nest), and a `cancel` removes a waiting one or
-stops the running one at the next token.
+Requests (`RequestQueue`): up to compute.max_batch decode together, the others wait in arrival
+order in a bounded queue (compute.max_queue) and join between steps when a place and their KV
+cache fit (the budget's KV reserve, compute.kv_tokens). Between steps the process answers its
+control channel; a request that arrives then only joins the queue (requests never nest), and a
+`cancel` removes a waiting one or stops a running one at the next step.
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
@@ -42,6 +46,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import Routing, bench_mode, precise_wait
+from deltafin.runtime.budget import ITEMSIZE, kv_bytes_per_token, kv_reserve_tokens, sequence_kv_tokens
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
 from deltafin.runtime.models.base import SORT_PAIRS, gather_glu, switch_glu
@@ -570,6 +575,9 @@ class StandInModel:
                 precise_wait(self.dense_s)
         return mx.zeros((n, self.vocab), dtype=mx.float32)
 
+    def forward_batch(self, tokens, caches, experts):
+        return self(tokens, None, experts)  # one sequence at a time (its scheduler's max_batch)
+
 
 # -- the decode loop ----------------------------------------------------------------------------------
 def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
@@ -593,19 +601,30 @@ def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
     return mx.random.categorical(z, key=key)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the batch finds and removes its own sequences
 class Sequence:
-    """One request in the decode loop: its KV cache, sampling key and what it has produced."""
+    """One request in the decode loop: its KV cache, sampling key, where its prefill stands and
+    what it has produced; the times its stats are made of."""
     req: M.Generate
     prompt: list
     cache: object
     key: object
     decoder: StreamDecoder
     stops: list
+    emit: object = None        # called with each M.Token (streaming), or None
+    owner: object = None       # who asked (the process: its Queued)
+    kv_bytes: int = 0          # what its KV cache may grow to (admission charges it)
     out_ids: list = field(default_factory=list)
     text: str = ""
     finish: str | None = None
+    error: Exception | None = None  # the request failed (answered with an error, not Done)
     ttft_s: float | None = None
+    filled: int = 0            # prompt tokens prefilled so far
+    pending: object = None     # the token its next decode pass takes (on the device, or an int)
+    t_request: float = 0.0
+    t_first: float | None = None  # its first token was read (the end of its prefill)
+    t_end: float | None = None
+    marks: dict = field(default_factory=dict)  # split/loop snapshots at its start and first token
 
     def next_key(self):
         """A fresh sampling key per token (none needed for greedy)."""
@@ -614,47 +633,182 @@ class Sequence:
         self.key, sub = mx.random.split(self.key)
         return sub
 
+    @property
+    def head(self) -> list:
+        """The prompt tokens prefilled in passes of their own: all but the last, which is the
+        first decode-shaped pass's input (as mlx-lm's generate_step); all where no token is asked."""
+        return self.prompt[:-1] if self.req.max_tokens > 0 else self.prompt
+
 
 @dataclass
 class Step:
-    """A forward pass launched for a sequence: its sampled token, on the device until read."""
-    seq: Sequence
-    token: object
+    """A forward pass launched for sequences decoded together: their sampled tokens, on the
+    device until read."""
+    seqs: list
+    tokens: object      # [B] on the device
     pass_no: int | None
     t0: float
-    phase: str = "decode"
 
 
 class Scheduler:
-    """Runs sequences as steps: each step launches the next forward pass and samples on the
-    device (`mx.async_eval`), then reads back the token the previous step sampled, so building a
-    pass overlaps computing the last one (mlx-lm's generate_step does the same). The next pass is
-    launched early only when it cannot stop on a miss; one that turns out not to be wanted (the
-    answer ended) is discarded unrecorded. One sequence at a time today: the model's forward
-    takes one sequence; the serving issue batches several per step."""
+    """The sequences decoded together, stepped as one batch: each step launches one forward pass
+    over every active sequence (`MoETransformer.forward_batch`: one row each, so each MoE layer
+    asks for the union of their experts once), samples each row with its own settings on the
+    device (`mx.async_eval`), then reads the tokens back. When the next pass cannot stop on a
+    miss it is launched before the previous tokens are read, so building a pass overlaps
+    computing the last one (mlx-lm's generate_step does the same).
 
-    def __init__(self, compute: "Compute"):
+    Sequences join between steps: admitted (`fits`, `add`), their prompt is prefilled one chunk
+    (compute.prefill_chunk) per step, so a long prompt holds the others back by one chunk at a
+    time; then they decode with the rest. A finished or cancelled sequence leaves at once
+    (`leave`) and its KV cache goes with it. Admission charges each sequence the KV cache it may
+    grow to; together they stay within the budget's KV reserve (compute.kv_tokens)."""
+
+    def __init__(self, compute: "Compute", max_batch: int = 1, kv_pool_bytes: int = 0):
         self.compute = compute
+        self.max_batch, self.kv_pool = max(1, max_batch), kv_pool_bytes
+        self.kv_used = self.kv_peak = self.max_rows = 0
+        self.filling: deque[Sequence] = deque()  # admitted, prompt being prefilled
+        self.active: list[Sequence] = []         # decoding together
+        self.ahead: Step | None = None           # the next step, launched before its turn
+        self.counters = Counter()                # steps, rows (the batch sizes), decode tokens and bytes
         # Where the decode loop's time goes (seconds, summed): building and launching passes
-        # (including any wait for a miss), waiting for the device's token, committing a pass
-        # (reading its expert ids back, telling the router), and handling the token (detokenize,
-        # stops, emit, answering between tokens).
+        # (including any wait for a miss), waiting for the device's tokens, committing a pass
+        # (reading its expert ids back, telling the router), and handling the tokens (detokenize,
+        # stops, emit, answering between steps).
         self.loop = dict.fromkeys(("launch", "token_wait", "commit", "accept"), 0.0)
 
-    def launch(self, seq: Sequence, token, phase: str = "decode") -> Step:
+    # -- admission ------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.filling or self.active)
+
+    def fits(self, seq: Sequence) -> bool:
+        """Room for one more sequence: a batch slot, and its KV cache within the reserve. Alone
+        it always fits (the reserve holds one max_context sequence)."""
+        n = len(self.filling) + len(self.active)
+        return n == 0 or (n < self.max_batch and self.kv_used + seq.kv_bytes <= self.kv_pool)
+
+    def add(self, seq: Sequence) -> None:
+        self.kv_used += seq.kv_bytes
+        self.kv_peak = max(self.kv_peak, self.kv_used)
+        seq.marks["start"] = (self.compute._split(), dict(self.loop))
+        self.filling.append(seq)
+
+    def leave(self, seq: Sequence, finish: str | None = None) -> None:
+        """The sequence is done (finish: why, where not set yet): it leaves the batch and its KV
+        cache is freed. An early-launched pass holding only sequences that left is dropped."""
+        if seq.finish is None:
+            seq.finish = finish or "length"
+        if seq in self.active:
+            self.active.remove(seq)
+        elif seq in self.filling:
+            self.filling.remove(seq)
+        else:
+            return
+        self.kv_used -= seq.kv_bytes
+        seq.cache, seq.pending, seq.t_end = None, None, time.perf_counter()
+        if self.ahead is not None and all(s.finish is not None for s in self.ahead.seqs):
+            self.compute.experts.discard(self.ahead.pass_no)
+            self.ahead = None
+
+    def fail(self, error: Exception) -> list[Sequence]:
+        """A pass raised: every sequence in the batch fails with it (their caches may be half
+        advanced); the router's pins and the passes left half-built go."""
+        out = list(self.filling) + list(self.active)
+        for seq in out:
+            seq.error = error
+            self.leave(seq, "error")
+        self.ahead = None
+        self.compute.abandon()
+        return out
+
+    # -- steps ----------------------------------------------------------------------------------
+    def step(self, joining: bool = False) -> list[Sequence]:
+        """One decode step of the active sequences, then one prefill chunk of the oldest one
+        still prefilling (it joins the decode at the next step). joining: a request waits to
+        join, so no pass is launched early. Returns the sequences that finished in it (they left
+        already), each with `finish` set, or `error` where a pass raised."""
+        done: list[Sequence] = []
+        try:
+            if self.active:
+                self.decode(joining or bool(self.filling), done)
+            if self.filling:
+                self.prefill_chunk(self.filling[0], done)
+        except Exception as e:  # the model or a need raised: each request is answered, serving goes on
+            return done + self.fail(e)
+        return done
+
+    def prefill_chunk(self, seq: Sequence, done: list) -> None:
+        c = self.compute
+        head = seq.head
+        if seq.filled < len(head):
+            chunk = head[seq.filled:seq.filled + c.prefill_chunk]
+            c.forward(chunk, seq.cache)
+            seq.filled += len(chunk)
+        if seq.filled >= len(head):
+            self.filling.remove(seq)
+            if seq.req.max_tokens <= 0:
+                self.active.append(seq)  # to leave through the same door
+                seq.t_first = time.perf_counter()
+                seq.marks["first"] = (c._split(), dict(self.loop))
+                self.leave(seq, "length")
+                done.append(seq)
+                return
+            seq.pending = seq.prompt[-1]
+            self.active.append(seq)
+
+    def decode(self, hold: bool, done: list) -> None:
+        c = self.compute
+        bytes0 = c.experts.counters.get("bytes")
+        step, self.ahead = self.ahead, None
+        if step is None:
+            step = self.launch(self.active, [s.pending for s in self.active])
+        # Early only where every row is still wanted: a row whose sequence left has no cache.
+        if (not hold and c.experts.can_overlap() and step.seqs == self.active
+                and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
+            self.ahead = self.launch(step.seqs, step.tokens)
+        toks = self.read(step)
+        t0, produced = time.perf_counter(), 0
+        for seq, tok in zip(step.seqs, toks):
+            if seq.finish is not None:
+                continue  # left while this pass ran ahead: its row is not wanted
+            produced += 1
+            if seq.t_first is None:
+                seq.t_first = t0
+                seq.ttft_s = t0 - seq.t_request
+                seq.marks["first"] = (c._split(), dict(self.loop))
+            self.accept(seq, tok)
+            seq.pending = tok
+            if seq.finish is not None or len(seq.out_ids) >= seq.req.max_tokens:
+                self.leave(seq, "length")
+                done.append(seq)
+        # Expert bytes copied in during decode steps, and the tokens those steps produced
+        # (expert_bytes_per_token: what one read serves falls as the batch grows).
+        self.counters.add("decode_tokens", produced)
+        self.counters.add("decode_bytes", c.experts.counters.get("bytes") - bytes0)
+        self.loop["accept"] += time.perf_counter() - t0
+
+    def launch(self, seqs: list, tokens) -> Step:
         c = self.compute
         t0 = time.perf_counter()
-        p = c.experts.begin_pass(1)
-        logits = c.model(token.reshape(1).astype(mx.int32), seq.cache, c.experts)
-        tok = sample_on_device(logits[-1], seq.req.temperature, seq.req.top_p, seq.next_key(), c.dtype)
+        if not isinstance(tokens, mx.array):
+            tokens = mx.stack([t if isinstance(t, mx.array) else mx.array(t, dtype=mx.uint32)
+                               for t in tokens]).reshape(-1)
+        p = c.experts.begin_pass(len(seqs))
+        logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts)
+        toks = mx.stack([sample_on_device(logits[b], s.req.temperature, s.req.top_p, s.next_key(), c.dtype)
+                         for b, s in enumerate(seqs)])
         ids = c.experts.seal_pass()
-        mx.async_eval(tok) if ids is None else mx.async_eval(tok, ids)
+        mx.async_eval(toks) if ids is None else mx.async_eval(toks, ids)
         self.loop["launch"] += time.perf_counter() - t0
-        return Step(seq, tok, p, t0, phase)
+        self.counters.add("steps")
+        self.counters.add("rows", len(seqs))
+        self.max_rows = max(self.max_rows, len(seqs))
+        return Step(list(seqs), toks, p, t0)
 
-    def read(self, step: Step) -> int:
+    def read(self, step: Step) -> list[int]:
         t0 = time.perf_counter()
-        tok = int(step.token.item())
+        toks = [int(t) for t in step.tokens.tolist()]
         t1 = time.perf_counter()
         c = self.compute
         if step.pass_no is not None:
@@ -662,34 +816,14 @@ class Scheduler:
             if rows is not None:
                 c.request_rows.append(rows)
             c.forward_latency.add(time.perf_counter() - step.t0)
-            c.counters.add(f"{step.phase}_forward_tokens")  # live progress for the metrics stream
+            prefill = sum(s.t_first is None for s in step.seqs)  # first tokens come from "prefill"
+            c.counters.add("prefill_forward_tokens", prefill)  # live progress for the metrics stream
+            c.counters.add("decode_forward_tokens", len(step.seqs) - prefill)
         self.loop["token_wait"] += t1 - t0
         self.loop["commit"] += time.perf_counter() - t1
-        return tok
+        return toks
 
-    def run(self, seq: Sequence, first: Step, emit=None, between_tokens=None, t_request=0.0) -> None:
-        """between_tokens: called after each token but the last (the process answers its control
-        channel there); a true result stops the sequence with finish "cancelled"."""
-        step, c, req = first, self.compute, seq.req
-        while step is not None:
-            ahead = None
-            if len(seq.out_ids) + 1 < req.max_tokens and c.experts.can_overlap():
-                ahead = self.launch(seq, step.token)
-            tok = self.read(step)
-            t0 = time.perf_counter()
-            if seq.ttft_s is None:
-                seq.ttft_s = t0 - t_request
-            self.accept(seq, tok, emit)
-            if seq.finish is None and between_tokens and between_tokens():
-                seq.finish = "cancelled"  # between_tokens says stop: a cancel arrived meanwhile
-            self.loop["accept"] += time.perf_counter() - t0
-            if seq.finish is not None or len(seq.out_ids) >= req.max_tokens:
-                if ahead is not None:
-                    c.experts.discard(ahead.pass_no)
-                break
-            step = ahead or self.launch(seq, mx.array([tok], dtype=mx.uint32))
-
-    def accept(self, seq: Sequence, tok: int, emit) -> None:
+    def accept(self, seq: Sequence, tok: int) -> None:
         c, req = self.compute, seq.req
         # The stand-in's zero logits say nothing: its length is max_tokens, whatever token 0 is.
         if tok in c.tokenizer.eos_ids and not c.standin:
@@ -703,8 +837,18 @@ class Scheduler:
             cut = seq.text.index(hit)
             piece = piece[:max(0, len(piece) - (len(seq.text) - cut))]
             seq.text, seq.finish = seq.text[:cut], "stop"
-        if emit and piece:
-            emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=piece))
+        if seq.emit and piece:
+            seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=piece))
+
+    def stats(self) -> dict:
+        steps, rows = self.counters.get("steps"), self.counters.get("rows")
+        tokens, nbytes = self.counters.get("decode_tokens"), self.counters.get("decode_bytes")
+        return {"max_batch": self.max_batch, "active": len(self.active), "prefilling": len(self.filling),
+                "steps": int(steps), "rows": int(rows), "max_rows": self.max_rows,
+                "mean_size": rows / steps if steps else None,
+                "decode_tokens": int(tokens), "decode_expert_bytes": int(nbytes),
+                "expert_bytes_per_token": nbytes / tokens if tokens else None,
+                "kv_used_bytes": self.kv_used, "kv_peak_bytes": self.kv_peak, "kv_pool_bytes": self.kv_pool}
 
 
 class Compute:
@@ -736,7 +880,6 @@ class Compute:
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source
-        self.scheduler = Scheduler(self)
         self.counters = Counter()
         self.forward_latency = Latency()
         self.recorder = None
@@ -744,6 +887,16 @@ class Compute:
         self.trace_path = (config.get("runtime") or {}).get("record_trace") or None
         if self.trace_path:
             self.recorder = TraceRecorder(store.n_experts)
+        # Decoding together needs the gate's own routing per row: a recorded trace is kept per
+        # request, a replayed one and the stand-in route by pass, so those run one at a time.
+        max_batch = int(cc.get("max_batch", 1))
+        if self.recorder is not None or self.standin or self.routing.mode != "gate":
+            max_batch = 1
+        # The KV reserve (runtime/budget.py) in the itemsize the budget assumed for it.
+        itemsize = ITEMSIZE.get(str(cc["dtype"])) or 4
+        self.kv_token_bytes = kv_bytes_per_token(store.config, itemsize)
+        kv_pool = self.kv_token_bytes * kv_reserve_tokens(self.max_context, int(cc.get("kv_tokens", 0)))
+        self.scheduler = Scheduler(self, max_batch, kv_pool)
 
     def warm_up(self) -> None:
         """One pass with zero-filled expert weights before "ready": a GPU backend sets up its
@@ -801,10 +954,15 @@ class Compute:
         self.request_rows = []
 
     def abandon(self) -> None:
-        """After a failed request: passes left half-built are dropped, the router's pins go."""
+        """After a failed or cancelled request: passes left half-built are dropped, the router's
+        pins go. Not the pass launched early for sequences still decoding (it advanced their
+        caches), and the pins only once none decodes."""
+        ahead = self.scheduler.ahead
         for p in list(self.experts.passes):
-            self.experts.discard(p)
-        self.source.release()
+            if ahead is None or p != ahead.pass_no:
+                self.experts.discard(p)
+        if not self.scheduler.busy():
+            self.source.release()
 
     def _check_ids(self, ids, extra: int = 0) -> None:
         if not ids:
@@ -829,7 +987,9 @@ class Compute:
         self._end_request(name)
         return out
 
-    def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:
+    def start(self, req: M.Generate, emit=None) -> Sequence:
+        """A checked request as a sequence ready for the scheduler (`Scheduler.fits`/`add`);
+        RequestError (or PromptTooLong) where the request itself is wrong."""
         t_request = time.perf_counter()
         if req.token_ids is not None:
             ids = list(req.token_ids)
@@ -841,49 +1001,57 @@ class Compute:
             raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
         self._check_ids(ids, req.max_tokens)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
-        seq = Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
-                       decoder=StreamDecoder(self.tokenizer), stops=[s for s in (req.stop or []) if s])
-        split0 = self._split()
+        return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
+                        decoder=StreamDecoder(self.tokenizer), stops=[s for s in (req.stop or []) if s],
+                        emit=emit, t_request=t_request,
+                        kv_bytes=self.kv_token_bytes * sequence_kv_tokens(len(ids) + req.max_tokens))
+
+    def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:
+        """One request alone, to its end (in-process callers; the process decodes several
+        together through the scheduler). between_tokens: called between steps; a true result
+        stops the sequence with finish "cancelled"."""
+        seq = self.start(req, emit)
+        sched = self.scheduler
+        if sched.busy():
+            raise RuntimeError("generate runs one request alone; the scheduler is busy")
         self._begin_request()
-        t0 = time.perf_counter()
-        # As mlx-lm's generate_step: every prompt token but the last in prefill passes, the last
-        # one alone, as the first decode-shaped pass. A GPU picks its matmul kernels by row
-        # count, so sampling from the last row of a many-row pass rounds differently (CUDA,
-        # bfloat16) from the one-row pass mlx-lm samples from.
-        head = ids[:-1] if req.max_tokens > 0 else ids
-        for i in range(0, len(head), self.prefill_chunk):
-            self.forward(head[i:i + self.prefill_chunk], seq.cache)
-        first = None
-        if req.max_tokens > 0:
-            first = self.scheduler.launch(seq, mx.array(ids[-1:], dtype=mx.uint32), phase="prefill")
-            mx.eval(first.token)
-        t_prefill = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        split1 = self._split()
-        loop0 = dict(self.scheduler.loop)
-        if first is not None:
-            self.scheduler.run(seq, first, emit, between_tokens, t_request)
-        t_decode = time.perf_counter() - t1
-        out_ids = seq.out_ids
+        sched.add(seq)
+        while seq.t_end is None:
+            sched.step()
+            if seq.error is not None:
+                raise seq.error
+            if seq.t_end is None and between_tokens and between_tokens():
+                sched.leave(seq, "cancelled")  # a cancel arrived meanwhile
+        return self.done(seq)
+
+    def done(self, seq: Sequence) -> M.Done:
+        """A finished sequence's answer and stats. Decoded together with others, the stage split
+        (ipc/wait/prepare) covers the steps it was part of, shared with them."""
+        split0, loop0 = seq.marks["start"]
+        split1, loop1 = seq.marks.get("first", (self._split(), dict(self.scheduler.loop)))
+        t_add = split0["t"]
+        t_first = seq.t_first if seq.t_first is not None else seq.t_end
+        t_prefill, t_decode = t_first - t_add, seq.t_end - t_first
+        out_ids, ids = seq.out_ids, seq.prompt
         n_decode = max(0, len(out_ids) - 1)  # the first token comes from the prefill pass
+        split2 = self._split()
         stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
                  "prefill_s": t_prefill, "decode_s": t_decode,
                  "prefill_tok_s": len(ids) / t_prefill if t_prefill else None,
                  "decode_tok_s": n_decode / t_decode if n_decode and t_decode else None,
                  "ttft_s": seq.ttft_s,
-                 **{f"{k}_s": v - split0[k] for k, v in self._split().items() if k in ("ipc", "wait", "prepare")},
+                 **{f"{k}_s": v - split0[k] for k, v in split2.items() if k in ("ipc", "wait", "prepare")},
                  "bench_mode": self.bench_mode}
         stats["total_s"] = t_prefill + t_decode
         stats["compute_s"] = max(0.0, stats["total_s"] - stats["ipc_s"] - stats["wait_s"] - stats["prepare_s"])
         # The decode phase alone (the benchmark's time per token): its stage split, expert uses,
         # hits, bytes the misses read, and what this process itself read from disk (the mmap
         # baseline's page faults; the loader reads in its own process).
-        split2 = self._split()
-        decode = {k: split2[k] - split1[k] for k in split2}
+        decode = {k: split2[k] - split1[k] for k in split2 if k != "t"}
         decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare", "sync")},
                   **decode}
         decode["compute_s"] = max(0.0, t_decode - decode["ipc_s"] - decode["wait_s"] - decode["prepare_s"])
-        decode["loop"] = {f"{k}_s": v - loop0[k] for k, v in self.scheduler.loop.items()}
+        decode["loop"] = {f"{k}_s": v - loop1[k] for k, v in self.scheduler.loop.items()}
         stats["decode"] = decode
         self.counters.add("requests")
         self.counters.add("prompt_tokens", len(ids))
@@ -891,14 +1059,14 @@ class Compute:
         self.counters.add("prefill_s", t_prefill)
         self.counters.add("decode_s", t_decode)
         self.counters.add("decode_tokens", n_decode)
-        self._end_request(str(req.id))
-        return M.Done(id=req.id, text=seq.text, token_ids=out_ids, finish_reason=seq.finish or "length",
+        self._end_request(str(seq.req.id))
+        return M.Done(id=seq.req.id, text=seq.text, token_ids=out_ids, finish_reason=seq.finish or "length",
                       stats=stats)
 
     def _split(self) -> dict:
         e = self.experts
         disk = _disk_read_bytes()
-        return {"ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
+        return {"t": time.perf_counter(), "ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
                 "uses": e.counters.get("uses"), "hits": e.counters.get("hits"),
                 "miss_bytes": e.counters.get("miss_bytes"), "disk_read_bytes": disk or 0}
 
@@ -920,7 +1088,7 @@ class Compute:
                                 **({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
                                     "fills": tier.fills} if tier else {})},
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
-                "bench_mode": self.bench_mode}
+                "batch": self.scheduler.stats(), "bench_mode": self.bench_mode}
 
 
 def _disk_read_bytes() -> int | None:
@@ -1024,66 +1192,72 @@ class Queued:
     arrived: float
     cancelled: bool = False
     started: int = 0     # the queue's event number when it started running
+    seq: object = None   # its Sequence, once checked (kept while it waits for room)
 
 
 class RequestQueue:
-    """compute's requests in arrival order: one runs, at most `max_waiting` wait behind it, more
-    are refused (QueueFull). The supervisor admits at most 1 + compute.max_queue requests in
-    flight, so this bound is its second line (and the one in-process callers meet). A request is
-    named by (client, id): ids are each client's own."""
+    """compute's requests in arrival order: up to `max_batch` run (decoded together), at most
+    `max_waiting` more wait behind them, more are refused (QueueFull). The supervisor admits at
+    most max_batch + compute.max_queue requests in flight, so this bound is its second line (and
+    the one in-process callers meet). A request is named by (client, id): ids are each
+    client's own."""
 
-    def __init__(self, max_waiting: int):
-        self.max_waiting = max_waiting
+    def __init__(self, max_waiting: int, max_batch: int = 1):
+        self.max_waiting, self.max_batch = max_waiting, max_batch
         self.waiting: deque[Queued] = deque()
-        self.running: Queued | None = None
+        self.running: list[Queued] = []
         self.counters = Counter()
         self.wait = Latency()
-        # Starts and ends numbered in one sequence: a request's [start, end] never encloses
-        # another's (Done.stats["order"] shows it to clients and tests).
+        # Starts and ends numbered in one sequence (Done.stats["order"]): with max_batch 1 a
+        # request's [start, end] never encloses another's.
         self.events = itertools.count(1)
 
     def add(self, client: bytes, req) -> Queued:
-        # One more than max_waiting when none runs: the request added now starts at once.
-        if len(self.waiting) + (self.running is not None) > self.max_waiting:
+        # Free batch places count as room: a request added then starts at the next step.
+        if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_batch:
             self.counters.add("refused")
-            raise QueueFull(f"{len(self.waiting)} requests wait behind the running one "
-                            f"(compute.max_queue={self.max_waiting}); retry later")
+            raise QueueFull(f"{len(self.waiting)} requests wait behind {len(self.running)} running "
+                            f"(compute.max_queue={self.max_waiting}, max_batch={self.max_batch}); retry later")
         item = Queued(client, req, time.perf_counter())
         self.waiting.append(item)
         self.counters.add("queued")
         return item
 
     def next(self) -> Queued | None:
-        """The oldest waiting request, now the running one (until `finish`)."""
+        """The oldest waiting request, now a running one (until `finish`)."""
         if not self.waiting:
             return None
-        item = self.running = self.waiting.popleft()
+        item = self.waiting.popleft()
+        self.running.append(item)
         item.started = next(self.events)
         self.wait.add(time.perf_counter() - item.arrived)
         return item
 
-    def finish(self) -> None:
-        self.running = None
+    def finish(self, item: Queued | None = None) -> None:
+        """The request ended (None: every running one)."""
+        if item is None:
+            self.running.clear()
+        elif item in self.running:
+            self.running.remove(item)
 
     def cancel(self, client: bytes, rid: int) -> Queued | None:
-        """A waiting request leaves the queue and is returned, for the caller to answer; the
-        running one is marked (its loop stops at the next token, and answers itself); None
-        either way when it is not waiting (finished already, or unknown)."""
+        """A waiting request leaves the queue and is returned, for the caller to answer; a
+        running one is marked (its loop stops it at the next step, and answers it); None either
+        way when it is not waiting (finished already, or unknown)."""
         for item in self.waiting:
             if item.client == client and item.req.id == rid:
                 self.waiting.remove(item)
                 self.counters.add("cancelled_waiting")
                 return item
-        r = self.running
-        if r is not None and r.client == client and r.req.id == rid and not r.cancelled:
-            r.cancelled = True
-            self.counters.add("cancelled_running")
+        for r in self.running:
+            if r.client == client and r.req.id == rid and not r.cancelled:
+                r.cancelled = True
+                self.counters.add("cancelled_running")
         return None
 
     def stats(self) -> dict:
-        return {"waiting": len(self.waiting), "max_queue": self.max_waiting,
-                "running": self.running is not None, **self.counters.snapshot(),
-                "wait": self.wait.summary()}
+        return {"waiting": len(self.waiting), "max_queue": self.max_waiting, "max_batch": self.max_batch,
+                "running": len(self.running), **self.counters.snapshot(), "wait": self.wait.summary()}
 
 
 def run_compute_process(run_dir: str) -> None:
@@ -1107,7 +1281,10 @@ def run_compute_process(run_dir: str) -> None:
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0,
                                    experts_cls=self.dist.experts_cls if self.dist else None)
-            self.queue = RequestQueue(int(self.config["compute"]["max_queue"]))
+            if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
+                self.compute.scheduler.max_batch = 1
+            self.queue = RequestQueue(int(self.config["compute"]["max_queue"]),
+                                      self.compute.scheduler.max_batch)
             self.in_request = False
             if mx.default_device().type == mx.DeviceType.gpu:
                 # GPU backends set up kernels and host buffers on first use; on the CPU backend
@@ -1166,18 +1343,100 @@ def run_compute_process(run_dir: str) -> None:
             send(self.control, M.Forward(client=client, payload=M.encode(msg)))
 
         def serve_queue(self) -> None:
+            """Until nothing runs or waits: admit what fits, one scheduler step (one decode pass
+            over every running sequence, one prefill chunk), answer what finished, then the
+            control channel (stats, new requests, cancels) before the next step."""
+            if self.dist is not None:
+                return self.serve_in_step()
+            self.in_request = True
+            sched = self.compute.scheduler
+            try:
+                while True:
+                    self.admit()
+                    if not sched.busy():
+                        break
+                    for seq in sched.step(joining=bool(self.queue.waiting)):
+                        self.answer_seq(seq)
+                    self.poll_control()
+                    for seq in list(sched.filling) + list(sched.active):
+                        if seq.owner.cancelled or not self.running:
+                            sched.leave(seq, "cancelled")
+                            self.answer_seq(seq)
+            finally:
+                self.in_request = False
+
+        def serve_in_step(self) -> None:
+            """[distributed]: one request at a time, every rank running it in step with rank 0
+            (workers/distributed.py `Lockstep.lead`); no batch, no pass launched ahead."""
             self.in_request = True
             try:
                 while self.running and (item := self.queue.next()) is not None:
-                    try:
-                        if item.cancelled:  # cancelled between leaving the queue and starting
-                            self.answer_cancelled(item)
-                        else:
-                            self.answer(item)
-                    finally:
-                        self.queue.finish()
+                    if item.cancelled:  # cancelled between leaving the queue and starting
+                        self.queue.finish(item)
+                        self.answer_cancelled(item)
+                    elif isinstance(item.req, M.Generate):
+                        self.answer_in_step(item)
+                    else:
+                        self.answer_logits(item, in_step=True)
             finally:
                 self.in_request = False
+
+        def answer_in_step(self, item: Queued) -> None:
+            req, client = item.req, item.client
+            queue_s = time.perf_counter() - item.arrived
+            emit = (lambda m: self.reply(client, m)) if req.stream else None
+
+            def between_tokens() -> bool:
+                # the supervisor's messages meanwhile: stats, new requests (queued), cancels
+                self.poll_control()
+                return item.cancelled or not self.running
+            try:
+                req, between_tokens = self.dist.lead(req, between_tokens)
+                done = self.compute.generate(req, emit=emit, between_tokens=between_tokens)
+                done.stats["queue_s"] = queue_s  # the request's own times exclude its wait
+                done.stats["order"] = [item.started, next(self.queue.events)]
+                if done.finish_reason == "cancelled":
+                    self.compute.abandon()  # the router's pins go; the KV cache went with the sequence
+                    self.compute.counters.add("cancelled")
+                self.reply(client, done)
+            except (RequestError, ExpertUnavailable, PromptTooLong) as e:
+                self.compute.abandon()
+                self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
+                self.dist.after_error(e)
+            except Exception as e:  # the model raised: report it and keep serving
+                self.compute.abandon()
+                self.reply(client, M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
+                self.dist.after_error(e)
+            finally:
+                self.queue.finish(item)
+
+        def admit(self) -> None:
+            """Waiting requests start in arrival order while the batch has room for them (a
+            place and their KV cache); a logits request runs at once, whole."""
+            sched = self.compute.scheduler
+            while self.running and self.queue.waiting:
+                item = self.queue.waiting[0]
+                req = item.req
+                if isinstance(req, M.Generate) and item.seq is None:
+                    emit = (lambda m, c=item.client: self.reply(c, m)) if req.stream else None
+                    try:
+                        item.seq = self.compute.start(req, emit)
+                    except (RequestError, PromptTooLong) as e:
+                        self.queue.waiting.popleft()
+                        self.reply(item.client, M.Error(id=req.id, code=e.code, message=str(e)))
+                        continue
+                    item.seq.owner = item
+                if item.seq is not None and not sched.fits(item.seq):
+                    return  # waits for a sequence to finish (FIFO: none overtakes it)
+                if item.seq is None and sched.busy():
+                    return  # a logits request runs alone, once the batch has drained
+                self.queue.next()
+                if item.seq is not None:
+                    if not sched.busy():
+                        self.compute._begin_request()
+                    sched.add(item.seq)
+                else:
+                    self.answer_logits(item)
 
         def answer_cancelled(self, item: Queued) -> None:
             """A request cancelled before it started: nothing to free."""
@@ -1191,32 +1450,36 @@ def run_compute_process(run_dir: str) -> None:
                 self.reply(item.client, M.Error(id=req.id, code="cancelled",
                                                 message="cancelled before it started"))
 
-        def answer(self, item: Queued) -> None:
+        def answer_seq(self, seq: Sequence) -> None:
+            """A sequence that left the batch: its Done, or its error."""
+            item = seq.owner
+            self.queue.finish(item)
             req, client = item.req, item.client
-            queue_s = time.perf_counter() - item.arrived
-            emit = (lambda m: self.reply(client, m)) if getattr(req, "stream", False) else None
+            if seq.error is not None:
+                e = seq.error
+                code = getattr(e, "code", None) if isinstance(e, (RequestError, ExpertUnavailable)) else None
+                msg = str(e) if code else f"{type(e).__name__}: {e}"
+                return self.reply(client, M.Error(id=req.id, code=code or "internal", message=msg))
+            done = self.compute.done(seq)
+            done.stats["queue_s"] = seq.marks["start"][0]["t"] - item.arrived  # its own times exclude its wait
+            done.stats["order"] = [item.started, next(self.queue.events)]
+            if done.finish_reason == "cancelled":
+                self.compute.counters.add("cancelled")
+                self.compute.abandon()  # the router's pins go; the KV cache went with the sequence
+            self.reply(client, done)
 
-            def between_tokens() -> bool:
-                # the supervisor's messages meanwhile: stats, new requests (queued), cancels
-                self.poll_control()
-                return item.cancelled or not self.running
+        def answer_logits(self, item: Queued, in_step: bool = False) -> None:
+            req, client = item.req, item.client
             try:
-                if self.dist is not None:  # the other ranks run it too, in step
-                    req, between_tokens = self.dist.lead(req, between_tokens)
-                if isinstance(req, M.Generate):
-                    done = self.compute.generate(req, emit=emit, between_tokens=between_tokens)
-                    done.stats["queue_s"] = queue_s  # the request's own times exclude its wait
-                    done.stats["order"] = [item.started, next(self.queue.events)]
-                    if done.finish_reason == "cancelled":
-                        self.compute.abandon()  # the router's pins go; the KV cache went with the sequence
-                        self.compute.counters.add("cancelled")
-                    self.reply(client, done)
-                else:
-                    arr = self.compute.logits(list(req.token_ids), name=str(req.id))
-                    # msgpack packs the array's memory as it is: no tobytes() copy
-                    self.reply(client, M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
-                                                      data=memoryview(np.ascontiguousarray(arr, np.float32)).cast("B")))
-                    del arr
+                if item.cancelled:
+                    return self.answer_cancelled(item)
+                if in_step:  # the other ranks run it too
+                    req, _ = self.dist.lead(req, lambda: False)
+                arr = self.compute.logits(list(req.token_ids), name=str(req.id))
+                # msgpack packs the array's memory as it is: no tobytes() copy
+                self.reply(client, M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
+                                                  data=memoryview(np.ascontiguousarray(arr, np.float32)).cast("B")))
+                del arr
             except (RequestError, ExpertUnavailable, PromptTooLong) as e:
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
@@ -1227,6 +1490,8 @@ def run_compute_process(run_dir: str) -> None:
                 self.reply(client, M.Error(id=req.id, code="internal", message=f"{type(e).__name__}: {e}"))
                 if self.dist is not None:
                     self.dist.after_error(e)
+            finally:
+                self.queue.finish(item)
 
         def stats(self):
             out = {**self.compute.stats(), "queue": self.queue.stats()}

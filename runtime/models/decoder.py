@@ -137,6 +137,29 @@ class MoETransformer:
         h = rms_norm(h, self.final_norm, self.eps)
         return self.head(h)[0].astype(mx.float32)
 
+    def forward_batch(self, tokens, caches: list, experts=None):
+        """One decode step of B sequences: tokens int [B] (one per sequence), caches[b] that
+        sequence's cache (each advanced by 1) -> float32 logits [B, vocab].
+
+        Everything per row (embedding, norms, MoE and dense MLPs, head) runs on the B rows
+        stacked, so each MoE layer calls the provider once with all of them (one union of
+        experts). Attention alone runs per sequence, on its own row, rope offset and cache. B=1
+        is the single-sequence pass itself, so a request alone keeps its numerics."""
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
+        tokens = tokens.reshape(-1)
+        if len(caches) == 1:
+            return self(tokens, caches[0], experts)
+        if self.moe_layers and experts is None:
+            raise ValueError("this model has routed experts: pass an ExpertProvider")
+        # [B, 1, D]: each sequence's row keeps the [1, 1, D] shape its own pass would give it
+        h = self.embed.lookup(tokens.reshape(-1, 1))
+        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
+            x = rms_norm(h, in_norm, self.eps)
+            h = h + mx.concatenate([attn(x[b:b + 1], None, c[i]) for b, c in enumerate(caches)], axis=0)
+            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+        h = rms_norm(h, self.final_norm, self.eps)
+        return self.head(h)[:, 0].astype(mx.float32)
+
 
 class GQAModel(MoETransformer):
     """Skeleton with grouped-query attention (Mixtral, Qwen-MoE, OLMoE); subclasses set the MoE."""
