@@ -15,6 +15,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import _posixshmem
@@ -134,6 +135,8 @@ class RunDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+FRESH_RUN_S = 60.0  # a run directory younger than this without run.json is still being made
+
 def sweep_stale_runs(root: Path | None = None) -> list[str]:
     """Unlinks the segments and socket files and removes the directories of runs whose
     supervisor is gone. A socket file a live run records (the same path reused) stays."""
@@ -147,6 +150,14 @@ def sweep_stale_runs(root: Path | None = None) -> list[str]:
             info = json.loads((run / "run.json").read_text())
         except (OSError, json.JSONDecodeError):
             info = None
+        if info is None:
+            # A directory another supervisor made an instant ago has no run.json yet (two trees
+            # starting together, e.g. the ranks of one mlx.launch): only an old one is stale.
+            try:
+                if time.time() - run.stat().st_mtime < FRESH_RUN_S:
+                    continue
+            except OSError:
+                continue
         runs.append((run, info, info is not None and pid_alive(int(info.get("pid", 0)))))
     live_files = {f for _, info, alive in runs if alive for f in info.get("files", [])}
     for run, info, alive in runs:

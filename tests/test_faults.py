@@ -247,3 +247,21 @@ def test_parent_watch_ends_a_worker_busy_in_mlx():
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_sweep_spares_a_run_directory_still_being_made(tmp_path):
+    """Two supervisors starting together (the ranks of one mlx.launch): one's sweep must not
+    take the directory the other made an instant ago, before its run.json exists; an old
+    directory without run.json, or one whose owner is gone, is swept."""
+    import os
+    import time
+
+    from deltafin.runtime.shm import FRESH_RUN_S, sweep_stale_runs
+    fresh, old, dead = tmp_path / "fresh", tmp_path / "old", tmp_path / "dead"
+    for d in (fresh, old, dead):
+        d.mkdir()
+    (dead / "run.json").write_text('{"pid": 999999999, "segments": [], "files": []}')
+    past = time.time() - FRESH_RUN_S - 5
+    os.utime(old, (past, past))
+    sweep_stale_runs(tmp_path)
+    assert fresh.exists() and not old.exists() and not dead.exists()

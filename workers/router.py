@@ -447,7 +447,12 @@ def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
     """The router of a store from the config's [cache] section, resident slots per record-layout
     group and staging slots: what the router process and in-process tools both build."""
     from deltafin.runtime.tiers import layer_groups
-    router = Router(resident, cache.get("policy", "lru"), n_staging=n_staging, groups=layer_groups(store),
+    policy = cache.get("policy", "lru")
+    if sum(resident.values()) >= len(store.moe_layers) * store.n_experts:
+        # Every expert fits: nothing is ever evicted or prefetched, so no policy needs the
+        # predictor's bookkeeping on every use; LRU's is the cheapest.
+        policy = "lru"
+    router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store),
                     moe_layers=store.moe_layers, n_experts=store.n_experts,
                     prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
     if cache.get("routing_history") and router.predictor is not None:
