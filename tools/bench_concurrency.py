@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deltafin.client import Client
 from deltafin.protocol import messages as M
+from deltafin.runtime.config import parse_size
 from deltafin.runtime.store import Store
 
 
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--store", default=str(Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache/deltafin"))
                                           / "demo-store"))
     p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--memory-budget", help="the tree's budget (default: what the slots need on the CPU); "
+                                           "--slot-frac still bounds the slots")
     p.add_argument("--slot-frac", type=float, default=0.5, help="resident expert slots as a share of all")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=48)
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     store = Store(a.store)
     VOCAB[0] = int(store.config["vocab_size"])
     n_slots = max(store.top_k * 2, int(len(store.records) * a.slot_frac))
-    budget = plan_budget_for_slots(store, n_slots, a.max_context, a.dtype)
+    # a GPU backend's process tree is larger than the CPU estimate: --memory-budget gives it
+    budget = parse_size(a.memory_budget) if a.memory_budget else plan_budget_for_slots(store, n_slots, a.max_context, a.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "c.toml"
         # every level runs at once; the KV reserve holds them all
