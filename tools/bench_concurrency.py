@@ -73,6 +73,11 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
         b1, l1 = _compute(w)["batch"], _loader_bytes(w)
     ok = [d for d in done if d is not None]
     tokens = sum(len(r.token_ids) for _, r in ok)
+    # a first token whose text is empty (a synthetic tokenizer's partial bytes) sends no piece:
+    # then compute's own time to first token stands in for the client's
+    for i, d in enumerate(done):
+        if first[i] is None and d is not None and d[1].stats.get("ttft_s") is not None:
+            first[i] = t_send + d[1].stats["ttft_s"] + d[1].stats.get("queue_s", 0.0)
     t_first = min(f for f in first if f is not None)
     t_end = max(t for t, _ in ok)
     dec_tokens = b1["decode_tokens"] - b0["decode_tokens"]
@@ -96,13 +101,16 @@ def ttft(ep: str, busy: int, prompt_tokens: int, timeout: float, rounds: int) ->
         streams = [c.stream(_prompt(100 + i, prompt_tokens), max_tokens=200) for i, c in enumerate(others)]
         try:
             for s in streams:
-                next(s)  # each is decoding
+                next(s, None)  # each is decoding (or, its text all empty so far, done)
             with Client(ep, timeout=timeout) as c:
                 t0 = time.perf_counter()
                 s = c.stream(_prompt(50 + r, prompt_tokens), max_tokens=4)
-                next(s)
-                out.append(time.perf_counter() - t0)
+                got = next(s, None)
+                t1 = time.perf_counter()
                 list(s)
+                if got is None:  # no text piece at all: compute's own time to first token
+                    t1 = t0 + s.result.stats.get("ttft_s", 0.0) + s.result.stats.get("queue_s", 0.0)
+                out.append(t1 - t0)
         finally:
             for s in streams:
                 s.cancel()
