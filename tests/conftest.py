@@ -1,6 +1,7 @@
 """Shared fixtures: tiny stores per architecture, and the no-leftovers check after every test."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -107,3 +108,12 @@ def mlx_lm_stores(tmp_path_factory):
             cache[arch] = (q, out)
         return cache[arch]
     return get
+
+
+def config_flags(tmp_path, **sections) -> list[str]:
+    """`--config FILE` flags for a supervisor: a TOML file in tmp_path with the given sections."""
+    text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
+                   for s, kv in sections.items())
+    path = tmp_path / "deltafin.toml"
+    path.write_text(text)
+    return ["--config", str(path)]

@@ -16,17 +16,10 @@ import pytest
 from deltafin.client import Client
 from deltafin.protocol import messages as M
 from deltafin.tools.run import running_supervisor
+from conftest import config_flags  # noqa: E402
 
 BIG = "4GiB"
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [100, 200, 300, 400], [5, 6]]
-
-
-def _config(tmp_path, **sections) -> list[str]:
-    text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
-                   for s, kv in sections.items())
-    path = tmp_path / "deltafin.toml"
-    path.write_text(text)
-    return ["--config", str(path)]
 
 
 def _compute(stats: dict) -> dict:
@@ -182,7 +175,7 @@ def test_the_kv_reserve_bounds_the_requests_decoded_together(tiny_stores, tmp_pa
     """max_context 512 reserves 512 KV positions; each request here is charged 256 (prompt +
     max_tokens rounded up to the cache's step): two run at once, the others wait their turn,
     and every one still gives its tokens alone."""
-    cfg = _config(tmp_path, compute={"max_context": 512})
+    cfg = config_flags(tmp_path, compute={"max_context": 512})
     prompts = PROMPTS + [[9, 9, 9]]
     with running_supervisor(tiny_stores("mixtral"), BIG, cfg) as (ep, _):
         with Client(ep, timeout=120) as c:

@@ -23,7 +23,7 @@ import pytest
 
 from deltafin.client import Client, RequestError, RuntimeDeadError
 from deltafin.runtime.store import Store
-from deltafin.tools.run import StartError, _await_ready, running_supervisor
+from deltafin.tools.run import StartError, _await_ready, reap, running_supervisor
 
 mx = pytest.importorskip("mlx.core")
 
@@ -101,13 +101,7 @@ def ranks(store, tmp: Path, n: int = 2, extra: list[str] | None = None, per_rank
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-            if p.stdout:
-                p.stdout.close()
+            reap(p, 20)
         for log in logs:
             log.close()
 

@@ -7,7 +7,6 @@ The conftest checks that no process or segment is left behind."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 
@@ -16,17 +15,10 @@ import pytest
 from deltafin.client import Client, RequestError, RuntimeBusy
 from deltafin.protocol import messages as M
 from deltafin.tools.run import running_supervisor
+from conftest import config_flags  # noqa: E402
 
 BIG = "4GiB"
 LONG = [100, 200, 300, 400]   # a prompt the tiny store does not stop early on (as tests/test_protocol.py)
-
-
-def _config(tmp_path, **sections) -> list[str]:
-    text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
-                   for s, kv in sections.items())
-    path = tmp_path / "deltafin.toml"
-    path.write_text(text)
-    return ["--config", str(path)]
 
 
 def _await_in_flight(watcher: Client, n: int, timeout: float = 30.0) -> None:
@@ -96,7 +88,7 @@ def test_requests_run_one_at_a_time_in_arrival_order(tiny_stores, tmp_path):
     """Two clients' requests sent while a third generates wait their turn, in arrival order, and
     none runs inside another (compute's [start, end] event numbers never overlap); each one's
     answer is the one it gets alone and its stats time excludes its wait (queue_s)."""
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_batch": 1})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, config_flags(tmp_path, compute={"max_batch": 1})) as (ep, _):
         with Client(ep, timeout=120) as a, Client(ep, timeout=120) as b, \
                 Client(ep, timeout=120) as c, Client(ep, timeout=120) as watcher:
             alone_b = b.generate([1, 2, 3], max_tokens=8).token_ids
@@ -126,7 +118,7 @@ def test_requests_run_one_at_a_time_in_arrival_order(tiny_stores, tmp_path):
 
 
 def test_a_full_queue_is_refused_at_once_with_queue_full(tiny_stores, tmp_path):
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 1, "max_batch": 1})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, config_flags(tmp_path, compute={"max_queue": 1, "max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as a, Client(ep, timeout=60) as b, Client(ep, timeout=60) as c:
             running = a.stream(LONG, max_tokens=1500)
             next(running)
@@ -144,7 +136,7 @@ def test_a_full_queue_is_refused_at_once_with_queue_full(tiny_stores, tmp_path):
 
 
 def test_cancel_removes_a_queued_request_and_stops_a_running_one(tiny_stores, tmp_path):
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_batch": 1})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, config_flags(tmp_path, compute={"max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as a, Client(ep, timeout=60) as b:
             before = b.generate(LONG, max_tokens=12).token_ids
             running = a.stream(LONG, max_tokens=1500)
@@ -201,7 +193,7 @@ def test_a_client_that_vanishes_mid_stream_has_its_request_cancelled(tiny_stores
 
 
 def test_a_100_mb_prompt_is_refused_before_tokenizing_while_another_client_is_served(tiny_stores, tmp_path):
-    cfg = _config(tmp_path, runtime={"max_request_bytes": "128MiB"})
+    cfg = config_flags(tmp_path, runtime={"max_request_bytes": "128MiB"})
     with running_supervisor(tiny_stores("deepseek_v2"), BIG, cfg) as (ep, _):
         with Client(ep, timeout=60) as big, Client(ep, timeout=60) as other:
             ref = other.generate("hello there", max_tokens=6).token_ids
@@ -255,7 +247,7 @@ def _send_many(c: Client, n: int, max_tokens: int) -> dict:
 def test_hundreds_of_requests_from_one_client_queue_and_never_nest(tiny_stores, tmp_path):
     """Once, ~245 requests in flight from one client ended in RecursionError (each ran inside
     the one before): now 300 wait their turn and all get their answer."""
-    with running_supervisor(tiny_stores("deepseek_v2"), BIG, _config(tmp_path, compute={"max_queue": 300, "max_batch": 1})) as (ep, _):
+    with running_supervisor(tiny_stores("deepseek_v2"), BIG, config_flags(tmp_path, compute={"max_queue": 300, "max_batch": 1})) as (ep, _):
         with Client(ep, timeout=60) as c:
             ref = c.generate([1, 2, 3], max_tokens=2).token_ids
             finals = _send_many(c, 300, 2)

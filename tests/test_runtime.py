@@ -12,21 +12,13 @@ import psutil
 import pytest
 import zmq
 
-from conftest import ARCHS, deltafin_processes, deltafin_segments
+from conftest import ARCHS, deltafin_processes, deltafin_segments, config_flags
 from deltafin.client import Client, RequestError, RuntimeDeadError, RuntimeUnavailable
 from deltafin.protocol import messages as M
 from deltafin.runtime.store import Store
 from deltafin.tools.run import StartError, running_supervisor
 
 BIG = "4GiB"
-
-
-def _config(tmp_path, **sections) -> list[str]:
-    text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
-                   for s, kv in sections.items())
-    path = tmp_path / "deltafin.toml"
-    path.write_text(text)
-    return ["--config", str(path)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -82,7 +74,7 @@ def test_greedy_tokens_identical_across_budgets(tmp_path):
     prompt = "the quick brown fox jumps over the lazy dog"
     results = {}
     for name, slots in (("all", 0), ("two_layers", two_layers), ("one_token", store.top_k)):
-        with running_supervisor(store_path, BIG, _config(tmp_path, cache={"max_slots": slots})) as (ep, _):
+        with running_supervisor(store_path, BIG, config_flags(tmp_path, cache={"max_slots": slots})) as (ep, _):
             with Client(ep, timeout=60) as c:
                 results[name] = (c.generate(prompt, max_tokens=16).token_ids, c.stats())
     assert results["all"][0] == results["two_layers"][0] == results["one_token"][0]
@@ -104,7 +96,7 @@ def test_greedy_tokens_identical_across_budgets_many_layers(tmp_path):
     assert convert.main([str(src), str(out), "--no-progress"]) == 0
     logits = {}
     for slots in (0, 32):
-        with running_supervisor(out, BIG, _config(tmp_path, cache={"max_slots": slots})) as (ep, _):
+        with running_supervisor(out, BIG, config_flags(tmp_path, cache={"max_slots": slots})) as (ep, _):
             with Client(ep, timeout=60) as c:
                 toks = c.generate([5, 9, 200, 31, 77], max_tokens=12).token_ids
                 logits[slots] = (toks, c.logits([5, 9, 200, 31, 77] + toks))
@@ -181,7 +173,7 @@ def test_tcp_loopback_and_bad_messages(tiny_stores):
 def test_dead_worker_is_an_error_not_a_hang(tiny_stores, tmp_path):
     """Without restarts (restart_max = 0): the request fails with the typed error naming the
     role (RuntimeUnavailable would mean the client waited out its timeout), the runtime exits 1."""
-    cfg = _config(tmp_path, runtime={"restart_max": 0})
+    cfg = config_flags(tmp_path, runtime={"restart_max": 0})
     with running_supervisor(tiny_stores("mixtral"), BIG, cfg, stderr=subprocess.PIPE) as (ep, proc):
         compute = next(k for k in psutil.Process(proc.pid).children() if "workers.compute" in " ".join(k.cmdline()))
         with Client(ep, timeout=20) as c:

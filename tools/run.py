@@ -36,13 +36,18 @@ def running_supervisor(model: str, memory_budget: str | None = None, extra: list
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if proc.stdout:
-            proc.stdout.close()
+        reap(proc, 15)
+
+
+def reap(proc: subprocess.Popen, timeout: float) -> None:
+    """Waits for a supervisor told to stop (SIGINT), killing it after timeout; closes its pipe."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+    if proc.stdout:
+        proc.stdout.close()
 
 
 def _await_ready(proc: subprocess.Popen, timeout: float) -> str:
