@@ -724,16 +724,19 @@ class Scheduler:
 
     # -- steps ----------------------------------------------------------------------------------
     def step(self, joining: bool = False) -> list[Sequence]:
-        """One decode step of the active sequences, then one prefill chunk of the oldest one
-        still prefilling (it joins the decode at the next step). joining: a request waits to
-        join, so no pass is launched early. Returns the sequences that finished in it (they left
-        already), each with `finish` set, or `error` where a pass raised."""
+        """One prefill chunk of the oldest sequence still prefilling, then one decode step of
+        the active ones. The chunk goes first so that a sequence whose prompt it completes
+        decodes in this very step: a new request's first token costs its prefill plus one
+        step, not two steps (time to first token while others decode: on the H200's demo
+        store 565 ms with the chunk after the step against 276 ms idle). joining: a request
+        waits to join, so no pass is launched early. Returns the sequences that finished in it
+        (they left already), each with `finish` set, or `error` where a pass raised."""
         done: list[Sequence] = []
         try:
-            if self.active:
-                self.decode(joining or bool(self.filling), done)
             if self.filling:
                 self.prefill_chunk(self.filling[0], done)
+            if self.active:
+                self.decode(joining or bool(self.filling), done)
         except Exception as e:  # the model or a need raised: each request is answered, serving goes on
             return done + self.fail(e)
         return done
