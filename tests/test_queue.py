@@ -154,7 +154,8 @@ def test_cancel_removes_a_queued_request_and_stops_a_running_one(tiny_stores, tm
             list(running)
             done = running.result
             assert done.finish_reason == "cancelled" and 6 <= len(done.token_ids) < 1500
-            assert done.token_ids[:12] == before       # what it produced was exact
+            n = min(len(before), len(done.token_ids))  # it may stop before 12 tokens
+            assert done.token_ids[:n] == before[:n]    # what it produced was exact
             # What it held is free: the next request runs, and gives the same tokens as before.
             assert b.generate(LONG, max_tokens=12).token_ids == before
             with pytest.raises(RequestError, match="no request") as unknown:
