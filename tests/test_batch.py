@@ -223,3 +223,5 @@ def test_the_concurrency_benchmark_reports_each_level(tiny_stores, tmp_path):
     assert [r["concurrency"] for r in report["levels"]] == [1, 2]
     assert all(r["answered"] == r["concurrency"] and r["generated_tokens"] > 0 for r in report["levels"])
     assert [t["busy"] for t in report["ttft"]] == [0, 3] and report["n_slots"] < report["experts"]
+    split = report["levels"][0]["step_split"]   # where a decode step's time went, in ms
+    assert split["total_ms"] > 0 and split["compute_ms"] <= split["total_ms"]

@@ -82,7 +82,14 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
     t_end = max(t for t, _ in ok)
     dec_tokens = b1["decode_tokens"] - b0["decode_tokens"]
     steps, rows = b1["steps"] - b0["steps"], b1["rows"] - b0["rows"]
-    return {"concurrency": n, "answered": len(ok), "generated_tokens": tokens,
+    # Where a decode step's time went (ms per step, the mean over the requests: decoded together,
+    # each request's split covers the steps it was part of, shared with the others).
+    split = {}
+    for k in ("total_s", "compute_s", "wait_s", "ipc_s", "prepare_s", "sync_s"):
+        per = [r.stats["decode"][k] / r.stats["decode"]["tokens"] for _, r in ok
+               if r.stats.get("decode", {}).get("tokens")]
+        split[k[:-2] + "_ms"] = 1e3 * statistics.mean(per) if per else None
+    return {"concurrency": n, "answered": len(ok), "generated_tokens": tokens, "step_split": split,
             "wall_s": t_end - t_send,
             "aggregate_tok_s": tokens / (t_end - t_send),
             "aggregate_decode_tok_s": (tokens - len(ok)) / (t_end - t_first) if t_end > t_first else None,
@@ -180,6 +187,10 @@ def main(argv=None) -> int:
         print(f"{r['concurrency']:>3} {r['aggregate_decode_tok_s'] or 0:>14.2f} {x:>9.2f} "
               f"{r['loader_bytes_per_token'] or 0:>13.0f} {r['decode_expert_bytes_per_token'] or 0:>13.0f} "
               f"{r['mean_batch'] or 0:>10.2f}")
+    for r in report["levels"]:
+        sp = r["step_split"]
+        print(f"n={r['concurrency']}: ms per step " + ", ".join(
+            f"{k[:-3]} {v:.1f}" for k, v in sp.items() if v is not None))
     for t in report["ttft"]:
         print(f"TTFT with {t['busy']} others decoding: median {t['ttft_s_median'] * 1e3:.0f} ms over {t['rounds']}")
     if a.json:
