@@ -35,6 +35,7 @@ DELTAFIN_MODES = {
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-whole-reads": [],  # the default, each record in one read (no chunked reads)
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
+    "deltafin-chunk-2m": [],  # the default with 2 MiB read chunks
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread, as before chunked reads.
@@ -42,6 +43,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}},
     "deltafin-whole-reads": {"loader": {"chunk_bytes": 0}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
+    "deltafin-chunk-2m": {"loader": {"chunk_bytes": 2 << 20}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")
@@ -532,7 +534,7 @@ def table(report: dict) -> str:
         lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
                      f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
         lines.append(f"{'contender':<20}{'decode':>9}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
-                     f"{'MB/tok':>8}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
+                     f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
                      f"{'peak MiB':>9}{'load':>10}")
         for name, r in rr["contenders"].items():
             if not r.get("ok"):
@@ -544,6 +546,7 @@ def table(report: dict) -> str:
                 f"{name:<20}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
                 f"{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
                 f"{fmt(r.get('hit_rate'), '{:.2f}'):>6}{fmt((r.get('bytes_read_per_token') or 0) / 1e6 if r.get('bytes_read_per_token') is not None else None, '{:.1f}'):>8}"
+                f"{fmt((r['bytes_read_per_token_all'] / 1e6) if r.get('bytes_read_per_token_all') else None, '{:.1f}'):>12}"
                 f"{fmt(r.get('stall_share'), '{:.0%}'):>7}"
                 f"{(('%.1f/%.1f' % (rd['p50_ms'], rd['p99_ms'])) if rd else '-'):>17}"
                 f"{fmt(((r.get('loader') or {}).get('need_stall') or {}).get('p50_ms'), '{:.1f}'):>14}"

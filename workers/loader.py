@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections import deque
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.directio import BLOCK, DirectFile, round_up
 from deltafin.runtime.metrics import Counter, Latency
-from deltafin.runtime.store import Store, StoreError
+from deltafin.runtime.store import Store, StoreError, crc32
 
 
 class ReadJob:
@@ -90,7 +89,7 @@ class ReadJob:
                     return False
                 off, m = self.chunks[self.crc_next]
             if self.verify:
-                self.crc = zlib.crc32(self.slot[off:off + m], self.crc)
+                self.crc = crc32(self.slot[off:off + m], self.crc)
             with self._lock:
                 self.crc_next += 1
 
