@@ -103,7 +103,7 @@ class CacheConfig:
 class LoaderConfig:
     threads: int = 4
     verify_checksums: bool = True
-    chunk_bytes: int = 1 << 20  # one read's piece of a record (0: whole records)
+    chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
 
 
 @dataclass

@@ -161,3 +161,38 @@ def test_a_short_read_fails_the_record_only_after_its_other_chunks(tmp_path, sto
     assert all(a is None for a in answers[:-1])
     assert isinstance(answers[-1], M.LoadFailed) and "truncated" in answers[-1].error
     loader.close()
+
+
+def test_the_router_marks_prefetch_reads_and_the_loader_serves_demand_first(store):
+    """End to end in-process: the router's prefetch reads carry `prefetch`, its demand reads do
+    not; queued together, the next need's demand read leaves the loader's queue first although
+    the prefetch reads were ordered before it."""
+    from deltafin.workers.router import Router
+    router = Router(8, "predictive", n_staging=6, moe_layers=[0, 1], n_experts=8,
+                    prefetch={"threshold": 0.0, "min_precision": 0.0})
+    out = router.need(1, 0, [0, 1])
+    demand = [m for _, m in out if isinstance(m, M.Read)]
+    assert demand and not any(m.prefetch for m in demand)
+    after = []
+    for m in demand:
+        after += router.loaded(M.Loaded(slot=m.slot, generation=m.generation, layer=m.layer,
+                                        expert=m.expert, read_us=1, nbytes=10))
+    pf = [m for _, m in after if isinstance(m, M.Read)]
+    assert pf and all(m.prefetch for m in pf)
+    for _, m in after:
+        if isinstance(m, M.Fill):
+            router.filled(M.Filled(staging=m.staging, generation=m.generation))
+    missed = [e for e in range(8) if e not in {m.expert for m in pf}][:1]
+    nxt = [m for _, m in router.need(2, 1, missed) if isinstance(m, M.Read)]
+    assert len(nxt) == 1 and not nxt[0].prefetch
+    pool = _pool(store, 6)
+    loader = Loader(store, memoryview(pool), store.max_record_bytes)
+    q = ReadQueue()
+    layer = store.moe_layers[0]  # the store's own layer ids; the slots and kinds are the router's
+    for m in pf + nxt:
+        q.put(loader.job(M.Read(slot=m.slot, generation=m.generation, layer=layer, expert=m.expert,
+                                prefetch=m.prefetch)))
+    first, _ = q.get(timeout=0.1)
+    assert first.order.slot == nxt[0].slot and not first.order.prefetch
+    q.close()
+    loader.close()

@@ -33,17 +33,15 @@ DELTAFIN_MODES = {
     "deltafin-sync-lru": ["--policy", "lru"],
     "deltafin-lfuda": ["--policy", "lfuda"],
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
-    "deltafin-whole-reads": [],  # the default, each record in one read (no chunked reads)
+    "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
-    "deltafin-chunk-2m": [],  # the default with 2 MiB read chunks
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread, as before chunked reads.
 DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}},
-    "deltafin-whole-reads": {"loader": {"chunk_bytes": 0}},
+    "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
-    "deltafin-chunk-2m": {"loader": {"chunk_bytes": 2 << 20}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")

@@ -1,17 +1,17 @@
 """The loader: direct reads of expert records into shared-memory slots. It never decides what to read.
 
-A record (~5 MB on DeepSeek-V2-Lite) read by one thread at queue depth 1 takes 13-14 ms on the
-development disk, while the disk gives its bandwidth only with several reads in flight. A layer
-usually misses only 1-3 records, so one thread per record left the disk mostly idle while compute
-waited. The loader therefore splits each record into `chunk_bytes` pieces (block aligned) that
-all `threads` read at once, and checks the CRC-32 chunk by chunk as the chunks come in (in order,
-by whichever thread finished the next one), so a record is done shortly after its last byte lands.
+Demand reads go before prefetch reads: `ReadQueue` hands out every queued demand read before any
+prefetch read (`Read.prefetch`), first come first served within each class.
 
-Demand reads go before prefetch reads: `ReadQueue` hands out every queued chunk of a demand order
-before any chunk of a prefetch order (`Read.prefetch`), first come first served within each class.
+With `chunk_bytes` > 0 a record is split into block-aligned pieces that all `threads` read at
+once, and its CRC-32 advances chunk by chunk as they land (in file order, by whichever thread
+finished the next one), so a record is done shortly after its last byte arrives. Measured on the
+development machine (docs/BENCHMARKS.md, Speed II second pass): its ~1 GB/s virtual disk gives
+the same bandwidth at queue depth 1 as at 8; 1 MiB chunks halve a record's read time but slow
+compute's copies out of staging more, so whole records (chunk_bytes 0) are the default.
 
 `Loader.read` is the whole job for one order in the calling thread (plain, testable in-process);
-the process wrapper keeps `threads` chunk reads in flight (preadv and crc32 release the GIL) and
+the process wrapper keeps `threads` reads in flight (preadv and the CRC release the GIL) and
 announces each filled slot to the router with the order's generation.
 """
 from __future__ import annotations
@@ -199,8 +199,9 @@ class Loader:
 
 
 class ReadQueue:
-    """Chunks waiting for a reader thread: all demand chunks before any prefetch chunk, in arrival
-    order within each class (a record's chunks stay together, so it finishes as soon as it can)."""
+    """Reads (chunks; one per record when not chunked) waiting for a reader thread: all demand
+    chunks before any prefetch chunk, in arrival order within each class (a record's chunks stay
+    together, so it finishes as soon as it can)."""
 
     def __init__(self):
         self._demand: deque = deque()
