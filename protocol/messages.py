@@ -435,11 +435,13 @@ class Slots:
 @message("read")
 class Read:
     """router -> loader: read the record of (layer, expert) into staging slot `slot`; generation
-    names the fill of the resident slot it is for."""
+    names the fill of the resident slot it is for. prefetch: a read ahead of need, which the
+    loader serves after every demand read it holds."""
     slot: int
     generation: int
     layer: int
     expert: int
+    prefetch: bool = False
 
 
 @message("loaded")

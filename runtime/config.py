@@ -103,6 +103,7 @@ class CacheConfig:
 class LoaderConfig:
     threads: int = 4
     verify_checksums: bool = True
+    chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
 
 
 @dataclass
@@ -180,6 +181,8 @@ class Config:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
+        if self.loader.chunk_bytes < 0:
+            raise ConfigError("loader.chunk_bytes must be >= 0 (0: each record in one read)")
         if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:
             raise ConfigError("runtime.restart_max must be >= 0 and runtime.restart_window_s > 0")
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES

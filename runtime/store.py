@@ -13,11 +13,16 @@ import json
 import os
 import shutil
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+try:  # ISA-L's CRC-32 (pip install isal): the same checksum, 4-8x faster than zlib's here, which
+    # matters where the loader checks every record it reads (~5 MB, ~3-4 ms with zlib on this CPU)
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
 
 from deltafin.runtime import archinfo
 from deltafin.runtime.directio import DirectFile, aligned_buffer, round_up
@@ -37,7 +42,7 @@ class StoreError(Exception):
 
 
 def checksum(data) -> str:
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    return f"{crc32(data) & 0xFFFFFFFF:08x}"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,15 @@ DELTAFIN_MODES = {
     "deltafin-sync-lru": ["--policy", "lru"],
     "deltafin-lfuda": ["--policy", "lfuda"],
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
+    "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
+    "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
+}
+# Modes' settings that have no flag of their own: written to a TOML file passed with --config.
+# sync-lru keeps one whole-record read per thread, as before chunked reads.
+DELTAFIN_MODE_CONFIG = {
+    "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}},
+    "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
+    "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")
@@ -210,6 +219,11 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
     from deltafin.tools.run import StartError, running_supervisor
     extra = ["--max-slots", str(s.n_slots), "--max-context", str(s.max_context), "--dtype", s.dtype,
              *_common_flags(s, regime), *DELTAFIN_MODES[mode]]
+    if mode in DELTAFIN_MODE_CONFIG:
+        toml = s.out / f"{regime}-{mode}.toml"
+        toml.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+                                for section, values in DELTAFIN_MODE_CONFIG[mode].items()))
+        extra += ["--config", str(toml)]
     errlog = s.out / f"{regime}-{mode}.log"
     with open(errlog, "w") as err:
         try:
@@ -249,8 +263,20 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall"),
         "time_per_token_s": (1.0 / g["decode_tok_s"]) if g.get("decode_tok_s") else None,
         "split_per_token_s": split, "n_slots": (stats.get("memory") or {}).get("n_slots"),
-        "bench_mode": g.get("bench_mode"), **mem,
+        "bench_mode": g.get("bench_mode"), "loader": _loader_figures(stats), **mem,
     }
+
+
+def _loader_figures(stats: dict) -> dict:
+    """Where the read time goes: reads by kind, how long an order waited for its first chunk,
+    the share of the run with a read in flight (disk busy), the chunk size, and compute's stall
+    per need that waited (router)."""
+    ld = (stats.get("workers") or {}).get("loader") or {}
+    return {"demand_reads": ld.get("demand_reads"), "prefetch_reads": ld.get("prefetch_reads"),
+            "chunk_bytes": ld.get("chunk_bytes"), "chunk_reads": ld.get("chunk_reads"),
+            "queue_wait": _pcts(ld.get("queue_wait")), "disk_busy_share": ld.get("disk_busy_share"),
+            "mean_in_flight": ld.get("mean_in_flight"), "bytes": ld.get("bytes"),
+            "need_stall": _pcts((stats.get("stage_latency") or {}).get("stall"))}
 
 
 def _pcts(summary: dict | None) -> dict | None:
@@ -506,7 +532,8 @@ def table(report: dict) -> str:
         lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
                      f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
         lines.append(f"{'contender':<20}{'decode':>9}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
-                     f"{'MB/tok':>8}{'stall':>7}{'read p50/p99 ms':>17}{'peak MiB':>9}")
+                     f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
+                     f"{'peak MiB':>9}{'load':>10}")
         for name, r in rr["contenders"].items():
             if not r.get("ok"):
                 lines.append(f"{name:<20}  {r.get('cause', 'failed')}")
@@ -517,9 +544,13 @@ def table(report: dict) -> str:
                 f"{name:<20}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
                 f"{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
                 f"{fmt(r.get('hit_rate'), '{:.2f}'):>6}{fmt((r.get('bytes_read_per_token') or 0) / 1e6 if r.get('bytes_read_per_token') is not None else None, '{:.1f}'):>8}"
+                f"{fmt((r['bytes_read_per_token_all'] / 1e6) if r.get('bytes_read_per_token_all') else None, '{:.1f}'):>12}"
                 f"{fmt(r.get('stall_share'), '{:.0%}'):>7}"
                 f"{(('%.1f/%.1f' % (rd['p50_ms'], rd['p99_ms'])) if rd else '-'):>17}"
-                f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}")
+                f"{fmt(((r.get('loader') or {}).get('need_stall') or {}).get('p50_ms'), '{:.1f}'):>14}"
+                f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
+                f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
+                f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}")
     return "\n".join(lines)
 
 

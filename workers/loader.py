@@ -1,28 +1,115 @@
 """The loader: direct reads of expert records into shared-memory slots. It never decides what to read.
 
-`Loader.read` is the whole job for one order (plain, testable in-process); the process wrapper
-keeps `threads` reads in flight (preadv releases the GIL) and announces each filled slot to the
-router with the order's generation.
+Demand reads go before prefetch reads: `ReadQueue` hands out every queued demand read before any
+prefetch read (`Read.prefetch`), first come first served within each class.
+
+With `chunk_bytes` > 0 a record is split into block-aligned pieces that all `threads` read at
+once, and its CRC-32 advances chunk by chunk as they land (in file order, by whichever thread
+finished the next one), so a record is done shortly after its last byte arrives. Measured on the
+development machine (docs/BENCHMARKS.md, Speed II second pass): its ~1 GB/s virtual disk gives
+the same bandwidth at queue depth 1 as at 8; 1 MiB chunks halve a record's read time but slow
+compute's copies out of staging more, so whole records (chunk_bytes 0) are the default.
+
+`Loader.read` is the whole job for one order in the calling thread (plain, testable in-process);
+the process wrapper keeps `threads` reads in flight (preadv and the CRC release the GIL) and
+announces each filled slot to the router with the order's generation.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 from deltafin.protocol import messages as M
-from deltafin.runtime.directio import DirectFile
+from deltafin.runtime.directio import BLOCK, DirectFile, round_up
 from deltafin.runtime.metrics import Counter, Latency
-from deltafin.runtime.store import Store, StoreError
+from deltafin.runtime.store import Store, StoreError, crc32
+
+
+class ReadJob:
+    """One order being read as chunks, possibly by several threads at once.
+
+    Each chunk's thread calls `chunk_done`; the checksum advances over the chunks in file order
+    (one thread at a time, outside the lock, so reads of later chunks overlap it). The thread whose
+    call completes the job (every chunk read and checked, or every chunk accounted for after an
+    error) gets True and sends the answer; every other call gets False."""
+
+    def __init__(self, order: M.Read, rec, slot: memoryview, file: DirectFile, chunk_bytes: int,
+                 verify: bool):
+        self.order, self.rec, self.slot, self.file, self.verify = order, rec, slot, file, verify
+        step = round_up(chunk_bytes, BLOCK) if chunk_bytes > 0 else round_up(rec.nbytes, BLOCK)
+        self.chunks = [(o, min(step, rec.nbytes - o)) for o in range(0, max(rec.nbytes, 1), step)]
+        self.done = [False] * len(self.chunks)
+        self.error: str | None = None
+        self.crc, self.crc_next, self.crc_busy, self.reported = 0, 0, False, False
+        self.t_queued = time.perf_counter()
+        self.t_start: float | None = None
+        self._lock = threading.Lock()
+
+    def read_chunk(self, i: int) -> bool:
+        """Reads chunk i (unless the job already failed); True if this call completed the job."""
+        with self._lock:
+            if self.t_start is None:
+                self.t_start = time.perf_counter()
+            failed = self.error is not None
+        error = None
+        if not failed:
+            off, n = self.chunks[i]
+            try:
+                got = self.file.read_into(self.slot[off:off + round_up(n, BLOCK)], self.rec.offset + off, n)
+                if got < n:
+                    error = (f"layer {self.rec.layer} expert {self.rec.expert}: {self.rec.file} is truncated "
+                             f"(record at {self.rec.offset} needs {self.rec.nbytes} bytes)")
+            except OSError as e:
+                error = f"{self.rec.file}: {e}"
+        return self._chunk_done(i, error)
+
+    def _chunk_done(self, i: int, error: str | None) -> bool:
+        with self._lock:
+            self.done[i] = True
+            if error and self.error is None:
+                self.error = error
+            if self.crc_busy:  # the thread checking the checksum takes this chunk too
+                return False
+            self.crc_busy = True
+        while True:
+            with self._lock:
+                n = len(self.chunks)
+                if self.error is not None or self.crc_next == n:
+                    self.crc_busy = False
+                    if self.error is None and self.verify and f"{self.crc & 0xFFFFFFFF:08x}" != self.rec.checksum:
+                        self.error = (f"layer {self.rec.layer} expert {self.rec.expert}: checksum mismatch "
+                                      f"in {self.rec.file} at offset {self.rec.offset}")
+                    # a failed job ends only once no thread still writes into its slot
+                    finished = not self.reported and all(self.done)
+                    self.reported |= finished
+                    return finished
+                if not self.done[self.crc_next]:
+                    self.crc_busy = False
+                    return False
+                off, m = self.chunks[self.crc_next]
+            if self.verify:
+                self.crc = crc32(self.slot[off:off + m], self.crc)
+            with self._lock:
+                self.crc_next += 1
 
 
 class Loader:
-    def __init__(self, store: Store, pool_buf: memoryview, slot_bytes: int, verify: bool = True):
+    """Reads orders into the staging pool. `chunk_bytes`: the piece of a record one read takes
+    (0: the whole record in one read, the behaviour before chunking)."""
+
+    def __init__(self, store: Store, pool_buf: memoryview, slot_bytes: int, verify: bool = True,
+                 chunk_bytes: int = 0):
         self.store, self.pool, self.slot_bytes, self.verify = store, pool_buf, slot_bytes, verify
+        self.chunk_bytes = chunk_bytes
         self._files: dict[str, DirectFile] = {}
         self._lock = threading.Lock()
         self.counters = Counter()
-        self.read_latency = Latency()
-        self.busy_s = 0.0
+        self.read_latency = Latency()     # first chunk started -> record read and checked
+        self.queue_latency = Latency()    # order received -> its first chunk started
+        self.busy_s = 0.0                 # time with at least one read in flight (disk busy)
+        self.depth_s = 0.0                # integral of reads in flight over time (mean queue depth)
+        self._active, self._busy_since, self._first, self._changed = 0, 0.0, None, 0.0
 
     def _file(self, name: str) -> DirectFile:
         with self._lock:
@@ -31,44 +118,128 @@ class Loader:
                 f = self._files[name] = DirectFile(self.store.path / name)
             return f
 
-    def read(self, order: M.Read) -> M.Loaded | M.LoadFailed:
-        t0 = time.perf_counter()
+    def job(self, order: M.Read) -> ReadJob | M.LoadFailed:
+        """The order as chunks to read, or its failure (unknown record, record too large)."""
         try:
             rec = self.store.record(order.layer, order.expert)
             if rec.read_nbytes > self.slot_bytes:
                 raise StoreError(f"record of {rec.read_nbytes} bytes exceeds the slot size")
             start = order.slot * self.slot_bytes
-            slot = self.pool[start:start + self.slot_bytes]
             f = self._file(rec.file)
-            files = {rec.file: f}
-            self.store.read_record(rec, slot, files=files, verify=self.verify)
         except (StoreError, OSError, KeyError) as e:
-            self.counters.add("failures")
-            return M.LoadFailed(slot=order.slot, generation=order.generation, layer=order.layer,
-                                expert=order.expert, error=f"loader: {e}")
-        dt = time.perf_counter() - t0
+            return self._failed(order, f"loader: {e}")
+        return ReadJob(order, rec, self.pool[start:start + self.slot_bytes], f, self.chunk_bytes, self.verify)
+
+    def read_chunk(self, job: ReadJob, i: int) -> M.Loaded | M.LoadFailed | None:
+        """Reads one chunk; the answer to send if that completed the job, else None."""
+        t0 = time.perf_counter()
         with self._lock:
-            self.read_latency.add(dt)
+            if self._first is None:
+                self._first = t0
+            if self._active == 0:
+                self._busy_since = t0
+            self.depth_s += self._active * (t0 - self._changed)
+            self._active, self._changed = self._active + 1, t0
+        try:
+            finished = job.read_chunk(i)
+        finally:
+            with self._lock:
+                t1 = time.perf_counter()
+                self.depth_s += self._active * (t1 - self._changed)
+                self._active, self._changed = self._active - 1, t1
+                self.counters.add("chunk_reads")
+                if self._active == 0:
+                    self.busy_s += t1 - self._busy_since
+        return self._answer(job) if finished else None
+
+    def _answer(self, job: ReadJob) -> M.Loaded | M.LoadFailed:
+        order = job.order
+        if job.error is not None:
+            return self._failed(order, f"loader: {job.error}")
+        now = time.perf_counter()
+        with self._lock:
+            self.read_latency.add(now - job.t_start)
+            self.queue_latency.add(job.t_start - job.t_queued)
             self.counters.add("reads")
-            self.counters.add("bytes", rec.nbytes)
-            self.busy_s += dt
+            self.counters.add("prefetch_reads" if order.prefetch else "demand_reads")
+            self.counters.add("bytes", job.rec.nbytes)
         return M.Loaded(slot=order.slot, generation=order.generation, layer=order.layer,
-                        expert=order.expert, read_us=int(dt * 1e6), nbytes=rec.nbytes)
+                        expert=order.expert, read_us=int((now - job.t_start) * 1e6), nbytes=job.rec.nbytes)
+
+    def _failed(self, order: M.Read, error: str) -> M.LoadFailed:
+        self.counters.add("failures")
+        return M.LoadFailed(slot=order.slot, generation=order.generation, layer=order.layer,
+                            expert=order.expert, error=error)
+
+    def read(self, order: M.Read) -> M.Loaded | M.LoadFailed:
+        """One order read whole in the calling thread, chunk after chunk."""
+        job = self.job(order)
+        if isinstance(job, M.LoadFailed):
+            return job
+        answer = None
+        for i in range(len(job.chunks)):
+            answer = self.read_chunk(job, i) or answer
+        return answer
 
     def stats(self) -> dict:
         c = self.counters.snapshot()
-        return {**c, "read": self.read_latency.summary(),
+        wall = (time.perf_counter() - self._first) if self._first is not None else 0.0
+        return {**c, "read": self.read_latency.summary(), "queue_wait": self.queue_latency.summary(),
+                "chunk_bytes": self.chunk_bytes,
                 "direct_io": all(f.direct for f in self._files.values()) if self._files else None,
-                "ssd_gbps": (c.get("bytes", 0) / self.busy_s / 1e9) if self.busy_s else None}
+                # bytes over the time some read was in flight: the disk's rate while it was used
+                "ssd_gbps": (c.get("bytes", 0) / self.busy_s / 1e9) if self.busy_s else None,
+                "disk_busy_s": self.busy_s,
+                "disk_busy_share": (self.busy_s / wall) if wall else None,
+                "mean_in_flight": (self.depth_s / self.busy_s) if self.busy_s else None}
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
 
 
-def run_loader_process(run_dir: str) -> None:
-    import queue
+class ReadQueue:
+    """Reads (chunks; one per record when not chunked) waiting for a reader thread: all demand
+    chunks before any prefetch chunk, in arrival order within each class (a record's chunks stay
+    together, so it finishes as soon as it can)."""
 
+    def __init__(self):
+        self._demand: deque = deque()
+        self._prefetch: deque = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def put(self, job: ReadJob) -> None:
+        with self._cv:
+            q = self._prefetch if job.order.prefetch else self._demand
+            q.extend((job, i) for i in range(len(job.chunks)))
+            self._cv.notify(len(job.chunks))
+
+    def get(self, timeout: float) -> tuple[ReadJob, int] | None:
+        """The next chunk; None when closed or nothing came within timeout."""
+        with self._cv:
+            if not self._closed and not self._demand and not self._prefetch:
+                self._cv.wait(timeout)
+            if self._closed:
+                return None
+            q = self._demand or self._prefetch
+            return q.popleft() if q else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._demand) + len(self._prefetch)
+
+
+def run_loader_process(run_dir: str) -> None:
     import zmq
 
     from deltafin.runtime.sockets import make_socket, recv
@@ -85,14 +256,15 @@ def run_loader_process(run_dir: str) -> None:
             self.done_pull = make_socket(self.ctx, zmq.PULL)
             self.done_pull.bind("inproc://loader-done")
             self.poller.register(self.done_pull, zmq.POLLIN)
-            self.orders: queue.Queue = queue.Queue()
+            self.orders = ReadQueue()
             self.loader: Loader | None = None
             self.threads: list[threading.Thread] = []
 
         def on_pool(self, msg):
-            self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes,
-                                 verify=self.config["loader"]["verify_checksums"])
-            for _ in range(self.config["loader"]["threads"]):
+            cfg = self.config["loader"]
+            self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg["verify_checksums"],
+                                 chunk_bytes=int(cfg.get("chunk_bytes", 0)))
+            for _ in range(cfg["threads"]):
                 t = threading.Thread(target=self.read_loop, daemon=True)
                 t.start()
                 self.threads.append(t)
@@ -101,11 +273,13 @@ def run_loader_process(run_dir: str) -> None:
             push = make_socket(self.ctx, zmq.PUSH)
             push.connect("inproc://loader-done")
             try:
-                while True:
-                    order = self.orders.get()
-                    if order is None:
-                        return
-                    push.send(M.encode(self.loader.read(order)))
+                while not self.orders.closed:
+                    got = self.orders.get(timeout=1.0)
+                    if got is None:
+                        continue
+                    answer = self.loader.read_chunk(*got)
+                    if answer is not None:
+                        push.send(M.encode(answer))
             finally:
                 push.close(0)
 
@@ -113,16 +287,19 @@ def run_loader_process(run_dir: str) -> None:
             if sock is self.data:
                 msg = recv(self.data)
                 if isinstance(msg, M.Read):
-                    self.orders.put(msg)
+                    job = self.loader.job(msg)
+                    if isinstance(job, M.LoadFailed):
+                        self.data.send(M.encode(job))
+                    else:
+                        self.orders.put(job)
             else:
                 self.data.send(self.done_pull.recv())
 
         def stats(self):
-            return {**(self.loader.stats() if self.loader else {}), "queued": self.orders.qsize()}
+            return {**(self.loader.stats() if self.loader else {}), "queued": len(self.orders)}
 
         def teardown(self):
-            for _ in self.threads:
-                self.orders.put(None)
+            self.orders.close()
             for t in self.threads:
                 t.join(timeout=5)
             if self.loader:

@@ -327,7 +327,7 @@ class Router:
             self.prefetching.add(t)
             self.counters.add("reads")
             self.counters.add("prefetch_reads")
-            out.append(("loader", M.Read(slot=t, generation=gen, layer=layer, expert=e)))
+            out.append(("loader", M.Read(slot=t, generation=gen, layer=layer, expert=e, prefetch=True)))
             room -= 1
         return out
 
