@@ -148,3 +148,26 @@ def test_a_chat_request_without_a_template_is_refused_and_serving_goes_on(tiny_s
                 c.generate(PROMPT, max_tokens=4, chat=True)
             assert c.generate(PROMPT, max_tokens=4).finish_reason in ("length", "stop")
             assert c.health()["ok"] and c.health()["restarts"] == 0 and proc.poll() is None
+
+
+def test_requests_reach_compute_in_arrival_order_while_a_prompt_is_tokenized(tiny_stores):
+    """A long prompt text is tokenized off the serving loop, yet what arrived after it is not
+    forwarded before it: its refusal (too many tokens, found only by tokenizing) comes first."""
+    with running_supervisor(tiny_stores("qwen3_moe"), BIG, ["--max-context", "262144"]) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            assert c.generate([1, 2, 3], max_tokens=1).finish_reason in ("length", "stop")  # warm
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ep)
+        try:
+            sock.send(M.encode(M.Generate(id=1, prompt="hi " * 300_000, max_tokens=1)))
+            sock.send(M.encode(M.Generate(id=2, token_ids=[1, 2, 3], max_tokens=1)))
+            sock.send(M.encode(M.Generate(id=3, prompt="once", max_tokens=1, stop=["x"])))
+            got = recv_until(sock, lambda m: isinstance(m, M.Done) and m.id == 3)
+        finally:
+            sock.close(0)
+            ctx.term()
+        final = [(m.TYPE, m.id) for m in got if isinstance(m, (M.Done, M.Error))]
+        assert final == [("error", 1), ("done", 2), ("done", 3)], final
+        assert "exceeds max_context=262144" in got[0].message or "more than 262144" in got[0].message
