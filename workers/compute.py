@@ -23,7 +23,9 @@ Requests (`RequestQueue`): up to compute.max_batch decode together, the others w
 order in a bounded queue (compute.max_queue) and join between steps when a place and their KV
 cache fit (the budget's KV reserve, compute.kv_tokens). Between steps the process answers its
 control channel; a request that arrives then only joins the queue (requests never nest), and a
-`cancel` removes a waiting one or stops a running one at the next step.
+`cancel` removes a waiting one or stops a running one at the next step. Requests carry token
+ids and every token goes back as an id: prompt text, detokenizing and stop strings are the
+supervisor's (runtime/textside.py), so this process loads no tokenizer; it stops at EOS itself.
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
