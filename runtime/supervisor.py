@@ -299,6 +299,7 @@ class Supervisor:
         self.hub = MetricsHub(self.ctx, self.rundir.endpoint("metrics-in"), self.rundir.endpoint("metrics"))
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
+               "eos_ids": sorted(self.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
                "endpoints": {"control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),

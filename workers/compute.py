@@ -845,7 +845,7 @@ class Scheduler:
 
 class Compute:
     def __init__(self, store: Store, config: dict, source, pool_buf, slot_bytes: int,
-                 experts_cls=None):
+                 experts_cls=None, eos: list[int] | None = None):
         self.store, self.config = store, config
         dense = store.dense_weights()
         cc = config["compute"]
@@ -854,9 +854,10 @@ class Compute:
         self.model = build_model(store.config, dense, store.manifest.get("dense_quantization"),
                                  cc["dtype"])
         self.dtype = self.model.dtype
-        # Token ids only: the supervisor tokenizes and detokenizes (runtime/textside.py); EOS
-        # ids come from the tokenizer files as JSON, without loading a tokenizer here.
-        self.eos_ids = eos_ids(store.tokenizer_dir, store.config)
+        # Token ids only: the supervisor tokenizes and detokenizes (runtime/textside.py) and
+        # passes the EOS ids (eos); in-process they are read from the tokenizer files as JSON
+        # (no tokenizer library, but a parse that leaves ~13 MiB of heap on the demo store).
+        self.eos_ids = set(eos) if eos is not None else eos_ids(store.tokenizer_dir, store.config)
         self.max_context = int(cc["max_context"])
         self.prefill_chunk = int(cc["prefill_chunk"])
         self.vocab = int(store.config["vocab_size"])
@@ -1271,7 +1272,8 @@ def run_compute_process(run_dir: str) -> None:
             self.dist = Lockstep.from_config(self.config, self.store)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0,
-                                   experts_cls=self.dist.experts_cls if self.dist else None)
+                                   experts_cls=self.dist.experts_cls if self.dist else None,
+                                   eos=self.run["eos_ids"])
             if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
                 self.compute.scheduler.max_batch = 1
             self.queue = RequestQueue(int(self.config["compute"]["max_queue"]),
