@@ -259,7 +259,7 @@ def check_request(msg, limits: RequestLimits) -> None:
     any work starts: mixed or missing prompt, token ids of the wrong type or range, lengths past
     max_context, prompt text longer in bytes than max_context tokens can be, sampling parameters
     that are not finite numbers in range, a logits reply that would not fit in one message.
-    (Prompt text within the byte bound is measured in tokens by compute.)"""
+    (Prompt text within the byte bound is measured in tokens by the supervisor's tokenizer.)"""
     if isinstance(msg, Generate):
         if (msg.prompt is None) == (msg.token_ids is None):
             raise BadRequest("generate takes exactly one of prompt and token_ids")

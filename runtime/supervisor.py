@@ -5,10 +5,15 @@ workers as separate OS processes, wait for each one's ready message while watchi
 died, measure the tree, size and create the slot pool, hand it to the workers, bind the client
 endpoint, print `READY <endpoint>`. Serving: check each client request against the limits and
 answer what is wrong at once (a full queue too: at most 1 + compute.max_queue in flight), relay
-the rest to compute, which runs them one at a time in arrival order, and its replies back; relay
-a client's `cancel`, and send one for a client whose connection closed mid-stream; answer
-hello/health/stats itself, and merge the workers' metrics snapshots into one that it republishes
+the rest to compute, which runs them in arrival order, and its replies back; relay a client's
+`cancel`, and send one for a client whose connection closed mid-stream; answer hello/health/stats
+itself, and merge the workers' metrics snapshots into one that it republishes
 on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
+
+Text stays here, out of the MLX process (runtime/textside.py): a prompt text is tokenized on a
+thread of its own (requests still reach compute in arrival order), compute gets token ids, and
+each of compute's tokens (an id) becomes the client's text piece here; a stop string ends the
+request for the client at once and cancels it in compute, whose later messages for it are dropped.
 
 Worker deaths: one thread per worker waits for its exit, so a death wakes the serving loop at
 once and the first role to die is the one named. Every request in flight then fails with
@@ -32,6 +37,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -47,6 +53,8 @@ from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
+from deltafin.runtime.textside import TextSide, as_token_ids, prompt_ids
+from deltafin.runtime.tokenizer import PromptTooLong, Tokenizer, TokenizerError
 
 ROLES = ("router", "loader", "compute")
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
@@ -111,11 +119,7 @@ class Workers:
             pass
 
     def drain_wake(self) -> None:
-        try:
-            while os.read(self.wake_fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+        _drain(self.wake_fd)
 
     def first_death(self) -> WorkerDied | None:
         with self._lock:
@@ -236,10 +240,18 @@ class Supervisor:
             self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
-        # max_prompt_bytes is set once compute has said what its tokenizer's longest token is
+        # The text side (runtime/textside.py) runs here: compute never loads a tokenizer.
+        self.tokenizer = Tokenizer(self.store.tokenizer_dir, self.store.config)
         # max_result_bytes is admitted against the budget once the pool is sized (_size_pool)
         self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
-                                      max_context=config.compute.max_context)
+                                      max_context=config.compute.max_context,
+                                      max_prompt_bytes=self.tokenizer.prompt_bytes_bound(config.compute.max_context))
+        # Prompt texts are tokenized on one thread (tokenizers releases the GIL), so a long one
+        # never stalls the tokens of others; its end wakes the serving loop through a pipe.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.tokenized_fd, self._tokenized_w = os.pipe()
+        os.set_blocking(self.tokenized_fd, False)
+        os.set_blocking(self._tokenized_w, False)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
@@ -253,8 +265,16 @@ class Supervisor:
         self.restart_times: deque = deque()
         self.last_death: WorkerDied | None = None
         self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
-        self.cancelling: set[tuple] = set()       # in flight, cancel sent to compute
-        self.cancels = {"client": 0, "client_gone": 0}  # cancels sent: asked by the client, or its peer vanished
+        self.cancelling: set[tuple] = set()       # in flight, cancel sent to compute (or due once forwarded)
+        # Requests taken, in arrival order, not yet forwarded to compute: (key, request, its
+        # frame, the tokenization of its prompt text or None). The head goes once it is ready.
+        self.admitting: deque[tuple] = deque()
+        self.sides: dict[tuple, TextSide] = {}    # generate requests forwarded: their text
+        # Ended for the client by a stop string, still in compute until its final message:
+        # they hold their place in the in-flight bound, and their ids stay taken.
+        self.stopping: dict[tuple, float] = {}
+        # cancels sent: asked by the client, its peer vanished, or a stop string ended the request
+        self.cancels = {"client": 0, "client_gone": 0, "stop": 0}
         # Stats answers wait (briefly) until every worker's snapshot is newer than the last
         # finished request: [(client identity, request id, sync id needed, deadline)]
         self.pending_stats: list[tuple] = []
@@ -279,6 +299,7 @@ class Supervisor:
         self.hub = MetricsHub(self.ctx, self.rundir.endpoint("metrics-in"), self.rundir.endpoint("metrics"))
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
+               "eos_ids": sorted(self.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
                "endpoints": {"control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),
@@ -287,7 +308,7 @@ class Supervisor:
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
         self.workers = Workers(self.rundir.path)
         self.poller = zmq.Poller()
-        for sock in (self.control, self.hub.sub, self.workers.wake_fd):
+        for sock in (self.control, self.hub.sub, self.workers.wake_fd, self.tokenized_fd):
             self.poller.register(sock, zmq.POLLIN)
         self._start_workers()
         self._bind_client()
@@ -309,8 +330,6 @@ class Supervisor:
         self.ready_info = {}
         self.workers.start()
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
-        bound = int(self.ready_info.get("compute", {}).get("max_prompt_bytes") or 0)
-        self.limits = dataclasses.replace(self.limits, max_prompt_bytes=bound)
         if not self.plan.n_slots:
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
@@ -407,6 +426,9 @@ class Supervisor:
                     self.hub.drain()
                 if self.client.sock in events:
                     self._on_client()
+                if self.tokenized_fd in events:
+                    _drain(self.tokenized_fd)
+                    self._admit()
                 if self.control in events:
                     self._on_control()
                 self._answer_stats()
@@ -442,7 +464,10 @@ class Supervisor:
                 self._reply(ident, M.Error(id=rid, code=code, message=f"{why}; {then}"))
             self.inflight.clear()
             self.cancelling.clear()
-            for ident, rid, _, _ in self.pending_stats:
+            self.admitting.clear()  # a tokenization still running ends unseen
+            self.sides.clear()
+            self.stopping.clear()
+            for ident, rid, *_ in self.pending_stats:
                 self._finish_stats(ident, rid)
             self.pending_stats = []
             # The others hold nothing a restart keeps (the supervisor owns the segment), so they
@@ -528,7 +553,9 @@ class Supervisor:
             # Answered from the latest snapshots, at once, even mid-prompt; only right after a
             # request finished does it wait for the snapshots that include that request.
             wait = STATS_SYNC_S if self.state == "serving" else 0.0
-            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait))
+            # requests a stop string ended count as finished: the answer waits for their end in compute
+            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait,
+                                       frozenset(self.stopping)))
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
             # Everything refused here is answered at once, whatever compute is busy with.
@@ -541,18 +568,25 @@ class Supervisor:
                 M.check_request(msg, self.limits)
             except M.BadRequest as e:
                 return self._reply(ident, M.Error(id=msg.id, code="bad_request", message=str(e)))
-            if (ident, msg.id) in self.inflight:
+            key = (ident, msg.id)
+            if key in self.inflight or key in self.stopping:
                 return self._reply(ident, M.Error(id=msg.id, code="bad_request",
                                                   message=f"request id {msg.id} is already in flight"))
             cc = self.config.compute
-            if len(self.inflight) >= cc.max_inflight:  # max_batch running + compute's queue, all full
+            n = len(self.inflight) + len(self.stopping)
+            if n >= cc.max_inflight:  # max_batch running + compute's queue, all full
                 running = "one" if cc.max_batch == 1 else f"compute.max_batch={cc.max_batch}"
                 return self._reply(ident, M.Error(id=msg.id, code="queue_full",
-                                                  message=f"{len(self.inflight)} requests are in flight: {running} "
+                                                  message=f"{n} requests are in flight: {running} "
                                                           f"running and compute.max_queue={cc.max_queue} "
                                                           f"waiting; retry later"))
-            self.inflight[(ident, msg.id)] = time.monotonic()
-            return self._to_worker("compute", M.Forward(client=ident, payload=raw))
+            self.inflight[key] = time.monotonic()
+            tokenized = None
+            if isinstance(msg, M.Generate) and msg.prompt is not None:
+                tokenized = self.tokenize_pool.submit(prompt_ids, self.tokenizer, msg, cc.max_context)
+                tokenized.add_done_callback(self._wake_tokenized)
+            self.admitting.append((key, msg, raw, tokenized))
+            return self._admit()
         if isinstance(msg, M.Cancel):
             if (ident, msg.id) not in self.inflight:
                 return self._reply(ident, M.Error(id=msg.id, code="unknown_request",
@@ -563,14 +597,47 @@ class Supervisor:
 
     def _cancel(self, ident: bytes, rid: int, why: str) -> None:
         """Asks compute to stop request (ident, rid), once: it answers with the request's final
-        message (done "cancelled", or error "cancelled" for logits), which ends it here."""
+        message (done "cancelled", or error "cancelled" for logits), which ends it here. A
+        request still being tokenized gets its cancel right after it is forwarded (`_admit`)."""
         if (ident, rid) in self.cancelling:
             return
         self.cancelling.add((ident, rid))
         self.cancels[why] += 1
         if why == "client_gone":
             self.log(f"a client vanished with request {rid} in flight: cancelled")
-        self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=rid))))
+        if not any(key == (ident, rid) for key, *_ in self.admitting):
+            self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=rid))))
+
+    def _wake_tokenized(self, _future: Future) -> None:
+        """On the tokenize thread: a prompt is ready (or refused); the serving loop forwards it."""
+        try:
+            os.write(self._tokenized_w, b"t")
+        except OSError:  # closed at shutdown, or full: the loop is awake anyway
+            pass
+
+    def _admit(self) -> None:
+        """Forwards the requests taken to compute in arrival order, each once its prompt text
+        is tokenized; a prompt that cannot be tokenized is answered here, as compute used to."""
+        while self.admitting:
+            key, msg, raw, tokenized = self.admitting[0]
+            if tokenized is not None and not tokenized.done():
+                return  # the next ones wait behind it: compute serves in arrival order
+            self.admitting.popleft()
+            ident = key[0]
+            if isinstance(msg, M.Generate):
+                try:
+                    ids = tokenized.result() if tokenized is not None else list(msg.token_ids)
+                except Exception as e:
+                    self.inflight.pop(key, None)
+                    self.cancelling.discard(key)
+                    self._reply(ident, _tokenize_error(msg.id, e))
+                    continue
+                self.sides[key] = TextSide(self.tokenizer, msg, len(ids))
+                if tokenized is not None:
+                    raw = M.encode(as_token_ids(msg, ids))
+            self._to_worker("compute", M.Forward(client=ident, payload=raw))
+            if key in self.cancelling:  # cancelled while it waited here
+                self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=msg.id))))
 
     @property
     def restart_count(self) -> int:
@@ -585,16 +652,52 @@ class Supervisor:
             return
         if reply is not None:
             key = (msg.client, getattr(reply, "id", None))
-            if isinstance(reply, (M.Done, M.LogitsResult, M.Error)):
+            final = isinstance(reply, (M.Done, M.LogitsResult, M.Error))
+            if final:
                 self.cancelling.discard(key)
-                if self.inflight.pop(key, None) is not None:
-                    self._synchronize()
+            if key in self.stopping:  # answered already at its stop string: the rest is dropped
+                if final:
+                    self._stopped(key)
+                return
+            side = self.sides.get(key)
+            if side is not None and isinstance(reply, M.Token):
+                reply = side.accept(reply)
+                if side.stopped:
+                    return self._end_at_stop(key, side, reply)
+                if reply is None:
+                    return
+            elif side is not None and final:
+                del self.sides[key]
+                if isinstance(reply, M.Done):
+                    reply = side.done(reply)
+            if final and self.inflight.pop(key, None) is not None:
+                self._synchronize()
             if not self._reply(msg.client, reply) and key in self.inflight:
                 # The client vanished mid-stream (or stopped reading): its request goes, and the
                 # next one in the queue starts within a token.
                 self._cancel(*key, "client_gone")
         elif isinstance(msg, M.Metrics):
             self.hub.offer(msg)
+
+    def _end_at_stop(self, key: tuple, side: TextSide, last: M.Token | None) -> None:
+        """A stop string completed: the client gets the text up to it and its `done` now, and
+        compute a cancel; the request keeps its place until compute's final message for it."""
+        ident, rid = key
+        del self.sides[key]
+        self.inflight.pop(key, None)
+        self.stopping[key] = time.monotonic()
+        if last is not None:
+            self._reply(ident, last)
+        self._reply(ident, side.done())
+        self._cancel(ident, rid, "stop")
+
+    def _stopped(self, key: tuple) -> None:
+        """Compute ended a request a stop string had ended: a stats request made since then now
+        waits for the snapshots that include it."""
+        del self.stopping[key]
+        self._synchronize()
+        self.pending_stats = [(i, r, self.sync if key in w else s, d, w)
+                              for i, r, s, d, w in self.pending_stats]
 
     def _synchronize(self) -> None:
         """A request finished: each worker answers with a snapshot on the control channel, queued
@@ -609,11 +712,11 @@ class Supervisor:
         self.hub.drain()
         now = time.monotonic()
         waiting = []
-        for ident, rid, sync, deadline in self.pending_stats:
-            if self.hub.synced_all(sync) or now > deadline:
+        for ident, rid, sync, deadline, stops in self.pending_stats:
+            if (self.hub.synced_all(sync) and not stops & self.stopping.keys()) or now > deadline:
                 self._finish_stats(ident, rid)
             else:
-                waiting.append((ident, rid, sync, deadline))
+                waiting.append((ident, rid, sync, deadline, stops))
         self.pending_stats = waiting
 
     def _snapshot(self) -> dict:
@@ -659,6 +762,13 @@ class Supervisor:
             self.workers.close()
         if self.client is not None:
             self.client.close()
+        # a tokenization still running finishes on its own (bounded by max_prompt_bytes)
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        for fd in (self.tokenized_fd, self._tokenized_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if self.curve is not None:
             self.curve.stop()
         self.ctx.destroy(linger=0)
@@ -666,6 +776,23 @@ class Supervisor:
             self.segment.close()
         if self.rundir is not None:
             self.rundir.cleanup()
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _tokenize_error(rid: int, e: Exception) -> M.Error:
+    """The answer to a prompt text that cannot be tokenized: too long, no chat template, a
+    template that refused the messages (`bad_request`); anything else is a bug (`internal`)."""
+    from jinja2.exceptions import TemplateError
+    if isinstance(e, (PromptTooLong, TokenizerError, TemplateError)):
+        return M.Error(id=rid, code="bad_request", message=str(e))
+    return M.Error(id=rid, code="internal", message=f"{type(e).__name__}: {e}")
 
 
 def main(argv=None) -> int:
@@ -764,7 +891,7 @@ def main(argv=None) -> int:
         log(str(e))
         return 1
     except (ConfigError, StoreError, BudgetError, SupervisorError, SecurityError, PermissionError,
-            archinfo.UnsupportedArchitecture) as e:
+            archinfo.UnsupportedArchitecture, TokenizerError) as e:
         log(f"error: {e}")
         return 2
     finally:

@@ -1,4 +1,7 @@
-"""Tokenizer from the store's tokenizer/ files: `tokenizers` for BPE, jinja2 for chat templates."""
+"""Tokenizer from the store's tokenizer/ files: `tokenizers` for BPE, jinja2 for chat templates.
+
+The supervisor uses it (runtime/textside.py); compute reads only the EOS ids (`eos_ids`), which
+need no tokenizer library, so the MLX process never loads one."""
 from __future__ import annotations
 
 import json
@@ -50,6 +53,39 @@ def _token_text(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def _configured_eos_ids(directory: Path, model_config: dict | None) -> set[int]:
+    """The end-of-sequence ids the generation config and the model config name."""
+    eos: set[int] = set()
+    gen = _read_json(directory / "generation_config.json")
+    for source in (gen.get("eos_token_id"), (model_config or {}).get("eos_token_id")):
+        if isinstance(source, int):
+            eos.add(source)
+        elif isinstance(source, list):
+            eos.update(int(x) for x in source)
+    return eos
+
+
+def eos_ids(directory, model_config: dict | None = None) -> set[int]:
+    """The ids that end a generation, read from the store's tokenizer files as plain JSON (the
+    same set as `Tokenizer.eos_ids`), so compute stops at EOS without loading the tokenizer:
+    the configured ids plus the id of tokenizer_config's eos_token, looked up among
+    tokenizer.json's added tokens, then in its vocabulary."""
+    directory = Path(directory)
+    eos = _configured_eos_ids(directory, model_config)
+    name = _token_text(_read_json(directory / "tokenizer_config.json").get("eos_token"))
+    if name:
+        tj = _read_json(directory / "tokenizer.json")
+        found = next((t.get("id") for t in tj.get("added_tokens") or [] if t.get("content") == name), None)
+        vocab = (tj.get("model") or {}).get("vocab")
+        if found is None and isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
+            found = vocab.get(name)
+        elif found is None and isinstance(vocab, list):  # Unigram: [piece, score] in id order
+            found = next((i for i, entry in enumerate(vocab) if entry and entry[0] == name), None)
+        if found is not None:
+            eos.add(int(found))
+    return eos
+
+
 class Tokenizer:
     def __init__(self, directory, model_config: dict | None = None):
         from tokenizers import Tokenizer as HFTokenizer
@@ -60,19 +96,13 @@ class Tokenizer:
                                  f"checkpoint without one)")
         self.tok = HFTokenizer.from_file(str(path))
         tc = _read_json(directory / "tokenizer_config.json")
-        gen = _read_json(directory / "generation_config.json")
         template = tc.get("chat_template")
         if not template and (directory / "chat_template.jinja").exists():
             template = (directory / "chat_template.jinja").read_text()
         self.chat_template = template
         self.bos_token = _token_text(tc.get("bos_token"))
         self.eos_token = _token_text(tc.get("eos_token"))
-        eos: set[int] = set()
-        for source in (gen.get("eos_token_id"), (model_config or {}).get("eos_token_id")):
-            if isinstance(source, int):
-                eos.add(source)
-            elif isinstance(source, list):
-                eos.update(int(x) for x in source)
+        eos = _configured_eos_ids(directory, model_config)
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = eos

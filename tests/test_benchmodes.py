@@ -155,7 +155,7 @@ def test_standin_generates_with_real_reads(tiny_stores):
     # in-process first, with token 0 made an EOS: the stand-in still runs to max_tokens
     compute, _, loader = _in_process(store, _config(standin=True, standin_moe_ms=moe_ms,
                                                     standin_dense_ms=dense_ms), store.top_k)
-    compute.tokenizer.eos_ids = {0}
+    compute.eos_ids = {0}
     done = compute.generate(M.Generate(id=3, token_ids=PROMPT, max_tokens=n, stream=False))
     assert done.token_ids == [0] * n and done.finish_reason == "length"
     assert done.stats["bench_mode"] == {"routing": "random", "standin": {"moe_ms": moe_ms, "dense_ms": dense_ms},

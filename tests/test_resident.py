@@ -174,7 +174,7 @@ def test_a_pass_launched_ahead_and_dropped_leaves_no_trace(tiny_stores, tmp_path
         compute.preload()
         compute.experts.force_sync = name == "in_step"  # no launching ahead, every layer read back
         first = compute.generate(M.Generate(id=1, token_ids=PROMPT, max_tokens=12, stream=False))
-        compute.tokenizer.eos_ids = {first.token_ids[4]}  # the answer now stops at its 5th token
+        compute.eos_ids = {first.token_ids[4]}  # the answer now stops at its 5th token
         done = compute.generate(M.Generate(id=2, token_ids=PROMPT, max_tokens=12, stream=False))
         sampled = compute.generate(M.Generate(id=3, token_ids=PROMPT, max_tokens=8, temperature=0.9,
                                               top_p=0.8, seed=5, stream=False))

@@ -23,7 +23,9 @@ Requests (`RequestQueue`): up to compute.max_batch decode together, the others w
 order in a bounded queue (compute.max_queue) and join between steps when a place and their KV
 cache fit (the budget's KV reserve, compute.kv_tokens). Between steps the process answers its
 control channel; a request that arrives then only joins the queue (requests never nest), and a
-`cancel` removes a waiting one or stops a running one at the next step.
+`cancel` removes a waiting one or stops a running one at the next step. Requests carry token
+ids and every token goes back as an id: prompt text, detokenizing and stop strings are the
+supervisor's (runtime/textside.py), so this process loads no tokenizer; it stops at EOS itself.
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
@@ -52,7 +54,7 @@ from deltafin.runtime.models import build_model
 from deltafin.runtime.models.base import SORT_PAIRS, gather_glu, switch_glu
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tiers import layer_groups
-from deltafin.runtime.tokenizer import PromptTooLong, StreamDecoder, Tokenizer
+from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.resident import ResidentTier, probe_zero_copy
 from deltafin.workers.router import prefetch_setting
@@ -609,13 +611,10 @@ class Sequence:
     prompt: list
     cache: object
     key: object
-    decoder: StreamDecoder
-    stops: list
-    emit: object = None        # called with each M.Token (streaming), or None
+    emit: object = None        # called with each M.Token (ids only: the text side fills the text), or None
     owner: object = None       # who asked (the process: its Queued)
     kv_bytes: int = 0          # what its KV cache may grow to (admission charges it)
     out_ids: list = field(default_factory=list)
-    text: str = ""
     finish: str | None = None
     error: Exception | None = None  # the request failed (answered with an error, not Done)
     ttft_s: float | None = None
@@ -674,8 +673,8 @@ class Scheduler:
         self.counters = Counter()                # steps, rows (the batch sizes), decode tokens and bytes
         # Where the decode loop's time goes (seconds, summed): building and launching passes
         # (including any wait for a miss), waiting for the device's tokens, committing a pass
-        # (reading its expert ids back, telling the router), and handling the tokens (detokenize,
-        # stops, emit, answering between steps).
+        # (reading its expert ids back, telling the router), and handling the tokens (EOS, emit;
+        # detokenizing and stop strings happen outside this process, runtime/textside.py).
         self.loop = dict.fromkeys(("launch", "token_wait", "commit", "accept"), 0.0)
 
     # -- admission ------------------------------------------------------------------------------
@@ -829,19 +828,12 @@ class Scheduler:
     def accept(self, seq: Sequence, tok: int) -> None:
         c, req = self.compute, seq.req
         # The stand-in's zero logits say nothing: its length is max_tokens, whatever token 0 is.
-        if tok in c.tokenizer.eos_ids and not c.standin:
+        if tok in c.eos_ids and not c.standin:
             seq.finish = "stop"
             return
         seq.out_ids.append(tok)
-        piece = seq.decoder.add(tok)
-        seq.text += piece
-        hit = next((s for s in seq.stops if s in seq.text), None)
-        if hit:
-            cut = seq.text.index(hit)
-            piece = piece[:max(0, len(piece) - (len(seq.text) - cut))]
-            seq.text, seq.finish = seq.text[:cut], "stop"
-        if seq.emit and piece:
-            seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=piece))
+        if seq.emit:  # every token: the text side needs each id to detokenize and find stops
+            seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=""))
 
     def stats(self) -> dict:
         steps, rows = self.counters.get("steps"), self.counters.get("rows")
@@ -856,7 +848,7 @@ class Scheduler:
 
 class Compute:
     def __init__(self, store: Store, config: dict, source, pool_buf, slot_bytes: int,
-                 experts_cls=None):
+                 experts_cls=None, eos: list[int] | None = None):
         self.store, self.config = store, config
         dense = store.dense_weights()
         cc = config["compute"]
@@ -865,10 +857,13 @@ class Compute:
         self.model = build_model(store.config, dense, store.manifest.get("dense_quantization"),
                                  cc["dtype"])
         self.dtype = self.model.dtype
-        self.tokenizer = Tokenizer(store.tokenizer_dir, store.config)
+        # Token ids only: the supervisor tokenizes and detokenizes (runtime/textside.py) and
+        # passes the EOS ids (eos); in-process they are read from the tokenizer files as JSON
+        # (no tokenizer library, but a parse that leaves ~13 MiB of heap on the demo store).
+        self.eos_ids = set(eos) if eos is not None else eos_ids(store.tokenizer_dir, store.config)
         self.max_context = int(cc["max_context"])
         self.prefill_chunk = int(cc["prefill_chunk"])
-        self.vocab = int(store.config.get("vocab_size") or self.tokenizer.vocab_size)
+        self.vocab = int(store.config["vocab_size"])
         experts_cls = experts_cls or SlotExperts
         self.routing, self.standin, self.bench_mode = bench_mode(
             store, config, "mmap" if issubclass(experts_cls, MmapExperts) else "slots")
@@ -992,20 +987,17 @@ class Compute:
 
     def start(self, req: M.Generate, emit=None) -> Sequence:
         """A checked request as a sequence ready for the scheduler (`Scheduler.fits`/`add`);
-        RequestError (or PromptTooLong) where the request itself is wrong."""
+        RequestError where the request itself is wrong. Prompt text was tokenized before it
+        came here (runtime/textside.py): compute takes token ids only."""
         t_request = time.perf_counter()
-        if req.token_ids is not None:
-            ids = list(req.token_ids)
-        elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt, chat=req.chat, max_tokens=self.max_context)
-        else:
-            raise RequestError("generate needs prompt or token_ids")
+        if req.token_ids is None:
+            raise RequestError("compute takes token_ids; prompt text is tokenized by the supervisor")
+        ids = list(req.token_ids)
         if req.max_tokens < 0 or req.temperature < 0 or not 0 < req.top_p <= 1:
             raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
         self._check_ids(ids, req.max_tokens)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
         return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
-                        decoder=StreamDecoder(self.tokenizer), stops=[s for s in (req.stop or []) if s],
                         emit=emit, t_request=t_request,
                         kv_bytes=self.kv_token_bytes * sequence_kv_tokens(len(ids) + req.max_tokens))
 
@@ -1063,7 +1055,7 @@ class Compute:
         self.counters.add("decode_s", t_decode)
         self.counters.add("decode_tokens", n_decode)
         self._end_request(str(seq.req.id))
-        return M.Done(id=seq.req.id, text=seq.text, token_ids=out_ids, finish_reason=seq.finish or "length",
+        return M.Done(id=seq.req.id, text="", token_ids=out_ids, finish_reason=seq.finish or "length",
                       stats=stats)
 
     def _split(self) -> dict:
@@ -1283,7 +1275,8 @@ def run_compute_process(run_dir: str) -> None:
             self.dist = Lockstep.from_config(self.config, self.store)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
             self.compute = Compute(self.store, self.config, self.source, None, 0,
-                                   experts_cls=self.dist.experts_cls if self.dist else None)
+                                   experts_cls=self.dist.experts_cls if self.dist else None,
+                                   eos=self.run["eos_ids"])
             if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
                 self.compute.scheduler.max_batch = 1
             self.queue = RequestQueue(int(self.config["compute"]["max_queue"]),
@@ -1296,7 +1289,6 @@ def run_compute_process(run_dir: str) -> None:
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
-                    "max_prompt_bytes": self.compute.tokenizer.prompt_bytes_bound(self.compute.max_context),
                     "bench_mode": self.compute.bench_mode, "expert_tier": self.compute.expert_tier}
 
         def on_pool(self, msg):
@@ -1387,7 +1379,7 @@ def run_compute_process(run_dir: str) -> None:
         def answer_in_step(self, item: Queued) -> None:
             req, client = item.req, item.client
             queue_s = time.perf_counter() - item.arrived
-            emit = (lambda m: self.reply(client, m)) if req.stream else None
+            emit = lambda m: self.reply(client, m)  # every token, streamed or not: the text side needs them
 
             def between_tokens() -> bool:
                 # the supervisor's messages meanwhile: stats, new requests (queued), cancels
@@ -1402,7 +1394,7 @@ def run_compute_process(run_dir: str) -> None:
                     self.compute.abandon()  # the router's pins go; the KV cache went with the sequence
                     self.compute.counters.add("cancelled")
                 self.reply(client, done)
-            except (RequestError, ExpertUnavailable, PromptTooLong) as e:
+            except (RequestError, ExpertUnavailable) as e:
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
                 self.dist.after_error(e)
@@ -1421,10 +1413,11 @@ def run_compute_process(run_dir: str) -> None:
                 item = self.queue.waiting[0]
                 req = item.req
                 if isinstance(req, M.Generate) and item.seq is None:
-                    emit = (lambda m, c=item.client: self.reply(c, m)) if req.stream else None
+                    # every token, streamed or not: the supervisor's text side needs each id
+                    emit = lambda m, c=item.client: self.reply(c, m)
                     try:
                         item.seq = self.compute.start(req, emit)
-                    except (RequestError, PromptTooLong) as e:
+                    except RequestError as e:
                         self.queue.waiting.popleft()
                         self.reply(item.client, M.Error(id=req.id, code=e.code, message=str(e)))
                         continue
@@ -1483,7 +1476,7 @@ def run_compute_process(run_dir: str) -> None:
                 self.reply(client, M.LogitsResult(id=req.id, shape=list(arr.shape), dtype="float32",
                                                   data=memoryview(np.ascontiguousarray(arr, np.float32)).cast("B")))
                 del arr
-            except (RequestError, ExpertUnavailable, PromptTooLong) as e:
+            except (RequestError, ExpertUnavailable) as e:
                 self.compute.abandon()
                 self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
                 if self.dist is not None:

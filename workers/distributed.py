@@ -53,7 +53,7 @@ from deltafin.protocol import messages as M
 from deltafin.runtime.models.base import SORT_PAIRS
 from deltafin.runtime.ranks import OUT_OF_STEP_EXIT, RANK_LOST_EXIT
 from deltafin.runtime.store import Store
-from deltafin.workers.compute import ExpertUnavailable, PromptTooLong, RequestError, SlotExperts, run_pairs
+from deltafin.workers.compute import ExpertUnavailable, RequestError, SlotExperts, run_pairs
 
 
 IDLE, REQUEST, STOP = 0, 1, 2
@@ -403,7 +403,7 @@ class Lockstep:
                     compute.abandon()  # as rank 0 does after a cancel
             else:
                 compute.logits(list(req.token_ids), name=str(req.id))
-        except (RequestError, PromptTooLong) as e:
+        except RequestError as e:
             # refused before any exchange, the same way on every rank
             compute.abandon()
             if self.group.count != before:
