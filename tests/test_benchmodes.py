@@ -248,3 +248,32 @@ def test_run_command_records_a_trace_and_says_the_mode(tiny_stores, tmp_path):
     assert "time to first token" in r.stderr and "3 expert slots" in r.stderr
     trace = load_trace(out)
     assert len(trace.lengths) == 1 and trace.lengths[0] == trace.tokens > 3
+
+
+def test_trace_routing_fills_slots_in_place_mid_pass(tiny_stores, tmp_path):
+    """Routing from a trace reads no gate back, so nothing else evaluates a layer's input before
+    its misses are filled: were the pass's pending graph still holding the pools, each fill
+    would copy a whole pool (on the 26-layer store compute grew to 22 GB). Every fill of a
+    prefill and of the decode steps writes its slot in the pool's own buffer."""
+    import mlx.core as mx
+    store = Store(tiny_stores(ARCH))
+    _random_trace(tmp_path / "t.npz", store, tokens=11)
+    cfg = _config(routing_trace=str(tmp_path / "t.npz"))
+    compute, router, loader = _in_process(store, cfg, store.top_k * 2)  # misses in every layer
+    tier = compute.experts.tier
+    fill, moved = tier.fill, []
+
+    def address(a) -> int:
+        return np.asarray(a).__array_interface__["data"][0]
+
+    def spy(layer, expert, slot, record):
+        pools = tier.pools[tier.group_of[layer]]
+        before = {n: address(p) for n, p in pools.items()}
+        fill(layer, expert, slot, record)
+        moved.extend(n for n, p in pools.items() if address(p) != before[n])
+    tier.fill = spy
+    done = compute.generate(M.Generate(id=1, token_ids=PROMPT, max_tokens=4, stream=False))
+    assert len(done.token_ids) == 4 and tier.fills > len(store.moe_layers)
+    assert moved == [], f"{len(moved)} pool copies in {tier.fills} fills"
+    loader.close()
+    mx.clear_cache()

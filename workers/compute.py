@@ -403,6 +403,12 @@ class SlotExperts(ExpertProvider):
             else:
                 slots = mx.array(tier.slots(layer, ids).astype(np.uint32))
             return switch_glu(x, slots, w, quant)
+        if not isinstance(ids, mx.array):
+            # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
+            # the pass's pending graph still holds the pools, and a fill would then copy a whole
+            # pool instead of writing one slot (compute grew to 22 GB on the 26-layer store in the
+            # real regime). Evaluated here, where a real run's gate read-back evaluates it.
+            mx.eval(x)
         if isinstance(ids, mx.array):
             self.counters.add("gate_syncs")
         if self._look is not None:
