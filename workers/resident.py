@@ -150,8 +150,7 @@ class ResidentTier:
         group, evaluated before returning, so the staging slot can be reused at once."""
         t0 = time.perf_counter()
         g = self.group_of[layer]
-        self._unarrange(g)
-        self.drop(layer, slot)
+        self.drop(layer, slot)  # drops the group's views first
         moved = self.slot_of[layer][expert]
         if moved >= 0:  # the router read it again into another slot: the old one is free now
             self.drop(layer, int(moved))
