@@ -188,8 +188,8 @@ def _gate_routing(store: Store, requests: list[tuple[list[int], int]]) -> np.nda
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def begin_pass(self, n):
-            p = real.begin_pass(n)
+        def begin_pass(self, n, **kw):
+            p = real.begin_pass(n, **kw)
             passes_seen[p] = []
             return p
 
@@ -198,7 +198,7 @@ def _gate_routing(store: Store, requests: list[tuple[list[int], int]]) -> np.nda
             real.discard(p)
 
         def __call__(self, layer, x, inds):
-            passes_seen[real.pass_no].append((layer, np.array(inds)))
+            passes_seen[real.pass_no].append((layer, np.array(inds).reshape(-1, inds.shape[-1])))
             return real(layer, x, inds)
     compute.experts = Spy()
     for ids, n in requests:

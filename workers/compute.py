@@ -182,6 +182,10 @@ class ExpertProvider:
     output was read (`commit`: its uses are reported, its routing recorded) or dropped
     (`discard`: a pass launched ahead of need)."""
 
+    # The model may hand x [..., D] and the gate's ids [..., k] in the gate's own shape (as mlx-lm
+    # hands its SwitchGLU) and take [..., k, D] back: no reshape per layer and token.
+    keeps_shape = True
+
     def __init__(self, store: Store, source, dtype, routing: Routing | None = None):
         self.store, self.source, self.dtype = store, source, dtype
         self.routing = routing or Routing(store)
@@ -194,9 +198,10 @@ class ExpertProvider:
         self.unreported: list = []  # (pass, layer, ids) used without a need, not yet told the router
 
     # -- passes -----------------------------------------------------------------------------------
-    def begin_pass(self, n_tokens: int) -> int:
+    def begin_pass(self, n_tokens: int, rows: bool = True) -> int:
+        """rows: the pass's routing may be asked for at commit (a trace is recorded)."""
         self.pass_no += 1
-        self.current = self.passes[self.pass_no] = {"n": n_tokens, "used": [],
+        self.current = self.passes[self.pass_no] = {"n": n_tokens, "used": [], "rows": rows,
                                                     "undo": self.routing.begin_pass(n_tokens)}
         return self.pass_no
 
@@ -229,6 +234,9 @@ class ExpertProvider:
         self._read_back(p)
         self.flush(upto=p)
         rec = self.passes.pop(p)
+        if rec.get("uses"):  # resident uses counted from shapes (SlotExperts._count_or_note)
+            self.counters.add("uses", rec["uses"])
+            self.counters.add("hits", rec["uses"])
         if not rows:
             return None
         return self.routing.rows(rec["n"], [(layer, self._host(ids)) for layer, ids in rec["used"]])
@@ -391,18 +399,32 @@ class SlotExperts(ExpertProvider):
     def can_overlap(self) -> bool:
         return self.tier is not None and self.tier.all_full() and not self.force_sync
 
+    def _count_or_note(self, layer: int, ids) -> None:
+        """A resident layer's ids: where every expert is resident (nothing can be evicted, so the
+        router needs no uses) and no one records this pass's routing, a single row's k ids are k
+        distinct experts, all hits: counted from the shape, not read back (no stack of the
+        pass's ids in its graph, no copy, no message per token). Otherwise noted, to be read back
+        with the pass and reported."""
+        rec = self.current
+        if rec["rows"] or rec["n"] != 1 or not self.tier.all_full():
+            self._note(layer, ids, report=True, count=True)
+            return
+        rec["uses"] = rec.get("uses", 0) + ids.shape[-1]  # counted once the pass is committed
+
     def __call__(self, layer: int, x, inds):
         ids = self.routing.choose(layer, inds)  # the gate's ids (on the device), or the trace's
         tier = self.tier
         w, quant = tier.weights(layer), tier.quant(layer)
         if tier.full(layer) and not self.force_sync:
-            # No question to ask: index the device table inside the graph, report the use later.
-            self._note(layer, ids, report=True, count=True)
+            # No question to ask: the ids index the layer's experts inside the graph.
+            self._count_or_note(layer, ids)
+            ordered = tier.expert_weights(layer)  # None: index the expert->slot table
             if isinstance(ids, mx.array):
-                slots = tier.device_table(layer)[ids]
-            else:
-                slots = mx.array(tier.slots(layer, ids).astype(np.uint32))
-            return switch_glu(x, slots, w, quant)
+                slots = ids if ordered is not None else tier.device_table(layer)[ids]
+            else:  # a trace's ids, in the gate's shape
+                host = np.asarray(ids).reshape(inds.shape)
+                slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
+            return switch_glu(x, slots, ordered or w, quant)
         if not isinstance(ids, mx.array):
             # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
             # the pass's pending graph still holds the pools, and a fill would then copy a whole
@@ -421,7 +443,8 @@ class SlotExperts(ExpertProvider):
         if len(experts) <= cap:
             reported = self.ensure(layer, experts)
             self._note(layer, flat, report=not reported, count=False)
-            return switch_glu(x, mx.array(tier.slots(layer, flat).astype(np.uint32)), w, quant)
+            slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
+            return switch_glu(x, mx.array(slots), w, quant)
         # More distinct experts than the layer's resident slots (a long prefill in a small budget):
         # in chunks, each evaluated before the next chunk's fills overwrite its slots.
         reported = False
@@ -583,28 +606,29 @@ class StandInModel:
                 precise_wait(self.dense_s)
         return mx.zeros((n, self.vocab), dtype=mx.float32)
 
-    def forward_batch(self, tokens, caches, experts):
+    def forward_batch(self, tokens, caches, experts, float32=True):
         return self(tokens, None, experts)  # one sequence at a time (its scheduler's max_batch)
 
 
 # -- the decode loop ----------------------------------------------------------------------------------
 def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
-    """The next token from one row of logits, as an MLX scalar (lazy: read back one step later).
-    Greedy is the argmax of the log-probabilities computed in the model's dtype `dtype`, as
-    mlx-lm's generate_step computes them: in bfloat16, subtracting the log-sum-exp can round two
-    neighbouring logits to one value, and the lower token id then wins there too. Otherwise
-    softmax(logits / temperature) restricted to the smallest set of most likely tokens whose
-    probability reaches top_p, drawn with `key`."""
+    """The next token of each row of logits [R, vocab] (R tokens, [R]), on the device (lazy: read
+    back one step later). Greedy is the argmax of the log-probabilities computed in the model's
+    dtype `dtype`, as mlx-lm's generate_step computes them: in bfloat16, subtracting the
+    log-sum-exp can round two neighbouring logits to one value, and the lower token id then wins
+    there too. Otherwise softmax(logits / temperature) restricted to the smallest set of most
+    likely tokens whose probability reaches top_p, drawn with `key`."""
     if temperature == 0:
-        row = logits.reshape(1, -1).astype(dtype or logits.dtype)  # exact: the model's own values
-        return mx.argmax(row - mx.logsumexp(row, keepdims=True), axis=-1).reshape(())
+        row = logits.astype(dtype or logits.dtype)  # exact: the model's own values (no op if already)
+        return mx.argmax(row - mx.logsumexp(row, axis=-1, keepdims=True), axis=-1)
     z = logits.astype(mx.float32) / temperature
     if top_p < 1:
         probs = mx.softmax(z, axis=-1)
         order = mx.argsort(-probs, axis=-1)
-        ranked = probs[order]
+        ranked = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(ranked, axis=-1) - ranked  # probability of the tokens ranked above
-        drop = (before >= top_p)[mx.argsort(order, axis=-1)]  # back to vocabulary order
+        # back to vocabulary order
+        drop = mx.take_along_axis(before >= top_p, mx.argsort(order, axis=-1), axis=-1)
         z = mx.where(drop, -mx.inf, z)
     return mx.random.categorical(z, key=key)
 
@@ -802,10 +826,13 @@ class Scheduler:
         if not isinstance(tokens, mx.array):
             tokens = mx.stack([t if isinstance(t, mx.array) else mx.array(t, dtype=mx.uint32)
                                for t in tokens]).reshape(-1)
-        p = c.experts.begin_pass(len(seqs))
-        logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts)
-        toks = mx.stack([sample_on_device(logits[b], s.req.temperature, s.req.top_p, s.next_key(), c.dtype)
-                         for b, s in enumerate(seqs)])
+        p = c.experts.begin_pass(len(seqs), rows=c.recorder is not None)
+        # In the model's dtype (sample_on_device casts where it needs float32), each row sampled
+        # on its own [1, vocab] slice: one sequence's tokens are its sampler's output as it is.
+        logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
+        toks = [sample_on_device(logits if len(seqs) == 1 else logits[b:b + 1], s.req.temperature,
+                                 s.req.top_p, s.next_key(), c.dtype) for b, s in enumerate(seqs)]
+        toks = toks[0] if len(toks) == 1 else mx.concatenate(toks)
         ids = c.experts.seal_pass()
         mx.async_eval(toks) if ids is None else mx.async_eval(toks, ids)
         self.loop["launch"] += time.perf_counter() - t0

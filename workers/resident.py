@@ -77,6 +77,7 @@ class ResidentTier:
         self.count = dict.fromkeys(self.group_of, 0)
         self.group_experts = {g: store.n_experts * list(self.group_of.values()).count(g) for g in self.n_slots}
         self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
+        self._in_order: dict[int, dict[str, mx.array]] = {}  # layer -> its pools' rows in expert order
         self.fills = 0
         self.fill_bytes = 0
         self.fill_s = 0.0
@@ -114,12 +115,42 @@ class ResidentTier:
             table = self._tables[layer] = mx.array(self.slot_of[layer].astype(np.uint32))
         return table
 
+    def expert_weights(self, layer: int) -> dict[str, mx.array] | None:
+        """{tensor name: [n_experts, ...]} of a layer whose rows in its group's pools are in expert
+        order, so the gate's ids index them as they are, as mlx-lm indexes its stacked experts:
+        no expert->slot gather per layer and token. Views sharing the pools' memory (a contiguous
+        slice is not copied), made when the whole group became resident (nothing of it can be
+        evicted then, so no fill needs the pools' buffers alone). None otherwise."""
+        return self._in_order.get(layer)
+
+    def _arrange(self, g: str) -> list:
+        """Views in expert order of each layer of group g, where all of g is resident and the
+        layer's slots are consecutive in expert order (as a preload fills them). Returns them,
+        still to evaluate."""
+        layers = [layer for layer, gg in self.group_of.items() if gg == g]
+        if not all(self.full(layer) for layer in layers):
+            return []
+        made, n = [], self.store.n_experts
+        for layer in layers:
+            where = self.slot_of[layer]
+            if (where == where[0] + np.arange(n)).all():
+                a = int(where[0])
+                self._in_order[layer] = {k: pool[a:a + n] for k, pool in self.pools[g].items()}
+                made.extend(self._in_order[layer].values())
+        return made
+
+    def _unarrange(self, g: str) -> None:
+        """Drops group g's views before its pools change: a pool another array still shares
+        cannot be updated in place (MLX would copy all of it for one slot)."""
+        for layer in [layer for layer in self._in_order if self.group_of[layer] == g]:
+            del self._in_order[layer]
+
     def fill(self, layer: int, expert: int, slot: int, record) -> None:
         """Copies one record (bytes of the staging slot) into resident slot `slot` of the layer's
         group, evaluated before returning, so the staging slot can be reused at once."""
         t0 = time.perf_counter()
         g = self.group_of[layer]
-        self.drop(layer, slot)
+        self.drop(layer, slot)  # drops the group's views first
         moved = self.slot_of[layer][expert]
         if moved >= 0:  # the router read it again into another slot: the old one is free now
             self.drop(layer, int(moved))
@@ -133,11 +164,11 @@ class ResidentTier:
             if a.dtype != pools[t["name"]].dtype:
                 a = a.astype(pools[t["name"]].dtype)
             pools[t["name"]][slot] = a  # MLX reuses the pool's buffer: no pending reader holds it
-        mx.eval(list(pools.values()))
         self.held[g][slot] = (layer, expert)
         self.slot_of[layer][expert] = slot
         self.count[layer] += 1
         self._tables.pop(layer, None)
+        mx.eval(list(pools.values()) + self._arrange(g))
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
         self.fill_s += time.perf_counter() - t0
@@ -145,6 +176,7 @@ class ResidentTier:
     def drop(self, layer: int, slot: int) -> None:
         """Forgets what slot `slot` of the layer's group holds (evicted, or its read failed)."""
         g = self.group_of[layer]
+        self._unarrange(g)
         old = self.held[g][slot]
         if old is not None:
             self.held[g][slot] = None

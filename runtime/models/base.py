@@ -261,7 +261,8 @@ def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
 
 
 def switch_glu(x, inds, w, quant: dict):
-    """Chosen experts' SwiGLU, as mlx-lm's SwitchGLU: x [N, D], inds [N, k] rows of w -> [N, k, D].
+    """Chosen experts' SwiGLU, as mlx-lm's SwitchGLU: x [..., D], inds [..., k] rows of w ->
+    [..., k, D] (e.g. [N, D] and [N, k], or the gate's [B, L, D] and [B, L, k]).
 
     w: stacked [E, out, in] tensors, or resident pools with inds as slot numbers (each row's
     result depends only on its own row and expert, so the slot numbering changes nothing)."""
@@ -281,6 +282,8 @@ def switch_glu(x, inds, w, quant: dict):
 
 class ResidentExperts:
     """ExpertProvider with every expert in memory: {layer: {"gate_proj.weight": [E, ...], ...}}."""
+
+    keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
     def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size

@@ -54,16 +54,20 @@ class SparseMoE:
     def __call__(self, x, experts):
         # The gate and the shared experts see x as mlx-lm's do, [B, L, D]: a GPU picks its
         # matmul kernel by shape, and a float gate on [N, D] rounds differently in bfloat16 on
-        # CUDA. The routed experts take the rows flat, [N, D] with inds [N, k].
-        x2 = x.reshape(-1, x.shape[-1])
+        # CUDA. The routed experts take them so too where the provider keeps shapes (as mlx-lm's
+        # SwitchGLU: no reshape per layer), else the rows flat, [N, D] with inds [N, k].
         inds, scores = self.route(self.gate(x))
         k = inds.shape[-1]
         if self.next is not None and getattr(experts, "wants_lookahead", None) and experts.wants_lookahead(self.layer):
             # Gate lookahead: the next MoE layer's gate on this layer's input guesses its experts
             # early, so the router can read them while this layer and the next attention run.
             experts.lookahead(self.next.layer, self.next.route(self.next.gate(x))[0].reshape(-1, k))
-        y = experts(self.layer, x2, inds.reshape(-1, k))
-        y = (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
+        if getattr(experts, "keeps_shape", False):
+            y = experts(self.layer, x, inds)
+            y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        else:
+            y = experts(self.layer, x.reshape(-1, x.shape[-1]), inds.reshape(-1, k))
+            y = (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
         if self.shared is not None:
             s = self.shared(x)
             y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x)) * s)
@@ -124,31 +128,36 @@ class MoETransformer:
     def make_cache(self):
         return [KVCache() for _ in range(self.n_layers)]
 
-    def __call__(self, tokens, cache=None, experts=None):
-        """tokens int32 [T] -> float32 logits [T, vocab]; `cache` (from make_cache) is advanced by T."""
+    def __call__(self, tokens, cache=None, experts=None, float32: bool = True):
+        """tokens int32 [T] -> float32 logits [T, vocab]; `cache` (from make_cache) is advanced by T.
+        float32=False: the logits in the model's dtype, as mlx-lm's model gives them (the decode
+        loop samples them so; a cast to float32 and back is two more primitives per token)."""
         if self.moe_layers and experts is None:
             raise ValueError("this model has routed experts: pass an ExpertProvider")
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
-        h = self.embed.lookup(tokens.reshape(1, -1))
+        h = self.embed.lookup(tokens[None] if tokens.ndim == 1 else tokens.reshape(1, -1))
         mask = "causal" if h.shape[1] > 1 else None
         for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
             h = h + attn(rms_norm(h, in_norm, self.eps), mask, None if cache is None else cache[i])
             h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
         h = rms_norm(h, self.final_norm, self.eps)
-        return self.head(h)[0].astype(mx.float32)
+        logits = self.head(h).squeeze(0)
+        return logits.astype(mx.float32) if float32 else logits
 
-    def forward_batch(self, tokens, caches: list, experts=None):
+    def forward_batch(self, tokens, caches: list, experts=None, float32: bool = True):
         """One decode step of B sequences: tokens int [B] (one per sequence), caches[b] that
-        sequence's cache (each advanced by 1) -> float32 logits [B, vocab].
+        sequence's cache (each advanced by 1) -> float32 logits [B, vocab] (float32=False: in
+        the model's dtype).
 
         Everything per row (embedding, norms, MoE and dense MLPs, head) runs on the B rows
         stacked, so each MoE layer calls the provider once with all of them (one union of
         experts). Attention alone runs per sequence, on its own row, rope offset and cache. B=1
         is the single-sequence pass itself, so a request alone keeps its numerics."""
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
-        tokens = tokens.reshape(-1)
+        if tokens.ndim != 1:
+            tokens = tokens.reshape(-1)
         if len(caches) == 1:
-            return self(tokens, caches[0], experts)
+            return self(tokens, caches[0], experts, float32)
         if self.moe_layers and experts is None:
             raise ValueError("this model has routed experts: pass an ExpertProvider")
         # [B, 1, D]: each sequence's row keeps the [1, 1, D] shape its own pass would give it
@@ -158,7 +167,8 @@ class MoETransformer:
             h = h + mx.concatenate([attn(x[b:b + 1], None, c[i]) for b, c in enumerate(caches)], axis=0)
             h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
         h = rms_norm(h, self.final_norm, self.eps)
-        return self.head(h)[:, 0].astype(mx.float32)
+        logits = self.head(h).squeeze(1)
+        return logits.astype(mx.float32) if float32 else logits
 
 
 class GQAModel(MoETransformer):

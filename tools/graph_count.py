@@ -1,0 +1,144 @@
+"""One decode token's graph in deltafin and in mlx-lm, counted primitive by primitive.
+
+    python -m deltafin.tools.graph_count --store STORE --mlx-model CKPT \\
+        [--prompt-ids 1,2,3] [--token 4] [--json OUT]
+
+On a GPU a decode token's time is mostly launching and queuing its kernels, one or more per
+primitive, so the graph each side hands to the device per token says where deltafin does more
+than mlx-lm. Both run their own decode loop (deltafin: `Compute` with every expert resident,
+router and loader in-process, as tools/resident_compare.py; mlx-lm: its generate_step) on the same
+weights; `mx.async_eval` is wrapped for the run, and the arrays of its `--token`-th call (one per
+token on both sides) are exported with `mx.export_to_dot` before they are evaluated. The calls
+before it are waited for, so that graph holds one token only. Each primitive node of the DOT file
+counts once (a compiled function, e.g. the fused SwiGLU, is one `Compiled` node); `leaves` are the
+evaluated arrays the graph reads (weights, caches, the input token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+PRIMITIVE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
+LEAF = re.compile(r'\{ rank=source; "([^"]+)"; \}')
+
+
+def primitives(*outputs) -> tuple[Counter, int]:
+    """(primitive name -> nodes, leaves) of the unevaluated graph behind `outputs`."""
+    fd, path = tempfile.mkstemp(suffix=".dot", prefix="deltafin-graph-")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *outputs)
+        with open(path) as f:
+            text = f.read()
+    finally:
+        os.unlink(path)
+    return Counter(PRIMITIVE.findall(text)), len(set(LEAF.findall(text)))
+
+
+@contextmanager
+def capture_launch(token: int):
+    """Wraps mx.async_eval: its `token`-th call's arrays are counted (into the yielded dict) before
+    being launched; earlier calls are waited for, so that graph starts from evaluated arrays."""
+    launch, got, calls = mx.async_eval, {}, [0]
+
+    def counted(*arrays):
+        calls[0] += 1
+        if calls[0] == token:
+            got["primitives"], got["leaves"] = primitives(*arrays)
+        launch(*arrays)
+        if calls[0] < token:
+            mx.eval(*arrays)
+
+    mx.async_eval = counted
+    try:
+        yield got
+    finally:
+        mx.async_eval = launch
+
+
+def mlx_lm_graph(mlx_model: str, prompt: list[int], token: int) -> dict:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, _ = load(mlx_model)
+    with capture_launch(token) as got:
+        for _, n in zip(generate_step(mx.array(prompt), model, max_tokens=token + 1), range(token + 1)):
+            pass
+    return got
+
+
+def deltafin_graph(store_path: str, prompt: list[int], token: int) -> dict:
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.config import load_config
+    from deltafin.runtime.store import Store
+    from deltafin.workers.compute import Compute, local_router
+
+    config = load_config().to_dict()
+    store = Store(store_path)
+    source, staging, loader = local_router(store, config, len(store.records))
+    try:
+        compute = Compute(store, config, source, staging, store.max_record_bytes)
+        compute.preload()
+        if not compute.experts.tier.all_full():
+            raise RuntimeError("not every expert is resident: the count would include misses")
+        with capture_launch(token) as got:
+            compute.generate(M.Generate(id=1, token_ids=prompt, max_tokens=token + 1, stream=False))
+        return got
+    finally:
+        loader.close()
+
+
+def compare(store_path: str, mlx_model: str, prompt: list[int], token: int = 4) -> dict:
+    d = deltafin_graph(store_path, prompt, token)
+    m = mlx_lm_graph(mlx_model, prompt, token)
+    if "primitives" not in d or "primitives" not in m:
+        raise RuntimeError("a side launched fewer tokens than --token")
+    names = sorted(set(d["primitives"]) | set(m["primitives"]),
+                   key=lambda k: (-(d["primitives"][k] - m["primitives"][k]), k))
+    return {"store": str(store_path), "mlx_model": mlx_model, "token": token, "device": str(mx.default_device()),
+            "primitives": {k: {"deltafin": d["primitives"][k], "mlx_lm": m["primitives"][k]} for k in names},
+            "total": {"deltafin": sum(d["primitives"].values()), "mlx_lm": sum(m["primitives"].values())},
+            "leaves": {"deltafin": d["leaves"], "mlx_lm": m["leaves"]}}
+
+
+def table(out: dict) -> str:
+    rows = [("primitive", "deltafin", "mlx-lm", "extra")]
+    for k, v in out["primitives"].items():
+        rows.append((k, str(v["deltafin"]), str(v["mlx_lm"]), f"{v['deltafin'] - v['mlx_lm']:+d}"))
+    for k in ("total", "leaves"):
+        v = out[k]
+        rows.append((k, str(v["deltafin"]), str(v["mlx_lm"]), f"{v['deltafin'] - v['mlx_lm']:+d}"))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}" for r in rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltafin-graph-count", description=__doc__.split("\n\n")[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--mlx-model", required=True, help="the mlx-lm checkpoint of the same weights")
+    p.add_argument("--prompt-ids", default="1,17,42,99,3,250,7,301,64,12,5,400")
+    p.add_argument("--token", type=int, default=4, help="which launched token's graph (>= 2: a decode step)")
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args(argv)
+    if a.token < 2:
+        p.error("--token >= 2 (the first launch follows the prefill)")
+    prompt = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+    out = compare(a.store, a.mlx_model, prompt, a.token)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(json.dumps(out, indent=1) + "\n")
+    print(f"one decode token's graph (launch {a.token}), {out['device']}")
+    print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
