@@ -57,6 +57,8 @@ def test_every_contender_runs_or_says_why(bench_run):
             assert r["bench_mode"]["routing"].startswith("trace:")
             assert (r["bench_mode"]["standin"] is not None) == (regime == "standin")
             assert 0 <= r["hit_rate"] <= 1 and r["stage_latency"]["prepare"]["count"] > 0
+            # the slots the bound assumes are the slots it ran with (or the report says so)
+            assert r["slots_short"] == report["setup"]["n_slots"] - r["n_slots"] >= 0
 
 
 def test_the_bound_and_shares_are_the_documented_arithmetic(bench_run):

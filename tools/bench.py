@@ -244,6 +244,10 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
             return {"ok": False, "error": f"{type(e).__name__}: {e}",
                     "cause": _exit_cause(None, cap, errlog.read_text()[-2000:])}
     g = gen.stats
+    got_slots = (stats.get("memory") or {}).get("n_slots")
+    if got_slots is not None and got_slots < s.n_slots:
+        log(f"[{regime}] {mode}: the runtime made {got_slots} of the {s.n_slots} expert slots asked for at "
+            f"{format_size(s.budget)}; give a larger --memory-budget (--cache-frac still caps the slots)")
     dec = g.get("decode") or {}
     n_dec = dec.get("tokens") or max(0, len(gen.token_ids) - 1)
     split = {k: dec.get(f"{k}_s", 0.0) / n_dec for k in ("compute", "ipc", "wait", "prepare")} if n_dec else {}
@@ -262,7 +266,11 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "ssd_share_of_probe": (stats["ssd_gbps"] / s.disk["gbps"]) if stats.get("ssd_gbps") and s.disk.get("gbps") else None,
         "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall"),
         "time_per_token_s": (1.0 / g["decode_tok_s"]) if g.get("decode_tok_s") else None,
-        "split_per_token_s": split, "n_slots": (stats.get("memory") or {}).get("n_slots"),
+        "split_per_token_s": split, "n_slots": got_slots,
+        # The budget estimate for --cache-frac's slots can fall short of what the supervisor
+        # finds once it measures the tree (the real regime in float32: 234 of 416 slots at the
+        # estimate): then the contender ran with fewer slots than the bound assumes.
+        "slots_short": (s.n_slots - got_slots) if got_slots is not None and got_slots < s.n_slots else 0,
         "bench_mode": g.get("bench_mode"), "loader": _loader_figures(stats), **mem,
     }
 
@@ -551,6 +559,10 @@ def table(report: dict) -> str:
                 f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
                 f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
                 f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}")
+        for name, r in rr["contenders"].items():
+            if r.get("slots_short"):
+                lines.append(f"note: {name} ran with {r['n_slots']} expert slots, {r['slots_short']} fewer than "
+                             f"the bound assumes (the budget held no more)")
     return "\n".join(lines)
 
 
