@@ -79,6 +79,10 @@ class Shape:
         rec = expert_record_bytes(int(c["hidden_size"]), int(c["moe_intermediate_size"]), bits, group_size)
         return cls(preset, n_layers - n_dense, n_dense, archinfo.n_experts(c), archinfo.top_k(c), rec)
 
+    def slots_at(self, frac: float) -> int:
+        """Expert slots for a cache of `frac` of all experts (at least one token's top-k)."""
+        return max(self.top_k, round(frac * self.n_moe * self.n_experts))
+
     def to_dict(self) -> dict:
         return {"name": self.name, "moe_layers": self.n_moe, "dense_layers": self.n_dense,
                 "experts_per_layer": self.n_experts, "top_k": self.top_k, "record_bytes": self.record_bytes,
@@ -190,7 +194,7 @@ def calibrate_run(store, trace_ids: np.ndarray, threads: int, policy: str, frac:
     from deltafin.tools.bench import plan_budget_for_slots
     from deltafin.tools.run import running_supervisor
     shape = Shape.of_store(store)
-    n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+    n_slots = shape.slots_at(frac)
     n = prompt + tokens - 1
     rows = np.take(trace_ids, (np.arange(n) + offset) % len(trace_ids), axis=0)[:, :shape.n_moe, :]
     moe_ms, dense_ms = 1.0, 0.5
@@ -534,21 +538,22 @@ def main(argv=None) -> int:
             base = plan_budget_for_slots(store, 0, cfg.compute.max_context, "float32")
             n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
             fracs = [n / (shape.n_moe * shape.n_experts)]
-        cases = []
         if a.hosts:
-            return _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,
-                               hop["s"], prep["s_per_expert"], gbps, threads)
-        for frac in fracs:
-            n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
-            steps = routing_steps(shape, trace_ids, n_slots, policy, None)
-            f = price(steps, compute_s)
-            cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
-                          "cache_bytes": n_slots * shape.record_bytes, **f})
-            print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
-                  f"{policy}: {f['tok_s']:.2f} tok/s (compute {f['compute_s'] * 1e3:.1f} ms, reads "
-                  f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
-                  f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
-        out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
+            out = _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,
+                              hop["s"], prep["s_per_expert"], gbps, threads)
+        else:
+            cases = []
+            for frac in fracs:
+                n_slots = shape.slots_at(frac)
+                steps = routing_steps(shape, trace_ids, n_slots, policy, None)
+                f = price(steps, compute_s)
+                cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
+                              "cache_bytes": n_slots * shape.record_bytes, **f})
+                print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
+                      f"{policy}: {f['tok_s']:.2f} tok/s (compute {f['compute_s'] * 1e3:.1f} ms, reads "
+                      f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
+                      f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
+            out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
@@ -563,13 +568,13 @@ def _hidden(shape: Shape, store) -> int:
 
 def _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib, hop_s, prep_s,
                 gbps, threads) -> int:
-    """--hosts: the forecast on 1..N hosts side by side (1, 2, 4, ... up to N, and N)."""
+    """--hosts: the forecast on 1..N hosts side by side (1, 2, 4, ... up to N, and N); returns the report."""
     counts = sorted({h for h in (1, 2, 4, 8) if h <= a.hosts} | {a.hosts})
     hidden = _hidden(shape, store)
     calib["link"] = {"gbps": a.link_gbps, "latency_us": a.link_latency_us, "how": "given"}
     cases = []
     for frac in fracs:
-        n_slots = max(shape.top_k, round(frac * shape.n_moe * shape.n_experts))
+        n_slots = shape.slots_at(frac)
         for hosts in counts:
             steps = share_steps(shape, trace_ids, n_slots, policy, hosts)
             f = forecast_hosts(shape, steps, compute_s, hop_s, prep_s, gbps, threads, hosts, a.link_gbps,
@@ -581,10 +586,7 @@ def _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s
                   f"(compute {f['compute_s'] * 1e3:.1f} ms, experts {f['experts_s'] * 1e3:.1f} ms, exchange "
                   f"{f['exchange_s'] * 1e3:.2f} ms = {f['exchanges_per_token']} x {f['exchange_bytes']} B per token; "
                   f"hit rate per rank {', '.join(f'{h:.2f}' for h in f['hit_rate_per_rank'])})")
-    out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
-    return 0
+    return {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
 
 
 if __name__ == "__main__":
