@@ -45,6 +45,18 @@ def checksum(data) -> str:
     return f"{crc32(data) & 0xFFFFFFFF:08x}"
 
 
+def truncated_error(rec, got: int) -> StoreError:
+    """A record read came back short: the one message for every reader (store, loader)."""
+    return StoreError(f"layer {rec.layer} expert {rec.expert}: {rec.file} is truncated "
+                      f"(record at {rec.offset} needs {rec.nbytes} bytes, {got} present)")
+
+
+def checksum_error(rec) -> StoreError:
+    """A record's bytes do not match its checksum: the one message for every reader."""
+    return StoreError(f"layer {rec.layer} expert {rec.expert}: checksum mismatch in "
+                      f"{rec.file} at offset {rec.offset}")
+
+
 @dataclass(frozen=True)
 class ExpertRecord:
     layer: int
@@ -309,12 +321,10 @@ class Store:
                 for f in files.values():
                     f.close()
         if got < rec.nbytes:
-            raise StoreError(f"layer {rec.layer} expert {rec.expert}: {rec.file} is truncated "
-                             f"(record at {rec.offset} needs {rec.nbytes} bytes, {got} present)")
+            raise truncated_error(rec, got)
         view = memoryview(buf)[:rec.nbytes]
         if verify and checksum(view) != rec.checksum:
-            raise StoreError(f"layer {rec.layer} expert {rec.expert}: checksum mismatch in "
-                             f"{rec.file} at offset {rec.offset}")
+            raise checksum_error(rec)
         return view
 
     def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:

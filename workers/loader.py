@@ -23,7 +23,7 @@ from collections import deque
 from deltafin.protocol import messages as M
 from deltafin.runtime.directio import BLOCK, DirectFile, round_up
 from deltafin.runtime.metrics import Counter, Latency
-from deltafin.runtime.store import Store, StoreError, crc32
+from deltafin.runtime.store import Store, StoreError, checksum_error, crc32, truncated_error
 
 
 class ReadJob:
@@ -58,8 +58,7 @@ class ReadJob:
             try:
                 got = self.file.read_into(self.slot[off:off + round_up(n, BLOCK)], self.rec.offset + off, n)
                 if got < n:
-                    error = (f"layer {self.rec.layer} expert {self.rec.expert}: {self.rec.file} is truncated "
-                             f"(record at {self.rec.offset} needs {self.rec.nbytes} bytes)")
+                    error = str(truncated_error(self.rec, off + got))
             except OSError as e:
                 error = f"{self.rec.file}: {e}"
         return self._chunk_done(i, error)
@@ -78,8 +77,7 @@ class ReadJob:
                 if self.error is not None or self.crc_next == n:
                     self.crc_busy = False
                     if self.error is None and self.verify and f"{self.crc & 0xFFFFFFFF:08x}" != self.rec.checksum:
-                        self.error = (f"layer {self.rec.layer} expert {self.rec.expert}: checksum mismatch "
-                                      f"in {self.rec.file} at offset {self.rec.offset}")
+                        self.error = str(checksum_error(self.rec))
                     # a failed job ends only once no thread still writes into its slot
                     finished = not self.reported and all(self.done)
                     self.reported |= finished
