@@ -79,6 +79,7 @@ class ComputeConfig:
     max_queue: int = 16
     max_batch: int = 8
     kv_tokens: int = 0
+    host_fills: bool = True  # on the CPU backend, fills write the pools' memory with numpy
 
     @property
     def max_inflight(self) -> int:

@@ -251,3 +251,63 @@ def test_the_runtime_allocates_the_resident_tier_the_budget_counted(tiny_stores)
     assert tier["resident_bytes"] == 5 * per and tier["kind"] == "owned"
     assert mem["staging_bytes"] == mem["staging_slots"] * mem["slot_bytes"]
     assert mem["staging_slots"] == max(2 * store.top_k, 2 * 4)  # 2 x loader.threads (4)
+
+
+@pytest.fixture(scope="module")
+def bf16_store(tmp_path_factory):
+    """A tiny store converted from a bfloat16 checkpoint: bfloat16 scales and biases."""
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("bf16")
+    src = tiny(ARCH, root / "hf", seed=11, dtype="bfloat16")
+    assert convert.main([str(src), str(root / "store"), "--no-progress"]) == 0
+    return Store(root / "store")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_host_writes_fill_the_pools_exactly_as_mlx_does(bf16_store, dtype):
+    """On the CPU a fill writes the pools' memory with numpy (ResidentTier.host); the pools must
+    hold the very bits MLX's own copy and conversion gives, scales and biases included."""
+    store = bf16_store
+    layer = store.moe_layers[0]
+    g = store.record(layer, 0).layout
+    direct = ResidentTier(store, dtype, {g: 4}, host_writes=True)
+    graph = ResidentTier(store, dtype, {g: 4}, host_writes=False)
+    assert direct.host[g] and not graph.host[g]
+    hows = {how for how, _ in direct.host[g].values()}
+    assert hows == {mx.float32: {"bytes", "bf16>f32"}, mx.bfloat16: {"bytes"}, mx.float16: {"bytes"}}[dtype]
+    for slot, expert in ((2, 5), (0, 1), (2, 3)):  # slot 2 written twice
+        for tier in (direct, graph):
+            tier.fill(layer, expert, slot, _record(store, layer, expert))
+    for name, pool in graph.weights(layer).items():
+        a, b = direct.weights(layer)[name], pool
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.array(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a),
+                                      np.array(b.view(mx.uint8) if b.dtype == mx.bfloat16 else b))
+
+
+def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores):
+    """MLX graphs are lazy: a pass may hold an unevaluated use of slot 0 when a fill overwrites
+    slot 0 in place. SlotExperts.apply evaluates the open passes' uses first, so the pass computes
+    with the expert the slot held when the pass used it."""
+    store = Store(tiny_stores(ARCH))
+    compute, router, source, loader = _compute(store, 4)
+    e, layer = compute.experts, store.moe_layers[0]
+    assert e.tier.host[e.tier.group_of[layer]], "the CPU backend writes the pools in place"
+    x = mx.array(np.random.default_rng(1).standard_normal((1, store.config["hidden_size"])).astype(np.float32))
+    quant = e.tier.quant(layer)
+
+    def fill(expert: int) -> None:
+        rec = _record(store, layer, expert)
+        e.staging[:len(rec)] = rec
+        e.apply(M.Fill(req=0, slot=0, staging=0, layer=layer, expert=expert, generation=0))
+
+    fill(3)
+    expected = np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant))
+    e.begin_pass(1)
+    pending = e._reads_pools(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant))
+    fill(6)  # slot 0 now holds expert 6
+    np.testing.assert_array_equal(np.array(pending), expected)
+    assert not np.array_equal(np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)),
+                              expected)
+    loader.close()

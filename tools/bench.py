@@ -35,6 +35,7 @@ DELTAFIN_MODES = {
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
+    "deltafin-mlx-fills": [],  # the default with fills copied through MLX (two copies on the CPU)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread, as before chunked reads.
@@ -42,6 +43,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}},
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
+    "deltafin-mlx-fills": {"compute": {"host_fills": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")

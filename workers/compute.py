@@ -305,12 +305,14 @@ class SlotExperts(ExpertProvider):
         self.force_sync = False  # measurement only: read every layer's ids back, as before
         self.cache_config: dict = {}  # the config's [cache], set by Compute before attach
         self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
+        self.host_fills = True  # compute.host_fills, set by Compute before attach
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
         self.staging, self.slot_bytes = staging_buf, slot_bytes
-        self.tier = ResidentTier(self.store, self.dtype, resident)
+        self.tier = ResidentTier(self.store, self.dtype, resident,
+                                 host_writes=None if self.host_fills else False)
         n_keys = self.store.n_experts * len(self.store.moe_layers)
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
@@ -332,6 +334,21 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hints")
         self.source.hint([[look[0], sorted(set(np.array(look[1]).reshape(-1).tolist()))]])
 
+    def _reads_pools(self, y):
+        """y reads the pools lazily: kept as its pass's latest such output (it depends on every
+        earlier one of the pass), so a fill writing the pools' memory in place can evaluate it
+        first."""
+        self.current["reads"] = y
+        return y
+
+    def _settle(self) -> None:
+        """Evaluates what the open passes have built on the pools, before a fill writes them in
+        place (ResidentTier.host): an unevaluated graph would read the new expert. Where a gate
+        was read back this is already done, and costs nothing."""
+        pending = [rec.pop("reads") for rec in self.passes.values() if "reads" in rec]
+        if pending:
+            mx.eval(pending)
+
     def apply(self, msg) -> None:
         """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
         empty now). Only ever called in compute's thread while it waits for a need."""
@@ -341,6 +358,8 @@ class SlotExperts(ExpertProvider):
         nbytes = self.store.layout(msg.layer, msg.expert)["nbytes"]
         start = msg.staging * self.slot_bytes
         t0 = time.perf_counter()
+        if self.tier.host[self.tier.group_of[msg.layer]]:
+            self._settle()
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
         dt = time.perf_counter() - t0
         self.prepare.add(dt)
@@ -424,7 +443,7 @@ class SlotExperts(ExpertProvider):
             else:  # a trace's ids, in the gate's shape
                 host = np.asarray(ids).reshape(inds.shape)
                 slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
-            return switch_glu(x, slots, ordered or w, quant)
+            return self._reads_pools(switch_glu(x, slots, ordered or w, quant))
         if not isinstance(ids, mx.array):
             # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
             # the pass's pending graph still holds the pools, and a fill would then copy a whole
@@ -444,7 +463,7 @@ class SlotExperts(ExpertProvider):
             reported = self.ensure(layer, experts)
             self._note(layer, flat, report=not reported, count=False)
             slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
-            return switch_glu(x, mx.array(slots), w, quant)
+            return self._reads_pools(switch_glu(x, mx.array(slots), w, quant))
         # More distinct experts than the layer's resident slots (a long prefill in a small budget):
         # in chunks, each evaluated before the next chunk's fills overwrite its slots.
         reported = False
@@ -908,6 +927,8 @@ class Compute:
         # resident tier is what runs everywhere (workers/resident.py).
         self.expert_tier = {"kind": "owned", **probe_zero_copy()}
         self.experts.cache_config = config.get("cache") or {}
+        if isinstance(self.experts, SlotExperts):
+            self.experts.host_fills = bool(cc.get("host_fills", True))
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source

@@ -54,10 +54,33 @@ def probe_zero_copy() -> dict:
         buf.close()
 
 
-class ResidentTier:
-    """Pools of resident experts per group, and which (layer, expert) each slot holds."""
+def host_write(stored: str, pool_dtype) -> str | None:
+    """How a stored tensor can be written straight into a pool's host memory: "bytes" (same
+    encoding), "bf16>f32" (bfloat16 is the upper half of a float32: a shift, exact), or None (a
+    conversion numpy cannot do exactly: the pool is written through MLX)."""
+    if pool_dtype == mx.uint32:
+        return "bytes" if stored == "uint32" else None
+    same = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+    if same.get(stored) == pool_dtype:
+        return "bytes"
+    if stored == "bfloat16" and pool_dtype == mx.float32:
+        return "bf16>f32"
+    return None
 
-    def __init__(self, store: Store, dtype, slots: dict[str, int]):
+
+class ResidentTier:
+    """Pools of resident experts per group, and which (layer, expert) each slot holds.
+
+    host_writes (default: the CPU backend, whose arrays live in host memory this process can
+    address): a fill writes a record's tensors straight into the pools' memory with numpy, one
+    copy out of shared memory and no MLX graph, instead of a copy into a new MLX array and a
+    second one into the pool when the next graph runs (on the CPU those two copies were ~7% of a
+    dsv2-lite token at 25% of the experts). The caller must have evaluated every pending graph
+    that reads the pools before a fill (`SlotExperts.apply` does: MLX graphs are lazy, and an
+    unevaluated one would read the new contents). The pools are then never replaced, so their
+    numpy views stay valid."""
+
+    def __init__(self, store: Store, dtype, slots: dict[str, int], host_writes: bool | None = None):
         self.store, self.dtype = store, dtype
         self.group_of = layer_groups(store)
         missing = set(self.group_of.values()) - set(slots)
@@ -70,6 +93,18 @@ class ResidentTier:
             self.pools[g] = {t["name"]: mx.zeros((n, *t["shape"]), dtype=self._dtype(t))
                              for t in self.layouts[g]["tensors"]}
             mx.eval(list(self.pools[g].values()))  # committed now, so the budget's measurement sees it
+        if host_writes is None:
+            host_writes = mx.default_device() == mx.cpu
+        # group -> tensor name -> (how, the pool's memory as bytes [n_slots, slot bytes])
+        self.host: dict[str, dict[str, tuple]] = {g: {} for g in self.n_slots}
+        if host_writes:
+            for g, layout in self.layouts.items():
+                for t in layout["tensors"]:
+                    how = host_write(t["dtype"], self.pools[g][t["name"]].dtype)
+                    if how is not None:
+                        pool = self.pools[g][t["name"]]
+                        raw = np.frombuffer(memoryview(pool), dtype=np.uint8).reshape(pool.shape[0], -1)
+                        self.host[g][t["name"]] = (how, raw)
         # read by the metrics thread too: a plain int, not the MLX arrays
         self.nbytes = sum(a.nbytes for pools in self.pools.values() for a in pools.values())
         self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
@@ -151,7 +186,8 @@ class ResidentTier:
         staging slot can be reused as soon as this returns; the writes into the pools are left
         to the next graph that reads them (no evaluation, no device sync per fill: on the H200 a
         fill took ~2 ms, most of it waiting for the device). They still donate the pools' buffers,
-        as nothing else holds a pool between a fill and that graph."""
+        as nothing else holds a pool between a fill and that graph. Tensors in `host` (the CPU
+        backend) are instead written into the pools' memory here, at once."""
         t0 = time.perf_counter()
         g = self.group_of[layer]
         self.drop(layer, slot)  # drops the group's views first
@@ -161,7 +197,16 @@ class ResidentTier:
         layout = self.layouts[g]
         views = views_from_buffer(record, layout)
         pools = self.pools[g]
+        host = self.host[g]
         for t in layout["tensors"]:
+            if t["name"] in host:  # straight into the pool's memory: the one copy
+                how, raw = host[t["name"]]
+                src = views[t["name"]].reshape(-1)
+                if how == "bytes":
+                    np.copyto(raw[slot], src.view(np.uint8))
+                else:
+                    np.left_shift(src, 16, out=raw[slot].view(np.uint32), dtype=np.uint32)
+                continue
             a = mx.array(views[t["name"]])  # the one copy out of shared memory
             if t["dtype"] == "bfloat16":
                 a = a.view(mx.bfloat16)
