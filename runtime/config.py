@@ -80,6 +80,7 @@ class ComputeConfig:
     max_batch: int = 8
     kv_tokens: int = 0
     host_fills: bool = True  # on the CPU backend, fills write the pools' memory with numpy
+    hits_first: bool = True  # a layer's resident experts compute while its misses are read
 
     @property
     def max_inflight(self) -> int:

@@ -286,10 +286,12 @@ def test_host_writes_fill_the_pools_exactly_as_mlx_does(bf16_store, dtype):
                                       np.array(b.view(mx.uint8) if b.dtype == mx.bfloat16 else b))
 
 
-def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores):
+@pytest.mark.parametrize("held_by", ["pass", "hits_first"])
+def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, held_by):
     """MLX graphs are lazy: a pass may hold an unevaluated use of slot 0 when a fill overwrites
-    slot 0 in place. SlotExperts.apply evaluates the open passes' uses first, so the pass computes
-    with the expert the slot held when the pass used it."""
+    slot 0 in place (an earlier layer's output, or a layer's hits computing while its misses are
+    read). SlotExperts.apply evaluates such uses first, so they compute with the expert the slot
+    held when they were built."""
     store = Store(tiny_stores(ARCH))
     compute, router, source, loader = _compute(store, 4)
     e, layer = compute.experts, store.moe_layers[0]
@@ -305,9 +307,32 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores):
     fill(3)
     expected = np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant))
     e.begin_pass(1)
-    pending = e._reads_pools(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant))
+    pending = switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)
+    if held_by == "pass":
+        e._reads_pools(pending)
+    else:
+        e._early = (e.tier.group_of[layer], {0}, pending)
     fill(6)  # slot 0 now holds expert 6
     np.testing.assert_array_equal(np.array(pending), expected)
     assert not np.array_equal(np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)),
                               expected)
     loader.close()
+
+
+def test_hits_first_gives_the_same_logits_as_waiting_for_every_expert(tiny_stores):
+    """A layer with hits and misses computes its hits while the misses are read (compute.hits_first):
+    the logits are those of the layer waiting for all its experts, bit for bit, in prefill and in
+    single-token passes."""
+    store = Store(tiny_stores(ARCH))
+    n_slots = len(store.records) // 2  # hits and misses in most layers
+    out = {}
+    for on in (True, False):
+        cfg = _config(policy="lru", prefetch=False)
+        cfg["compute"]["hits_first"] = on
+        compute, router, source, loader = _compute(store, n_slots, config=cfg)
+        got = [compute.logits(PROMPT)] + [compute.logits([t]) for t in PROMPT[:6]]
+        out[on] = (got, compute.experts.counters.get("hits_first"))
+        loader.close()
+    assert out[True][1] > 0 and not out[False][1]
+    for a, b in zip(out[True][0], out[False][0]):
+        np.testing.assert_array_equal(a, b)

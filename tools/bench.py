@@ -36,6 +36,7 @@ DELTAFIN_MODES = {
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
     "deltafin-mlx-fills": [],  # the default with fills copied through MLX (two copies on the CPU)
+    "deltafin-no-hits-first": [],  # the default with a layer waiting for all its experts before any compute
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread, as before chunked reads.
@@ -44,6 +45,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-mlx-fills": {"compute": {"host_fills": False}},
+    "deltafin-no-hits-first": {"compute": {"hits_first": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 REGIMES = ("standin", "real")

@@ -306,6 +306,8 @@ class SlotExperts(ExpertProvider):
         self.cache_config: dict = {}  # the config's [cache], set by Compute before attach
         self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
         self.host_fills = True  # compute.host_fills, set by Compute before attach
+        self.hits_first = True  # compute.hits_first, set by Compute
+        self._early = None  # (group, slots, output) of hits computing while a need waits
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
@@ -334,6 +336,33 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hints")
         self.source.hint([[look[0], sorted(set(np.array(look[1]).reshape(-1).tolist()))]])
 
+    def _hits_first(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
+        """A layer with hits and misses: the hits' (token, expert) pairs are launched first
+        (mx.async_eval), so they compute while the misses are read and filled; then the misses'
+        pairs; the two joined in (token, k) order. Each pair's result depends only on its row and
+        expert (as in the chunked path below), so the output is the one-call output, bit for bit.
+        A fill that would overwrite a slot the hits read waits for them (`apply`)."""
+        tier = self.tier
+        w, quant = tier.weights(layer), tier.quant(layer)
+        lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
+        x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
+        sorted_rows = ids1.size >= SORT_PAIRS  # decided for the whole layer, as mlx-lm does
+        hit = tier.slot_of[layer][ids1] >= 0
+        early_pairs, late_pairs = pairs_of(ids1, hit), pairs_of(ids1, ~hit)
+        early_slots = tier.slots(layer, ids1[early_pairs])
+        early = run_pairs(x2, k, early_pairs, early_slots, w, quant, sorted_rows, evaluate=False)
+        mx.async_eval(early)
+        self.counters.add("hits_first")
+        self._early = (tier.group_of[layer], set(early_slots.tolist()), early)
+        try:
+            reported = self.ensure(layer, experts)
+        finally:
+            self._early = None
+        late = run_pairs(x2, k, late_pairs, tier.slots(layer, ids1[late_pairs]), w, quant, sorted_rows,
+                         evaluate=False)
+        self._note(layer, flat, report=not reported, count=False)
+        return self._reads_pools(in_token_order([early, late], [early_pairs, late_pairs], lead, k, d))
+
     def _reads_pools(self, y):
         """y reads the pools lazily: kept as its pass's latest such output (it depends on every
         earlier one of the pass), so a fill writing the pools' memory in place can evaluate it
@@ -358,7 +387,13 @@ class SlotExperts(ExpertProvider):
         nbytes = self.store.layout(msg.layer, msg.expert)["nbytes"]
         start = msg.staging * self.slot_bytes
         t0 = time.perf_counter()
-        if self.tier.host[self.tier.group_of[msg.layer]]:
+        g = self.tier.group_of[msg.layer]
+        if self._early is not None and self._early[0] == g and (not self.tier.host[g] or msg.slot in self._early[1]):
+            # The hits in flight read this slot (host writes), or hold this group's pools (a
+            # write through MLX would then copy a whole pool): they finish first.
+            mx.eval(self._early[2])
+            self._early = None
+        if self.tier.host[g]:
             self._settle()
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
         dt = time.perf_counter() - t0
@@ -460,6 +495,8 @@ class SlotExperts(ExpertProvider):
         experts = np.unique(flat).tolist()
         cap = tier.n_slots[tier.group_of[layer]]
         if len(experts) <= cap:
+            if self.hits_first and 0 < len(tier.missing(layer, experts)) < len(experts):
+                return self._hits_first(layer, x, inds, flat, experts)
             reported = self.ensure(layer, experts)
             self._note(layer, flat, report=not reported, count=False)
             slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
@@ -474,23 +511,31 @@ class SlotExperts(ExpertProvider):
         for i in range(0, len(experts), cap):
             chunk = experts[i:i + cap]
             reported = self.ensure(layer, chunk) or reported
-            pairs = np.nonzero(np.isin(ids1, chunk))[0]
-            pairs = pairs[np.argsort(ids1[pairs], kind="stable")]  # grouped by expert
+            pairs = pairs_of(ids1, np.isin(ids1, chunk))
             pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, sorted_rows))
             order.append(pairs)
         self._note(layer, flat, report=not reported, count=False)
         return in_token_order(pieces, order, lead, k, d)
 
 
-def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, sorted_rows: bool):
+def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, sorted_rows: bool,
+              evaluate: bool = True):
     """The SwiGLU of the (token, expert) pairs `pairs` (flat indices, grouped by expert) on the
-    stacked weights `w` at `slot_ids`, evaluated at once so the stack can go before the next one."""
+    stacked weights `w` at `slot_ids`, evaluated at once (evaluate) so the stack can go before the
+    next one."""
     idx = mx.array(slot_ids.astype(np.uint32))
     rows = x2[mx.array(pairs // k)]
     xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
     piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), x2.shape[-1])
-    mx.eval(piece)
+    if evaluate:
+        mx.eval(piece)
     return piece
+
+
+def pairs_of(ids1: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Flat (token, k) indices where mask holds, grouped by expert (stable)."""
+    pairs = np.nonzero(mask)[0]
+    return pairs[np.argsort(ids1[pairs], kind="stable")]
 
 
 def in_token_order(pieces: list, order: list, lead, k: int, d: int):
@@ -929,6 +974,7 @@ class Compute:
         self.experts.cache_config = config.get("cache") or {}
         if isinstance(self.experts, SlotExperts):
             self.experts.host_fills = bool(cc.get("host_fills", True))
+            self.experts.hits_first = bool(cc.get("hits_first", True))
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source
