@@ -644,6 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["concurrency"]:
+        # `deltafin-bench concurrency ...`: requests decoded together (tools/bench_concurrency.py)
+        from deltafin.tools import bench_concurrency
+        return bench_concurrency.main(argv[1:])
     a = build_parser().parse_args(argv)
     preset = QUICK if a.quick else FULL
     regimes = [r for r in a.regimes.split(",") if r]
