@@ -119,6 +119,7 @@ def batch_graph(store_path: str, prompts: list[list[int]], token: int = 2) -> di
         compute.preload()
         if not compute.experts.tier.all_full():
             raise RuntimeError("not every expert is resident: the count would include misses")
+        compute.eos_ids = set()  # every row decodes on whatever it samples: the count needs B rows
         sched = compute.scheduler
         seqs = [compute.start(M.Generate(id=i + 1, token_ids=p, max_tokens=token + 8, stream=False))
                 for i, p in enumerate(prompts)]
