@@ -204,10 +204,12 @@ class StagedAttention:
     `project(x, offset)`: x [B, L, D] -> the parts `attend` takes (projections, norms, rope at
     `offset`: an int, or an int array [B] of one offset per row); `attend(parts, mask, cache,
     offset)`: one sequence's cache update and attention; `output(out)`: [B, H, L, d] -> [B, L, D].
-    Only `attend` depends on a sequence's cache, so it alone runs once per sequence; every
-    projection, norm and rope of the rows stacked gives each row what it gives alone (each row's
-    values are computed from that row only, by the same kernels: tests/test_batch.py checks it
-    bitwise), while each sequence keeps its own cache length and attention kernel."""
+    Only `attend` depends on a sequence's cache, so it alone runs once per sequence (rows of
+    different lengths: padding them into one attention would change its reduction, so its
+    numerics). Each row's projections, norms and rope are computed from that row only; on the CPU
+    the stacked rows give each row bitwise what it gives alone (tests/test_batch.py). A GPU may
+    pick another matmul kernel for several rows than for one (MLX CUDA: docs/batch11.md), as it
+    already did for the MLPs and the head on stacked rows."""
 
     def __call__(self, x, mask, cache):
         offset = cache.offset if cache is not None else 0
