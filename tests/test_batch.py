@@ -51,18 +51,26 @@ def _together(ep: str, prompts: list, max_tokens: int) -> list:
 
 
 # -- in-process: stacking rows changes no row -----------------------------------------------------------
-@pytest.mark.parametrize("arch,rows,slots", [("mixtral", 4, 0), ("qwen3_moe", 4, 0), ("deepseek_v2", 4, 0),
-                                             ("mixtral", 40, 0), ("mixtral", 6, 4)])
-def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(tiny_stores, arch, rows, slots):
+@pytest.mark.parametrize("arch,rows,slots,quantized", [
+    ("mixtral", 4, 0, False), ("qwen2_moe", 4, 0, False), ("qwen3_moe", 4, 0, False), ("olmoe", 4, 0, False),
+    ("deepseek_v2", 4, 0, False), ("deepseek_v3", 4, 0, False), ("mixtral", 40, 0, False), ("mixtral", 6, 4, False),
+    ("qwen3_moe", 5, 0, True), ("deepseek_v3", 5, 0, True)])
+def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(request, arch, rows, slots, quantized):
     """Logits of forward_batch over `rows` sequences of different lengths equal, bitwise, those of
-    each sequence's own single-row passes, step after step (40 rows: mlx-lm's sorted expert path,
-    SORT_PAIRS, which one row never takes; 4 slots: fewer than the batch's union of experts, so
-    layers run in chunks of what fits, filled by real reads)."""
+    each sequence's own single-row passes, step after step, on every architecture's attention
+    (GQA with q/k norms per head and over the projection, MLA expanded and absorbed: their
+    projections, norms and rope run on the stacked rows, rope at each row's own offset), float
+    and mlx-lm-quantized (40 rows: mlx-lm's sorted expert path, SORT_PAIRS, which one row never
+    takes; 4 slots: fewer than the batch's union of experts, so layers run in chunks of what fits,
+    filled by real reads)."""
     from deltafin.runtime.config import Config
     from deltafin.runtime.store import Store
     from deltafin.workers.compute import Compute, local_router
-    store = Store(tiny_stores(arch))
+    store = Store(request.getfixturevalue("mlx_lm_stores")(arch)[1] if quantized
+                  else request.getfixturevalue("tiny_stores")(arch))
     cfg = Config().to_dict()
+    if quantized:
+        cfg["compute"]["dtype"] = "auto"  # the checkpoint's bfloat16, as mlx-lm runs it
     src, staging, loader = local_router(store, cfg, n_slots=slots)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)

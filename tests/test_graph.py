@@ -33,6 +33,24 @@ def test_a_resident_decode_token_has_no_primitive_more_than_mlx_lm(mlx_lm_stores
     assert out["leaves"]["deltafin"] <= out["leaves"]["mlx_lm"]  # no array made on the host per token
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_a_step_of_four_rows_projects_and_ropes_once_per_layer(mlx_lm_stores, arch):
+    """Sequences decoded together (issue 11): a step of 4 rows runs every attention projection
+    (and MLA's moves into and out of latent space) and every rope once per layer on the stacked
+    rows, as a step of 1 row does; only the cache updates and the attention itself run per row."""
+    from deltafin.tools import graph_count
+    _, store = mlx_lm_stores(arch)
+    counts = graph_count.batch_counts(str(store), PROMPT, [1, 4])
+    one, four = counts[1]["primitives"], counts[4]["primitives"]
+    rope = ("RoPE", "Cos")  # the fused kernel on a GPU; its composition (one Cos a call) on the CPU
+    assert four["QuantizedMatmul"] == one["QuantizedMatmul"] > 0, (one, four)
+    assert sum(four[k] for k in rope) == sum(one[k] for k in rope) > 0, (one, four)
+    n_layers = Store(store).config["num_hidden_layers"]
+    # per row and layer: SDPA, the cache's two updates, at most one concatenated output
+    assert four["SliceUpdate"] <= 4 * one["SliceUpdate"] and counts[4]["total"] < 2 * counts[1]["total"], counts
+    assert one["SliceUpdate"] == 2 * n_layers
+
+
 def _fill_group(tier: ResidentTier, store: Store, layers: list, skip=None) -> None:
     """Every expert of `layers` into consecutive slots in expert order (as a preload fills them)."""
     for i, layer in enumerate(layers):

@@ -45,10 +45,17 @@ def _loader_bytes(c: Client) -> int:
     return int((c.stats()["workers"].get("loader") or {}).get("bytes", 0))
 
 
+def _prefill_passes(c0: dict, c1: dict) -> int:
+    """Prefill forward passes between two compute stats (their count, not their tokens)."""
+    f0, f1 = c0.get("forward") or {}, c1.get("forward") or {}
+    return max(0, int(f1.get("count", 0)) - int(f0.get("count", 0)) - (c1["batch"]["steps"] - c0["batch"]["steps"]))
+
+
 def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: float) -> dict:
     """n requests at once; streams, so the first token of each is timed too."""
     with Client(ep, timeout=timeout) as w:
-        b0, l0 = _compute(w)["batch"], _loader_bytes(w)
+        c0 = _compute(w)
+        b0, m0, l0 = c0["batch"], c0.get("messages") or {}, _loader_bytes(w)
     clients = [Client(ep, timeout=timeout) for _ in range(n)]
     first: list = [None] * n
     done: list = [None] * n
@@ -70,7 +77,8 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
         for c in clients:
             c.close()
     with Client(ep, timeout=timeout) as w:
-        b1, l1 = _compute(w)["batch"], _loader_bytes(w)
+        c1 = _compute(w)
+        b1, m1, l1 = c1["batch"], c1.get("messages") or {}, _loader_bytes(w)
     ok = [d for d in done if d is not None]
     tokens = sum(len(r.token_ids) for _, r in ok)
     # a first token whose text is empty (a synthetic tokenizer's partial bytes) sends no piece:
@@ -97,6 +105,11 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
             "decode_expert_bytes_per_token": ((b1["decode_expert_bytes"] - b0["decode_expert_bytes"]) / dec_tokens
                                               if dec_tokens else None),
             "mean_batch": rows / steps if steps else None,
+            # per forward pass (decode steps and prefill chunks) of the level: layers that stopped
+            # for a read (need), gate read-backs sent as lookahead hints (one per layer read back
+            # but the last MoE layer, where the router prefetches), expert copies into the tier
+            "per_pass": ({k: (m1.get(k, 0) - m0.get(k, 0)) / passes for k in ("need", "hint", "filled")}
+                         if (passes := steps + _prefill_passes(c0, c1)) else None),
             "ttft_s": statistics.median(f - t_send for f in first if f is not None)}
 
 
@@ -191,6 +204,9 @@ def main(argv=None) -> int:
         sp = r["step_split"]
         print(f"n={r['concurrency']}: ms per step " + ", ".join(
             f"{k[:-3]} {v:.1f}" for k, v in sp.items() if v is not None))
+    for r in report["levels"]:
+        if r.get("per_pass"):
+            print(f"n={r['concurrency']}: per pass " + ", ".join(f"{k} {v:.2f}" for k, v in r["per_pass"].items()))
     for t in report["ttft"]:
         print(f"TTFT with {t['busy']} others decoding: median {t['ttft_s_median'] * 1e3:.0f} ms over {t['rounds']}")
     if a.json:

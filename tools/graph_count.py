@@ -2,6 +2,7 @@
 
     python -m deltafin.tools.graph_count --store STORE --mlx-model CKPT \\
         [--prompt-ids 1,2,3] [--token 4] [--json OUT]
+    python -m deltafin.tools.graph_count --store STORE --batch 1,4 [--json OUT]
 
 On a GPU a decode token's time is mostly launching and queuing its kernels, one or more per
 primitive, so the graph each side hands to the device per token says where deltafin does more
@@ -12,6 +13,10 @@ token on both sides) are exported with `mx.export_to_dot` before they are evalua
 before it are waited for, so that graph holds one token only. Each primitive node of the DOT file
 counts once (a compiled function, e.g. the fused SwiGLU, is one `Compiled` node); `leaves` are the
 evaluated arrays the graph reads (weights, caches, the input token).
+
+`--batch 1,4` counts instead one decode step of B sequences decoded together (the compute
+process's `Scheduler`, every expert resident), for each B: where a step of B rows does B times the
+work of one row, its count says which primitives grow with the rows (issue 11).
 """
 from __future__ import annotations
 
@@ -96,6 +101,63 @@ def deltafin_graph(store_path: str, prompt: list[int], token: int) -> dict:
         loader.close()
 
 
+def batch_graph(store_path: str, prompts: list[list[int]], token: int = 2) -> dict:
+    """One decode step of len(prompts) sequences decoded together, counted as `deltafin_graph`
+    counts a token: every prompt is prefilled and every sequence has decoded once, then the
+    scheduler's `token`-th launch (a step of all rows) is counted."""
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.config import load_config
+    from deltafin.runtime.store import Store
+    from deltafin.workers.compute import Compute, local_router
+
+    config = load_config().to_dict()
+    config["compute"]["max_batch"] = max(len(prompts), int(config["compute"].get("max_batch", 1)))
+    store = Store(store_path)
+    source, staging, loader = local_router(store, config, len(store.records))
+    try:
+        compute = Compute(store, config, source, staging, store.max_record_bytes)
+        compute.preload()
+        if not compute.experts.tier.all_full():
+            raise RuntimeError("not every expert is resident: the count would include misses")
+        compute.eos_ids = set()  # every row decodes on whatever it samples: the count needs B rows
+        sched = compute.scheduler
+        seqs = [compute.start(M.Generate(id=i + 1, token_ids=p, max_tokens=token + 8, stream=False))
+                for i, p in enumerate(prompts)]
+        for seq in seqs:
+            sched.add(seq)
+        while sched.filling or any(not s.out_ids for s in seqs):  # all prefilled, all decoding
+            sched.step()
+        with capture_launch(token) as got:
+            for _ in range(token):
+                sched.step()
+        for seq in seqs:
+            sched.leave(seq, "cancelled")
+        if "primitives" not in got:
+            raise RuntimeError("fewer launches than --token")
+        return {"rows": len(prompts), "total": sum(got["primitives"].values()), **got}
+    finally:
+        loader.close()
+
+
+def batch_counts(store_path: str, prompt: list[int], sizes: list[int], token: int = 2) -> dict:
+    """{B: batch_graph} for each B in sizes; row i's prompt is `prompt` without its first i
+    tokens, so the rows' caches differ in length (as concurrent requests' do)."""
+    return {b: batch_graph(store_path, [prompt[min(i, len(prompt) - 1):] for i in range(b)], token) for b in sizes}
+
+
+def batch_table(counts: dict) -> str:
+    sizes = sorted(counts)
+    names = sorted({k for c in counts.values() for k in c["primitives"]},
+                   key=lambda k: (-counts[sizes[-1]]["primitives"][k], k))
+    rows = [("primitive", *(f"B={b}" for b in sizes))]
+    rows += [(k, *(str(counts[b]["primitives"][k]) for b in sizes)) for k in names]
+    rows += [("total", *(str(counts[b]["total"]) for b in sizes)),
+             ("per row", *(f"{counts[b]['total'] / b:.1f}" for b in sizes)),
+             ("leaves", *(str(counts[b]["leaves"]) for b in sizes))]
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(f"{c:<{w[0]}}" if i == 0 else f"{c:>{w[i]}}" for i, c in enumerate(r)) for r in rows)
+
+
 def compare(store_path: str, mlx_model: str, prompt: list[int], token: int = 4) -> dict:
     d = deltafin_graph(store_path, prompt, token)
     m = mlx_lm_graph(mlx_model, prompt, token)
@@ -123,7 +185,8 @@ def table(out: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltafin-graph-count", description=__doc__.split("\n\n")[0])
     p.add_argument("--store", required=True)
-    p.add_argument("--mlx-model", required=True, help="the mlx-lm checkpoint of the same weights")
+    p.add_argument("--mlx-model", help="the mlx-lm checkpoint of the same weights (not with --batch)")
+    p.add_argument("--batch", metavar="B,B", help="count a step of B sequences decoded together, per B")
     p.add_argument("--prompt-ids", default="1,17,42,99,3,250,7,301,64,12,5,400")
     p.add_argument("--token", type=int, default=4, help="which launched token's graph (>= 2: a decode step)")
     p.add_argument("--json", metavar="OUT")
@@ -131,6 +194,17 @@ def main(argv=None) -> int:
     if a.token < 2:
         p.error("--token >= 2 (the first launch follows the prefill)")
     prompt = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+    if a.batch:
+        counts = batch_counts(a.store, prompt, [int(b) for b in a.batch.split(",")], a.token)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(json.dumps({"store": str(a.store), "device": str(mx.default_device()),
+                                    "steps": counts}, indent=1) + "\n")
+        print(f"one decode step's graph (launch {a.token} after all rows decode), {mx.default_device()}")
+        print(batch_table(counts))
+        return 0
+    if not a.mlx_model:
+        p.error("--mlx-model is required (or --batch)")
     out = compare(a.store, a.mlx_model, prompt, a.token)
     if a.json:
         with open(a.json, "w") as f:

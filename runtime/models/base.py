@@ -195,6 +195,48 @@ class Rope:
                             scale=self.scale, offset=offset, freqs=self.freqs)
 
 
+# ---------------------------------------------------------------- attention in stages
+
+class StagedAttention:
+    """What every architecture's attention shares: three stages, so that sequences decoded
+    together (`MoETransformer.forward_batch`) run the row-wise work once on their stacked rows.
+
+    `project(x, offset)`: x [B, L, D] -> the parts `attend` takes (projections, norms, rope at
+    `offset`: an int, or an int array [B] of one offset per row); `attend(parts, mask, cache,
+    offset)`: one sequence's cache update and attention; `output(out)`: [B, H, L, d] -> [B, L, D].
+    Only `attend` depends on a sequence's cache, so it alone runs once per sequence (rows of
+    different lengths: padding them into one attention would change its reduction, so its
+    numerics). Each row's projections, norms and rope are computed from that row only; on the CPU
+    the stacked rows give each row bitwise what it gives alone (tests/test_batch.py). A GPU may
+    pick another matmul kernel for several rows than for one (MLX CUDA: docs/batch11.md), as it
+    already did for the MLPs and the head on stacked rows."""
+
+    def __call__(self, x, mask, cache):
+        offset = cache.offset if cache is not None else 0
+        return self.output(self.attend(self.project(x, offset), mask, cache, offset))
+
+    def rows(self, x, caches: list, offsets):
+        """One decode step of B sequences: x [B, 1, D] (row b is sequence b's token), caches[b]
+        its cache, offsets an int array [B] of their lengths (the rope positions) -> [B, 1, D]."""
+        parts = self.project(x, offsets)
+        outs = [self.attend([p[b:b + 1] for p in parts], None, c, c.offset) for b, c in enumerate(caches)]
+        return self.output(mx.concatenate(outs, axis=0))
+
+    def project(self, x, offset):
+        raise NotImplementedError
+
+    def attend(self, parts, mask, cache, offset):
+        """parts (q, k, v) [B, heads, L, d]: the cache grows by k and v, the queries attend to it."""
+        q, k, v = parts
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+
+    def output(self, out):
+        B, _, L, _ = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 # ---------------------------------------------------------------- KV cache
 
 class KVCache:

@@ -5,11 +5,11 @@ import mlx.core as mx
 
 from deltafin.runtime import archinfo
 
-from .base import (Embedding, KVCache, Linear, QuantSpec, Rope, cast_weights, resolve_dtype, rms_norm,
-                   rope_settings)
+from .base import (Embedding, KVCache, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype,
+                   rms_norm, rope_settings)
 
 
-class Attention:
+class Attention(StagedAttention):
     """Grouped-query attention with optional q/k RMSNorm, per head ("head") or over the whole
     projection ("full")."""
 
@@ -24,7 +24,7 @@ class Attention:
             self.q_norm = weights[f"{prefix}.q_norm.weight"]
             self.k_norm = weights[f"{prefix}.k_norm.weight"]
 
-    def __call__(self, x, mask, cache):
+    def project(self, x, offset):
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -35,12 +35,7 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.rope(q, offset), self.rope(k, offset), v
 
 
 class SparseMoE:
@@ -149,10 +144,12 @@ class MoETransformer:
         sequence's cache (each advanced by 1) -> float32 logits [B, vocab] (float32=False: in
         the model's dtype).
 
-        Everything per row (embedding, norms, MoE and dense MLPs, head) runs on the B rows
-        stacked, so each MoE layer calls the provider once with all of them (one union of
-        experts). Attention alone runs per sequence, on its own row, rope offset and cache. B=1
-        is the single-sequence pass itself, so a request alone keeps its numerics."""
+        Everything per row (embedding, norms, attention's projections and rope, MoE and dense
+        MLPs, head) runs on the B rows stacked, so each MoE layer calls the provider once with
+        all of them (one union of experts) and each layer launches its row-wise kernels once,
+        not B times. Only the cache update and the attention itself run per sequence, on its
+        own cache (StagedAttention.rows). B=1 is the single-sequence pass itself, so a request
+        alone keeps its numerics and its graph."""
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
         if tokens.ndim != 1:
             tokens = tokens.reshape(-1)
@@ -162,9 +159,11 @@ class MoETransformer:
             raise ValueError("this model has routed experts: pass an ExpertProvider")
         # [B, 1, D]: each sequence's row keeps the [1, 1, D] shape its own pass would give it
         h = self.embed.lookup(tokens.reshape(-1, 1))
+        # Each sequence's rope position: its length, the same in every layer's cache (a pass
+        # advances them all by one); one small array per step, not one per layer.
+        offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
         for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
-            x = rms_norm(h, in_norm, self.eps)
-            h = h + mx.concatenate([attn(x[b:b + 1], None, c[i]) for b, c in enumerate(caches)], axis=0)
+            h = h + attn.rows(rms_norm(h, in_norm, self.eps), [c[i] for c in caches], offsets)
             h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
         h = rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h).squeeze(1)

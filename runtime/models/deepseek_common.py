@@ -3,7 +3,7 @@ layers, shared experts. The two differ only in routing (see deepseek_v2.py / dee
 
 import mlx.core as mx
 
-from .base import GLU, Linear, QuantSpec, Rope, rms_norm, yarn_attention_scale
+from .base import GLU, Linear, QuantSpec, Rope, StagedAttention, rms_norm, yarn_attention_scale
 from .decoder import MoETransformer, SparseMoE
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a layernorms use a fixed eps, not rms_norm_eps
@@ -28,7 +28,7 @@ def split_kv_b(kv_b: Linear, n_heads, nope_dim):
     return Linear(parts, "embed_q", spec), Linear(parts, "unembed_out", spec)
 
 
-class MLAttention:
+class MLAttention(StagedAttention):
     """Queries/keys split into a no-position part and a rotary part; keys and values come from a
     shared low-rank latent. "Absorbed" mode caches only the latent (what mlx-lm does for V3);
     "expanded" mode expands it per head through kv_b_proj (what mlx-lm does for V2)."""
@@ -64,34 +64,30 @@ class MLAttention:
             return self.q_proj(x)
         return self.q_b(rms_norm(self.q_a(x), self.q_a_norm, LATENT_NORM_EPS))
 
-    def __call__(self, x, mask, cache):
+    def project(self, x, offset):
+        """Expanded: (q, k, v) per head, as GQA's. Absorbed: (q_nope, q_pe, latent, k_pe), the
+        latent and the rotary key being what its cache holds; a decode step's q_nope is already
+        moved into latent space (embed_q), a row-wise product like the projections."""
         B, L, _ = x.shape
         q = self.queries(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.nope], axis=-1)
         latent, k_pe = mx.split(self.kv_a(x), [self.rank], axis=-1)
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
         latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
-        offset = cache.offset if cache is not None else 0
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
-        if self.kv_b is not None:
-            out = self._expanded(q_nope, q_pe, latent, k_pe, mask, cache)
-        else:
-            out = self._absorbed(q_nope, q_pe, latent, k_pe, mask, cache, offset)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def _expanded(self, q_nope, q_pe, latent, k_pe, mask, cache):
-        B, L = latent.shape[:2]
+        if self.kv_b is None:
+            # decode: the query moves into latent space instead of expanding every key
+            return self.embed_q(q_nope) if L == 1 else q_nope, q_pe, mx.expand_dims(latent, axis=1), k_pe
         kv = self.kv_b(latent).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k_nope, v = mx.split(kv, [self.nope], axis=-1)
         k = mx.concatenate([k_nope, mx.repeat(k_pe, self.n_heads, axis=1)], axis=-1)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        q = mx.concatenate([q_nope, q_pe], axis=-1)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return mx.concatenate([q_nope, q_pe], axis=-1), k, v
 
-    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, cache, offset):
-        L = latent.shape[1]
-        latent = mx.expand_dims(latent, axis=1)
+    def attend(self, parts, mask, cache, offset):
+        if self.kv_b is not None:
+            return super().attend(parts, mask, cache, offset)
+        q_nope, q_pe, latent, k_pe = parts
+        L = q_pe.shape[2]
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         # The rotary part's scores enter the attention as an additive mask over the latent scores.
@@ -99,12 +95,16 @@ class MLAttention:
         if mask is not None:
             causal = mx.arange(offset, offset + L)[:, None] >= mx.arange(offset + L)[None]
             pe_scores = mx.where(causal, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        if L == 1:  # decode: move the query into latent space instead of expanding every key
-            q_nope, k, v = self.embed_q(q_nope), latent, latent
+        if L == 1:  # decode: keys and values are the latent itself
+            k = v = latent
         else:
             k, v = self.embed_q(latent, transpose=False), self.unembed_out(latent)
-        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
-        return self.unembed_out(out) if L == 1 else out
+        return mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
+
+    def output(self, out):
+        if self.kv_b is None and out.shape[2] == 1:  # absorbed decode: back from latent space
+            out = self.unembed_out(out)
+        return super().output(out)
 
 
 class DeepseekModel(MoETransformer):
