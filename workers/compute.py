@@ -13,8 +13,8 @@ depends only on its own tokens and weights, so the output is the same whatever t
 the slot assignment or the order experts arrive in.
 
 Generation runs as steps (`Scheduler`): every running request is a `Sequence` with its own KV
-cache, and each step is one forward pass over one row per sequence (`forward_batch`: attention per
-sequence, everything else on the rows stacked), so each MoE layer asks for the union of the
+cache, and each step is one forward pass over one row per sequence (`forward_batch`: the KV cache
+update and attention per sequence, everything else on the rows stacked), so each MoE layer asks for the union of the
 batch's experts once. The next pass is built and sampled on the device (`mx.async_eval`) before
 the previous tokens are read back, the way mlx-lm's generate_step overlaps them, whenever the
 pass cannot stop on a miss (every expert resident).
