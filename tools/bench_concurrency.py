@@ -157,7 +157,16 @@ def main(argv=None) -> int:
     p.add_argument("--ttft-rounds", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", help="write the report here too")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config value for the runtime (TOML value), e.g. compute.hits_first=false")
     a = p.parse_args(argv)
+    sets: dict[str, list[str]] = {}
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and name):
+            p.error(f"--set {item!r}: use SECTION.KEY=VALUE")
+        sets.setdefault(section, []).append(f"{name} = {value}\n")
     levels = [int(x) for x in a.concurrency.split(",")]
     store = Store(a.store)
     VOCAB[0] = int(store.config["vocab_size"])
@@ -167,11 +176,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "c.toml"
         # every level runs at once; the KV reserve holds them all
-        cfg.write_text(f"[compute]\nmax_batch = {max(levels + [4])}\nmax_queue = 16\n")
+        compute = [f"max_batch = {max(levels + [4])}\n", "max_queue = 16\n", *sets.pop("compute", [])]
+        cfg.write_text("[compute]\n" + "".join(compute)
+                       + "".join(f"[{sec}]\n" + "".join(lines) for sec, lines in sets.items()))
         extra = ["--max-slots", str(n_slots), "--max-context", str(a.max_context), "--dtype", a.dtype,
                  "--config", str(cfg)]
         report = {"store": a.store, "experts": len(store.records), "n_slots": n_slots, "budget_bytes": budget,
-                  "argv": sys.argv, "loadavg_before": os.getloadavg(), "levels": [], "ttft": []}
+                  "argv": sys.argv, "settings": a.set, "loadavg_before": os.getloadavg(), "levels": [], "ttft": []}
         with running_supervisor(a.store, str(budget), extra, timeout=a.timeout) as (ep, _):
             with Client(ep, timeout=a.timeout) as c:
                 deadline = time.monotonic() + a.timeout
