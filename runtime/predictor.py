@@ -310,12 +310,13 @@ class Prefetcher:
     were fetched for / prefetches, decayed so it follows the workload); a distance under
     `min_precision` issues only every `probe_every`-th step, so it keeps measuring and turns back
     on when prediction improves. The table's own counters give the reported precision (used before
-    eviction); this one only gates.
+    eviction); this one only gates. `gate=False` turns the gate off: a fixed setting that reads
+    every prediction over the threshold (what deltafin-bench's sweep compares the gate with).
     """
 
     def __init__(self, predictor: RoutingPredictor, depth: int = 1, threshold: float = 0.4,
                  min_precision: float = 0.5, max_per_step: int | None = None, min_distance: int = 1,
-                 probe_every: int = 16, decay: float = 0.999):
+                 probe_every: int = 16, decay: float = 0.999, gate: bool = True):
         if depth < min_distance or min_distance < 1:
             raise PredictorError("need 1 <= min_distance <= depth")
         self.predictor = predictor
@@ -323,6 +324,7 @@ class Prefetcher:
         self.threshold, self.min_precision = threshold, min_precision
         self.max_per_step = max_per_step
         self.probe_every, self.decay = probe_every, decay
+        self.gate = gate  # False: a fixed setting, every prediction over the threshold is read
         self.issued = np.full(depth + 1, 4.0)           # decayed counts per distance, with a prior
         self.used = np.full(depth + 1, 4.0 * min_precision + 1.0)  # that starts it on
         self.outstanding: dict[int, list[tuple[int, int]]] = {}  # layer -> [(expert, distance)]
@@ -335,7 +337,7 @@ class Prefetcher:
         return float(self.used[distance] / self.issued[distance])
 
     def enabled(self, distance: int) -> bool:
-        return self.precision(distance) >= self.min_precision
+        return not self.gate or self.precision(distance) >= self.min_precision
 
     def plan(self, resident: Callable[[tuple[int, int]], bool]) -> list[tuple[int, int]]:
         """(layer, expert) keys to read now, most likely first; `resident(key)` says whether a key
@@ -387,5 +389,5 @@ class Prefetcher:
     def stats(self) -> dict:
         """Per layer distance: the gating precision and the share of steps it was gated off."""
         ds = range(self.min_distance, self.depth + 1)
-        return {**{f"precision_d{d}": round(self.precision(d), 4) for d in ds},
+        return {"gate": self.gate, **{f"precision_d{d}": round(self.precision(d), 4) for d in ds},
                 **{f"gated_share_d{d}": round(int(self.gated_steps[d]) / max(1, int(self.tried[d])), 4) for d in ds}}

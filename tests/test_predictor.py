@@ -125,6 +125,19 @@ def test_prefetcher_gates_itself_off_when_its_precision_is_poor():
     assert planned < 0.02 * 64 * 3 * 1500
 
 
+def test_an_ungated_prefetcher_reads_every_prediction():
+    """gate=False is the fixed setting deltafin-bench's sweep compares the gate with: on the same
+    random trace it never gates, and plans every key over the threshold (all 64 of each next
+    layer, as the docstring above says the gated one would without its gate)."""
+    ids = _random_ids(300, 4, 64, 6)
+    p = RoutingPredictor(4, 64, history=512, neighbours=8, candidates=64)
+    f = Prefetcher(p, threshold=0.0, min_precision=0.4, probe_every=16, gate=False)
+    planned = _plan_all(p, f, ids)
+    assert f.precision(1) < 0.2  # measured all the same
+    assert f.stats()["gated_share_d1"] == 0.0
+    assert planned == 64 * 3 * 300
+
+
 def test_prefetcher_stays_on_where_it_pays():
     p = RoutingPredictor(6, 32, history=512, neighbours=4, candidates=64)
     f = Prefetcher(p)  # the defaults: threshold 0.4, depth 1, min_precision 0.5

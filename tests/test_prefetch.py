@@ -335,8 +335,15 @@ def test_prefetch_config_keys():
     lru, pred = {"policy": "lru", "prefetch": "auto"}, {"policy": "predictive", "prefetch": "auto"}
     assert prefetch_setting(lru, 10, 100) is False                      # auto: the predictive policy only
     assert prefetch_setting(pred, 100, 100) is False                    # ... and only when not all fit
-    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {"threshold": 0.3, "depth": 3}
-    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {"threshold": 0.4, "depth": 1}
+    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {
+        "threshold": 0.3, "depth": 3, "gate": True}
+    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {"threshold": 0.4, "depth": 1, "gate": True}
+    # cache.prefetch_gate = false: the fixed setting, down to the router's prefetcher
+    assert Config.from_dict({}).cache.prefetch_gate is True
+    off = prefetch_setting(Config.from_dict({"cache": {"prefetch": True, "prefetch_gate": False}}).to_dict()["cache"], 10, 100)
+    assert off["gate"] is False
+    assert Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=off).prefetcher.gate is False
+    assert Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=True).prefetcher.gate is True
 
 
 # -- exactness in real runs ---------------------------------------------------------------------------------

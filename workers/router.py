@@ -36,8 +36,9 @@ from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredic
 
 # Prefetcher settings unless told otherwise: tuned on the train split, chosen on dev
 # (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
-# ahead; min_precision: a layer distance whose measured precision falls under it only probes.
-PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5}
+# ahead; min_precision: a layer distance whose measured precision falls under it only probes;
+# gate: False reads every prediction over the threshold (a fixed setting).
+PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5, "gate": True}
 
 
 class RouterError(RuntimeError):
@@ -433,14 +434,16 @@ def drive_need(router: Router, req: int, layer: int, experts: list[int], read, f
 def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
     """The router's `prefetch` from the config's cache section: cache.prefetch true, false or
     "auto" (on with the predictive policy when the resident slots cannot hold every expert: with
-    room for all, preload reads them and there is nothing to predict), and cache.prefetch_threshold."""
+    room for all, preload reads them and there is nothing to predict), cache.prefetch_threshold,
+    prefetch_depth and prefetch_gate."""
     on = cache.get("prefetch", False)
     if on == "auto":
         on = cache.get("policy") == "predictive" and n_slots < n_keys
     if not on:
         return False
     return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"]),
-            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"]))}
+            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"])),
+            "gate": bool(cache.get("prefetch_gate", PREFETCH_DEFAULTS["gate"]))}
 
 
 def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
