@@ -110,6 +110,8 @@ class Router:
         self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
         self.queued: deque = deque()              # demand reads waiting for a staging slot
         self.prefetching: set[int] = set()        # staging slots held by prefetch reads
+        # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
+        self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
         # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
         # compute): the other half is always there for demand reads
         self.prefetch_cap = len(self.staging_free) // 2
@@ -155,6 +157,7 @@ class Router:
         read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
         history, no use or hit counted)."""
         self.release()
+        now = time.perf_counter()
         if not prefetch:
             self._history(layer, experts)
         wanted = list(dict.fromkeys(experts))
@@ -187,6 +190,8 @@ class Router:
         else:
             self.counters.add("uses", len(slots))
             self.counters.add("hits", hits)
+            if self.read_gate is not None:
+                self.read_gate.need(now, bool(waiting))
         self.pending = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
                         "hits": hits, "t0": time.perf_counter(), "demand": not prefetch}
         if not waiting:
@@ -248,6 +253,8 @@ class Router:
         use = self.staging_use.get(msg.slot)
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []  # not a read this router has in flight
+        if self.read_gate is not None:
+            self.read_gate.done(time.perf_counter(), msg.nbytes)
         g, slot = use[0], use[1]
         if not self.tables[g].loaded(slot, (msg.layer, msg.expert), msg.generation):
             return self._free_staging(msg.slot)  # a fill that was superseded; nothing waits for it
@@ -269,6 +276,8 @@ class Router:
         use = self.staging_use.get(msg.slot)
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []
+        if self.read_gate is not None:
+            self.read_gate.done(time.perf_counter(), 0)
         g, slot = use[0], use[1]
         if not self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation):
             # superseded (a need took over a prefetch's slot): the slot holds another fill now,
@@ -313,13 +322,22 @@ class Router:
             return (layer, key[1]) in self.tables[self.group(layer)].where
         keys = f.plan(resident)
         out = []
+        ahead = self.read_gate.in_flight if self.read_gate is not None else 0
         for i, (row, e) in enumerate(keys):
             layer = rows[row]
             g = self.group(layer)
             table = self.tables[g]
             q = float(self.predictor.q[row, e])
-            slot = None if room <= 0 else table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
-            if slot is None:  # out of room, or the best victim is worth more: the rest, less likely, too
+            if room <= 0:  # the prefetch share of the staging ring is full: the rest wait too
+                f.unissued(keys[i:])
+                break
+            if not f.pays(q, self.predictor.distance(row), ahead):
+                # would not pay for its disk time behind the reads ahead of it: the next key
+                # (less likely, but maybe further ahead, so with more time) is asked in turn
+                f.unissued([(row, e)])
+                continue
+            slot = table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
+            if slot is None:  # the best victim is worth more: the rest, less likely, too
                 f.unissued(keys[i:])
                 break
             t = self.staging_free.pop()
@@ -329,6 +347,9 @@ class Router:
             self.counters.add("reads")
             self.counters.add("prefetch_reads")
             out.append(("loader", M.Read(slot=t, generation=gen, layer=layer, expert=e, prefetch=True)))
+            if self.read_gate is not None:
+                self.read_gate.sent(time.perf_counter())
+            ahead += 1
             room -= 1
         return out
 
@@ -339,6 +360,8 @@ class Router:
         t = self.staging_free.pop()
         self.staging_use[t] = (g, slot, gen, layer, expert)
         self.counters.add("reads")
+        if self.read_gate is not None:
+            self.read_gate.sent(time.perf_counter())
         return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert))]
 
     def _free_staging(self, t: int) -> list[tuple[str, object]]:
@@ -355,6 +378,8 @@ class Router:
 
     def _reply(self) -> M.Slots:
         p = self.pending
+        if p["demand"] and self.read_gate is not None:
+            self.read_gate.answered(time.perf_counter())
         wait_us = 0
         if p["hits"] < len(p["slots"]):
             wait = time.perf_counter() - p["t0"]
@@ -443,7 +468,8 @@ def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
         return False
     return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"]),
             "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"])),
-            "gate": bool(cache.get("prefetch_gate", PREFETCH_DEFAULTS["gate"]))}
+            "gate": bool(cache.get("prefetch_gate", PREFETCH_DEFAULTS["gate"])),
+            "bandwidth": True}  # the runtime's router has a clock (in-process replay has none)
 
 
 def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
