@@ -303,23 +303,26 @@ class RoutingPredictor:
 
 class ReadGate:
     """Whether one more prefetch read pays for the disk time it takes, from what the router
-    measures as it runs (no settings): the read pipeline's throughput, a record's read time, the
-    time compute takes between answering a need and asking the next one (the disk's only idle
-    time: during a need's stall its own demand reads hold the disk), and the share of needs that
-    miss. On a disk busy most of a run (the dsv2-lite stand-in: 75-92%) a prefetch read still in
-    flight when the next need comes shares the disk with that need's demand reads and delays
-    them; a prefetch read that completes in compute's time is free.
+    measures as it runs (no settings): a record's read time (busy time of the read pipeline per
+    read), the time from answering a need to the next need (compute's time, the disk's only idle
+    time: during a need's stall its own demand reads hold the disk), compute's time per layer
+    (that time over the layers between the two needs: compute asks only for layers that miss),
+    and the share of needs that wait for reads. On a disk busy most of a run (the dsv2-lite
+    stand-in: 75-92%) a prefetch read still in flight when the next need comes shares the disk
+    with that need's demand reads and delays them; one that completes in compute's time is free.
 
     `pays(q, distance, ahead)`: with `ahead` reads in flight before it, a read issued now ends
-    after (ahead + 1) x t_read; its layer is needed after distance x gap. If used (probability
-    q) it saves the stall of its demand read, less what it is late by; it costs the part of it
-    that overlaps the next need (times the share of needs that miss), unless it is that need's
-    own and used. It pays when q x saved >= cost. Until reads and gaps are measured it says yes
-    (the precision gate alone rules). The router feeds it: `sent`/`done` per read, `answered`
-    per demand need answered, `asked` per demand need.
+    after (ahead + 1) x read time; its layer comes after distance x the time per layer. If used
+    (probability q) it saves its demand read's stall, less what it is late by; it costs the part
+    of it that overlaps the next need times the share of needs that wait (unless it is a read of
+    the very next layer and used). It pays when q x saved >= cost. Until reads and gaps are
+    measured it says yes (the precision gate alone rules). The router feeds it: `sent`/`done`
+    per read, `answered` per demand need answered, `need` per demand need; positions are the
+    predictor's rows (MoE layers in order) of `n_layers`.
     """
 
-    def __init__(self, decay: float = 0.98, follow: float = 0.05):
+    def __init__(self, n_layers: int, decay: float = 0.98, follow: float = 0.05):
+        self.n_layers = n_layers
         self.decay = decay    # per read done, of the busy time and the reads counted
         self.follow = follow  # weight of a new gap or need in their running means
         self.in_flight = 0
@@ -327,9 +330,10 @@ class ReadGate:
         self.busy_s = 0.0            # decayed seconds with a read in flight
         self.bytes = 0.0             # decayed bytes read (reported)
         self.reads = 0.0             # decayed reads done
-        self.gap_s: float | None = None  # decayed mean time from an answer to the next demand need
-        self.miss_share = 0.5        # decayed share of demand needs with a miss
-        self.answered_at: float | None = None
+        self.next_s: float | None = None   # running mean time from an answer to the next need
+        self.layer_s: float | None = None  # ... over the layers between them
+        self.miss_share = 0.5        # running share of demand needs that wait for reads
+        self.answered_at: tuple[float, int] | None = None
         self.asked = self.refused = 0
 
     def sent(self, now: float) -> None:
@@ -343,33 +347,35 @@ class ReadGate:
         self.bytes = self.bytes * self.decay + nbytes
         self.reads = self.reads * self.decay + 1.0
 
-    def answered(self, now: float) -> None:
-        self.answered_at = now
+    def answered(self, now: float, position: int) -> None:
+        self.answered_at = (now, position)
 
-    def need(self, now: float, missed: bool) -> None:
-        """A demand need arrived; `missed`: some of its experts had to be read."""
+    def need(self, now: float, position: int, missed: bool) -> None:
+        """A demand need of the layer at `position` arrived; `missed`: it waits for reads."""
         a = self.follow
         if self.answered_at is not None:
-            gap = now - self.answered_at
-            self.gap_s = gap if self.gap_s is None else self.gap_s + a * (gap - self.gap_s)
+            t, p = self.answered_at
+            gap, layers = now - t, (position - p) % self.n_layers or self.n_layers
+            self.next_s = gap if self.next_s is None else self.next_s + a * (gap - self.next_s)
+            per = gap / layers
+            self.layer_s = per if self.layer_s is None else self.layer_s + a * (per - self.layer_s)
             self.answered_at = None
         self.miss_share += a * (float(missed) - self.miss_share)
 
     def read_s(self) -> float | None:
-        """Seconds one record takes the read pipeline (its bytes over the measured throughput)."""
+        """Seconds one record takes the read pipeline: busy time per read."""
         if self.reads < 4 or self.busy_s <= 0:
             return None
-        return self.busy_s / self.reads  # busy time per read: a record over the throughput
+        return self.busy_s / self.reads
 
     def pays(self, q: float, distance: int, ahead: int) -> bool:
         t = self.read_s()
-        gap = self.gap_s
-        if t is None or gap is None:
+        if t is None or self.next_s is None:
             return True
         self.asked += 1
         finish = (ahead + 1) * t
-        saved = min(t, max(0.0, t - max(0.0, finish - distance * gap)))
-        overlap = min(t, max(0.0, finish - gap))
+        saved = min(t, max(0.0, t - max(0.0, finish - distance * self.layer_s)))
+        overlap = min(t, max(0.0, finish - self.next_s))
         cost = self.miss_share * overlap * ((1.0 - q) if distance == 1 else 1.0)
         ok = saved > 0 and q * saved >= cost
         self.refused += not ok
@@ -377,8 +383,9 @@ class ReadGate:
 
     def stats(self) -> dict:
         t = self.read_s()
-        return {"mb_per_s": round(self.bytes / self.busy_s / 1e6, 1) if self.busy_s > 0 else None, "read_ms": round(t * 1e3, 3) if t else None,
-                "gap_ms": round(self.gap_s * 1e3, 3) if self.gap_s is not None else None,
+        ms = lambda v: round(v * 1e3, 3) if v is not None else None
+        return {"mb_per_s": round(self.bytes / self.busy_s / 1e6, 1) if self.busy_s > 0 else None,
+                "read_ms": ms(t), "next_need_ms": ms(self.next_s), "layer_ms": ms(self.layer_s),
                 "miss_share": round(self.miss_share, 4), "asked": self.asked, "refused": self.refused}
 
     def _tick(self, now: float) -> None:
@@ -414,7 +421,7 @@ class Prefetcher:
         self.probe_every, self.decay = probe_every, decay
         self.gate = gate  # False: a fixed setting, every prediction over the threshold is read
         # the bandwidth half of the gate, fed by the router's clock (replay has none: off there)
-        self.reads = ReadGate() if gate and bandwidth else None
+        self.reads = ReadGate(predictor.n_layers) if gate and bandwidth else None
         self.issued = np.full(depth + 1, 4.0)           # decayed counts per distance, with a prior
         self.used = np.full(depth + 1, 4.0 * min_precision + 1.0)  # that starts it on
         self.outstanding: dict[int, list[tuple[int, int]]] = {}  # layer -> [(expert, distance)]

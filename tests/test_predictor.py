@@ -140,8 +140,8 @@ def test_an_ungated_prefetcher_reads_every_prediction():
 
 def test_read_gate_measures_reads_and_gaps_and_prices_a_prefetch():
     """Times are given (seconds): two reads in flight together for 10 ms are 5 ms of disk each;
-    compute takes 4.5 ms between an answer and the next need; every need misses."""
-    g = ReadGate(decay=1.0, follow=0.5)
+    the next need comes 4.5 ms after an answer, one layer on (later: 9 ms, two layers on)."""
+    g = ReadGate(8, decay=1.0, follow=0.5)
     assert g.pays(0.01, 1, 100)                       # nothing measured: the precision gate rules
     for k in range(2):                                # 4 reads, two at a time, 10 ms per pair
         g.sent(k * 0.1), g.sent(k * 0.1)
@@ -149,9 +149,10 @@ def test_read_gate_measures_reads_and_gaps_and_prices_a_prefetch():
     assert g.read_s() == pytest.approx(0.005)
     assert g.stats()["mb_per_s"] == pytest.approx(1000.0)
     for k in range(3):
-        g.answered(1.0 + k)
-        g.need(1.0 + k + 0.0045, missed=True)
-    assert g.gap_s == pytest.approx(0.0045) and g.miss_share > 0.5
+        g.answered(1.0 + k, 6)
+        g.need(1.0 + k + 0.0045, 7, missed=True)      # one layer on
+    assert g.next_s == pytest.approx(0.0045) and g.layer_s == pytest.approx(0.0045)
+    assert g.miss_share > 0.9
     g.miss_share = 1.0
     # distance 1, nothing ahead: ends 0.5 ms after the need comes; saves 4.5 ms if used (p 0.2:
     # 0.9 ms), costs its 0.5 ms overlap x (1 - 0.2) = 0.4 ms
@@ -160,9 +161,15 @@ def test_read_gate_measures_reads_and_gaps_and_prices_a_prefetch():
     # distance 3 (due in 13.5 ms), one ahead: ends at 10 ms, saves 5 ms if used; overlaps the next
     # need by 5 ms whatever it holds: pays from q = 1
     assert g.pays(1.0, 3, 1) and not g.pays(0.9, 3, 1)
-    g.gap_s = 1.0                                     # compute's time is long: the disk is idle
+    g.answered(5.0, 7)
+    g.need(5.009, 1, missed=False)                    # 9 ms, 2 layers on (7 -> 0 -> 1)
+    assert g.next_s == pytest.approx(0.00675) and g.layer_s == pytest.approx(0.0045)
+    assert g.miss_share == pytest.approx(0.5)
+    g.next_s = 1.0                                    # compute's time is long: the disk is idle
+    assert g.pays(0.01, 1, 10) is False               # ... but a read 11 deep is late for layer 1
+    g.layer_s = 1.0
     assert g.pays(0.01, 1, 10)
-    assert g.stats()["refused"] == 2 and g.stats()["asked"] == 5
+    assert g.stats()["refused"] == 3 and g.stats()["asked"] == 6
 
 
 def test_prefetcher_stays_on_where_it_pays():

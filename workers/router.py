@@ -190,8 +190,8 @@ class Router:
         else:
             self.counters.add("uses", len(slots))
             self.counters.add("hits", hits)
-            if self.read_gate is not None:
-                self.read_gate.need(now, bool(waiting))
+            if self.read_gate is not None and layer in self.layer_row:
+                self.read_gate.need(now, self.layer_row[layer], bool(waiting))
         self.pending = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
                         "hits": hits, "t0": time.perf_counter(), "demand": not prefetch}
         if not waiting:
@@ -378,8 +378,8 @@ class Router:
 
     def _reply(self) -> M.Slots:
         p = self.pending
-        if p["demand"] and self.read_gate is not None:
-            self.read_gate.answered(time.perf_counter())
+        if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
+            self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0
         if p["hits"] < len(p["slots"]):
             wait = time.perf_counter() - p["t0"]
