@@ -18,6 +18,10 @@ queued (only issued into a free staging slot, and only while no demand read wait
 most half of the staging ring holds prefetch reads, and none is ordered before the need's own
 reads are in. A prefetched expert's `fill` reaches compute like any other; compute applies it the
 next time it waits on a need, which also frees its staging slot, so prefetch cannot starve a need.
+Self-gating (config cache.prefetch_gate) has two halves, both in the prefetcher: per layer
+distance on measured precision, and per read on bandwidth (`ReadGate`, fed here with every read
+sent and done and every demand need asked and answered): a prefetch read goes only while it can
+finish before its layer comes and pays for the disk time it takes from the next need's reads.
 
 `Router` is plain logic with no sockets: its methods return the messages to send as
 [(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
@@ -37,7 +41,9 @@ from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredic
 # Prefetcher settings unless told otherwise: tuned on the train split, chosen on dev
 # (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
 # ahead; min_precision: a layer distance whose measured precision falls under it only probes;
-# gate: False reads every prediction over the threshold (a fixed setting).
+# gate: False reads every prediction over the threshold (a fixed setting). The config's routers
+# (prefetch_setting) add bandwidth=True, the per-read half of the gate, which needs a real clock;
+# in-process routers (replay, tests) go without it unless told.
 PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5, "gate": True}
 
 
