@@ -97,6 +97,7 @@ class CacheConfig:
     prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch_threshold: float = 0.4
     prefetch_depth: int = 3  # layers ahead the prefetcher reads for
+    prefetch_gate: bool = True  # the prefetcher gates itself (false: every prediction is read)
     routing_history: str = ""  # a routing trace (.npz) the router's predictor learns from at start
     history_tokens: int = 4096  # of it, at most this many tokens (the last ones)
 

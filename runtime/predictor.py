@@ -301,6 +301,99 @@ class RoutingPredictor:
         self.version += 1
 
 
+class ReadGate:
+    """Whether one more prefetch read pays for the disk time it takes, from what the router
+    measures as it runs (no settings): a record's read time (busy time of the read pipeline per
+    read), the time from answering a need to the next need (compute's time, the disk's only idle
+    time: during a need's stall its own demand reads hold the disk), compute's time per layer
+    (that time over the layers between the two needs: compute asks only for layers that miss),
+    and the share of needs that wait for reads. On a disk busy most of a run (the dsv2-lite
+    stand-in: 75-92%) a prefetch read still in flight when the next need comes shares the disk
+    with that need's demand reads and delays them; one that completes in compute's time is free.
+
+    `pays(q, distance, ahead)`: with `ahead` reads in flight before it, a read issued now ends
+    after (ahead + 1) x read time; its layer comes after distance x the time per layer. If used
+    (probability q) it saves its demand read's stall, less what it is late by; it costs the part
+    of it that overlaps the next need times the share of needs that wait (unless it is a read of
+    the very next layer and used). It pays when q x saved >= cost. Until reads and gaps are
+    measured it says yes (the precision gate alone rules). The router feeds it: `sent`/`done`
+    per read, `answered` per demand need answered, `need` per demand need; positions are the
+    predictor's rows (MoE layers in order) of `n_layers`.
+    """
+
+    def __init__(self, n_layers: int, decay: float = 0.98, follow: float = 0.05):
+        self.n_layers = n_layers
+        self.decay = decay    # per read done, of the busy time and the reads counted
+        self.follow = follow  # weight of a new gap or need in their running means
+        self.in_flight = 0
+        self.last = None             # time of the last sent/done (busy time runs while in_flight)
+        self.busy_s = 0.0            # decayed seconds with a read in flight
+        self.bytes = 0.0             # decayed bytes read (reported)
+        self.reads = 0.0             # decayed reads done
+        self.next_s: float | None = None   # running mean time from an answer to the next need
+        self.layer_s: float | None = None  # ... over the layers between them
+        self.miss_share = 0.5        # running share of demand needs that wait for reads
+        self.answered_at: tuple[float, int] | None = None
+        self.asked = self.refused = 0
+
+    def sent(self, now: float) -> None:
+        self._tick(now)
+        self.in_flight += 1
+
+    def done(self, now: float, nbytes: int) -> None:
+        self._tick(now)
+        self.in_flight = max(0, self.in_flight - 1)
+        self.busy_s *= self.decay
+        self.bytes = self.bytes * self.decay + nbytes
+        self.reads = self.reads * self.decay + 1.0
+
+    def answered(self, now: float, position: int) -> None:
+        self.answered_at = (now, position)
+
+    def need(self, now: float, position: int, missed: bool) -> None:
+        """A demand need of the layer at `position` arrived; `missed`: it waits for reads."""
+        a = self.follow
+        if self.answered_at is not None:
+            t, p = self.answered_at
+            gap, layers = now - t, (position - p) % self.n_layers or self.n_layers
+            self.next_s = gap if self.next_s is None else self.next_s + a * (gap - self.next_s)
+            per = gap / layers
+            self.layer_s = per if self.layer_s is None else self.layer_s + a * (per - self.layer_s)
+            self.answered_at = None
+        self.miss_share += a * (float(missed) - self.miss_share)
+
+    def read_s(self) -> float | None:
+        """Seconds one record takes the read pipeline: busy time per read."""
+        if self.reads < 4 or self.busy_s <= 0:
+            return None
+        return self.busy_s / self.reads
+
+    def pays(self, q: float, distance: int, ahead: int) -> bool:
+        t = self.read_s()
+        if t is None or self.next_s is None:
+            return True
+        self.asked += 1
+        finish = (ahead + 1) * t
+        saved = min(t, max(0.0, t - max(0.0, finish - distance * self.layer_s)))
+        overlap = min(t, max(0.0, finish - self.next_s))
+        cost = self.miss_share * overlap * ((1.0 - q) if distance == 1 else 1.0)
+        ok = saved > 0 and q * saved >= cost
+        self.refused += not ok
+        return ok
+
+    def stats(self) -> dict:
+        t = self.read_s()
+        ms = lambda v: round(v * 1e3, 3) if v is not None else None
+        return {"mb_per_s": round(self.bytes / self.busy_s / 1e6, 1) if self.busy_s > 0 else None,
+                "read_ms": ms(t), "next_need_ms": ms(self.next_s), "layer_ms": ms(self.layer_s),
+                "miss_share": round(self.miss_share, 4), "asked": self.asked, "refused": self.refused}
+
+    def _tick(self, now: float) -> None:
+        if self.last is not None and self.in_flight > 0:
+            self.busy_s += max(0.0, now - self.last)
+        self.last = now
+
+
 class Prefetcher:
     """Self-gating prefetch: after each `need`, the keys of the next `depth` layers (from
     `min_distance` on) whose probability is at least `threshold` and that are not resident, at
@@ -310,12 +403,15 @@ class Prefetcher:
     were fetched for / prefetches, decayed so it follows the workload); a distance under
     `min_precision` issues only every `probe_every`-th step, so it keeps measuring and turns back
     on when prediction improves. The table's own counters give the reported precision (used before
-    eviction); this one only gates.
+    eviction); this one only gates. With `bandwidth` (the router's, which has a clock) a read
+    must also pay for its disk time (`ReadGate`, asked per key through `pays`). `gate=False` turns
+    both off: a fixed setting that reads every prediction over the threshold (what
+    deltafin-bench's sweep compares the gate with).
     """
 
     def __init__(self, predictor: RoutingPredictor, depth: int = 1, threshold: float = 0.4,
                  min_precision: float = 0.5, max_per_step: int | None = None, min_distance: int = 1,
-                 probe_every: int = 16, decay: float = 0.999):
+                 probe_every: int = 16, decay: float = 0.999, gate: bool = True, bandwidth: bool = False):
         if depth < min_distance or min_distance < 1:
             raise PredictorError("need 1 <= min_distance <= depth")
         self.predictor = predictor
@@ -323,6 +419,9 @@ class Prefetcher:
         self.threshold, self.min_precision = threshold, min_precision
         self.max_per_step = max_per_step
         self.probe_every, self.decay = probe_every, decay
+        self.gate = gate  # False: a fixed setting, every prediction over the threshold is read
+        # the bandwidth half of the gate, fed by the router's clock (replay has none: off there)
+        self.reads = ReadGate(predictor.n_layers) if gate and bandwidth else None
         self.issued = np.full(depth + 1, 4.0)           # decayed counts per distance, with a prior
         self.used = np.full(depth + 1, 4.0 * min_precision + 1.0)  # that starts it on
         self.outstanding: dict[int, list[tuple[int, int]]] = {}  # layer -> [(expert, distance)]
@@ -335,7 +434,12 @@ class Prefetcher:
         return float(self.used[distance] / self.issued[distance])
 
     def enabled(self, distance: int) -> bool:
-        return self.precision(distance) >= self.min_precision
+        return not self.gate or self.precision(distance) >= self.min_precision
+
+    def pays(self, q: float, distance: int, ahead: int) -> bool:
+        """Whether a read of a key of probability `q`, `distance` layers ahead, with `ahead` reads
+        in flight before it, pays for its disk time (ReadGate); always, without that gate."""
+        return self.reads is None or self.reads.pays(q, distance, ahead)
 
     def plan(self, resident: Callable[[tuple[int, int]], bool]) -> list[tuple[int, int]]:
         """(layer, expert) keys to read now, most likely first; `resident(key)` says whether a key
@@ -387,5 +491,5 @@ class Prefetcher:
     def stats(self) -> dict:
         """Per layer distance: the gating precision and the share of steps it was gated off."""
         ds = range(self.min_distance, self.depth + 1)
-        return {**{f"precision_d{d}": round(self.precision(d), 4) for d in ds},
+        return {"gate": self.gate, **({"reads": self.reads.stats()} if self.reads else {}), **{f"precision_d{d}": round(self.precision(d), 4) for d in ds},
                 **{f"gated_share_d{d}": round(int(self.gated_steps[d]) / max(1, int(self.tried[d])), 4) for d in ds}}

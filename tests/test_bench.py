@@ -96,6 +96,75 @@ def test_chart_and_table(bench_run):
         assert name in text
 
 
+def test_prefetch_contenders_parse_into_cache_overrides():
+    assert bench.prefetch_mode("deltafin-pf:t=0.6:d=1") == {
+        "prefetch": True, "prefetch_threshold": 0.6, "prefetch_depth": 1}
+    assert bench.prefetch_mode("deltafin-pf:t=0.2:d=3:gate=off")["prefetch_gate"] is False
+    assert bench.mode_config("deltafin-pf:d=3:gate=on") == {"cache": {"prefetch": True, "prefetch_depth": 3,
+                                                                      "prefetch_gate": True}}
+    assert bench.bad_contender("deltafin-pf:t=0.6:d=1") is None and bench.bad_contender("mmap") is None
+    for bad, why in [("deltafin-pf:t=1.5", "prefetch_threshold"), ("deltafin-pf:d=0", "prefetch_depth"),
+                     ("deltafin-pf:gate=maybe", "bad value"), ("deltafin-pf:x=1", "not t="),
+                     ("deltafin-pf:t=", "not t=")]:
+        assert why in bench.bad_contender(bad)
+    assert bench.bad_contender("deltafin-fast") == "deltafin-fast"
+    assert bench.main(["--contenders", "deltafin-pf:t=0.6,d=1"]) == 2  # commas split contenders
+
+
+def test_rounds_summary_and_the_sweep_figure_are_medians_and_ratios():
+    runs = [{"ok": True, "decode_tok_s": v, "hit_rate": h, "loader": {"disk_busy_share": 0.5}, "tag": i}
+            for i, (v, h) in enumerate([(1.0, 0.5), (1.5, 0.9), (1.2, 0.6)])]
+    runs.append({"ok": False, "cause": "boom"})
+    r = bench.summarize_rounds(runs)
+    assert r["decode_tok_s"] == 1.2 and r["tag"] == 2  # the round nearest the median
+    assert r["hit_rate"] == pytest.approx(0.6) and r["time_per_token_s"] == pytest.approx(1 / 1.2)
+    assert r["decode_tok_s_spread"] == pytest.approx(1.5) and r["rounds_ok"] == 3
+    assert [x["ok"] for x in r["rounds"]] == [True, True, True, False]
+    two = bench.summarize_rounds(runs[:2])
+    assert two["decode_tok_s"] == pytest.approx(1.25) and two["hit_rate"] == pytest.approx(0.7)
+    assert bench.summarize_rounds(runs[:1]) is runs[0]
+    assert bench.summarize_rounds(runs[3:] * 2)["rounds_ok"] == 0
+    c = {"deltafin-pf:t=0.2:d=1": {"ok": True, "decode_tok_s": 1.5},
+         "deltafin-pf:t=0.6:d=1": {"ok": True, "decode_tok_s": 1.8},
+         "deltafin-pf:t=0.2:d=1:gate=off": {"ok": True, "decode_tok_s": 1.2},
+         "deltafin-no-prefetch": {"ok": True, "decode_tok_s": 1.6},
+         "deltafin-sync-lru": {"ok": True, "decode_tok_s": 9.0},
+         "deltafin-pf:t=0.8:d=1:gate=off": {"ok": False}}
+    sw = bench.prefetch_sweep(c)
+    assert (sw["min_gated"], sw["max_fixed"]) == ("deltafin-pf:t=0.2:d=1", "deltafin-no-prefetch")
+    assert sw["ratio"] == pytest.approx(1.5 / 1.6)
+    assert bench.prefetch_sweep({"deltafin-no-prefetch": c["deltafin-no-prefetch"]}) is None
+
+
+def test_prefetch_settings_run_alternating_in_rounds(tiny_stores, tmp_path):
+    """A sweep for real: a self-gated and a fixed prefetch setting and prefetch off, two rounds
+    alternating; each round writes its own settings file, and the settings reach the router."""
+    store = Store(tiny_stores("deepseek_v2"))
+    trace = _trace(tmp_path / "trace.npz", store)
+    names = ["deltafin-pf:t=0.3:d=2", "deltafin-pf:t=0.3:d=2:gate=off", "deltafin-no-prefetch"]
+    argv = ["--store", str(store.path), "--trace", str(trace), "--quick", "--prompt-tokens", "4",
+            "--max-tokens", "3", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(tmp_path / "run"),
+            "--standin-moe-ms", "2", "--standin-dense-ms", "1", "--regimes", "standin",
+            "--contenders", ",".join(names), "--rounds", "2"]
+    assert bench.main(argv) == 0
+    rr = json.loads((tmp_path / "run" / "report.json").read_text())["regimes"]["standin"]
+    assert rr["rounds"] == 2 and list(rr["contenders"]) == names
+    for name, r in rr["contenders"].items():
+        assert r["ok"] and r["rounds_ok"] == 2 and len(r["rounds"]) == 2, r.get("cause")
+        assert r["decode_tok_s"] == pytest.approx(np.median([x["decode_tok_s"] for x in r["rounds"]]))
+        if "pf:" in name:  # the router's prefetcher ran with the setting the name gives
+            assert r["prefetch_gate"]["gate"] is ("gate=off" not in name)
+            assert set(r["prefetch_gate"]) >= {"precision_d1", "precision_d2"}
+        else:
+            assert r["prefetch_gate"] is None
+    for i in (1, 2):
+        toml = (tmp_path / "run" / f"standin-deltafin-pf:t=0.3:d=2:gate=off-r{i}.toml").read_text()
+        assert "prefetch_threshold = 0.3" in toml and "prefetch_depth = 2" in toml and "prefetch_gate = false" in toml
+        assert (tmp_path / "run" / f"standin-deltafin-no-prefetch-r{i}.log").exists()
+    assert rr["prefetch_sweep"]["min_gated"] == names[0]
+    assert rr["prefetch_sweep"]["max_fixed"] in names[1:]
+
+
 @pytest.mark.parametrize("calibrate", ["run", "micro"])
 def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
     store, trace, _, run = bench_run

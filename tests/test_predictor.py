@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltafin.runtime.predictor import Prefetcher, PredictorError, RoutingPredictor
+from deltafin.runtime.predictor import Prefetcher, PredictorError, ReadGate, RoutingPredictor
 from deltafin.runtime.traces import load_trace
 
 SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
@@ -123,6 +123,53 @@ def test_prefetcher_gates_itself_off_when_its_precision_is_poor():
     assert f.precision(1) < 0.2
     assert f.stats()["gated_share_d1"] > 0.95
     assert planned < 0.02 * 64 * 3 * 1500
+
+
+def test_an_ungated_prefetcher_reads_every_prediction():
+    """gate=False is the fixed setting deltafin-bench's sweep compares the gate with: on the same
+    random trace it never gates, and plans every key over the threshold (all 64 of each next
+    layer, as the docstring above says the gated one would without its gate)."""
+    ids = _random_ids(300, 4, 64, 6)
+    p = RoutingPredictor(4, 64, history=512, neighbours=8, candidates=64)
+    f = Prefetcher(p, threshold=0.0, min_precision=0.4, probe_every=16, gate=False)
+    planned = _plan_all(p, f, ids)
+    assert f.precision(1) < 0.2  # measured all the same
+    assert f.stats()["gated_share_d1"] == 0.0
+    assert planned == 64 * 3 * 300
+
+
+def test_read_gate_measures_reads_and_gaps_and_prices_a_prefetch():
+    """Times are given (seconds): two reads in flight together for 10 ms are 5 ms of disk each;
+    the next need comes 4.5 ms after an answer, one layer on (later: 9 ms, two layers on)."""
+    g = ReadGate(8, decay=1.0, follow=0.5)
+    assert g.pays(0.01, 1, 100)                       # nothing measured: the precision gate rules
+    for k in range(2):                                # 4 reads, two at a time, 10 ms per pair
+        g.sent(k * 0.1), g.sent(k * 0.1)
+        g.done(k * 0.1 + 0.01, 5_000_000), g.done(k * 0.1 + 0.01, 5_000_000)
+    assert g.read_s() == pytest.approx(0.005)
+    assert g.stats()["mb_per_s"] == pytest.approx(1000.0)
+    for k in range(3):
+        g.answered(1.0 + k, 6)
+        g.need(1.0 + k + 0.0045, 7, missed=True)      # one layer on
+    assert g.next_s == pytest.approx(0.0045) and g.layer_s == pytest.approx(0.0045)
+    assert g.miss_share > 0.9
+    g.miss_share = 1.0
+    # distance 1, nothing ahead: ends 0.5 ms after the need comes; saves 4.5 ms if used (p 0.2:
+    # 0.9 ms), costs its 0.5 ms overlap x (1 - 0.2) = 0.4 ms
+    assert g.pays(0.2, 1, 0)
+    assert not g.pays(0.2, 1, 1)                      # behind one read: ends 5.5 ms late, saves nothing
+    # distance 3 (due in 13.5 ms), one ahead: ends at 10 ms, saves 5 ms if used; overlaps the next
+    # need by 5 ms whatever it holds: pays from q = 1
+    assert g.pays(1.0, 3, 1) and not g.pays(0.9, 3, 1)
+    g.answered(5.0, 7)
+    g.need(5.009, 1, missed=False)                    # 9 ms, 2 layers on (7 -> 0 -> 1)
+    assert g.next_s == pytest.approx(0.00675) and g.layer_s == pytest.approx(0.0045)
+    assert g.miss_share == pytest.approx(0.5)
+    g.next_s = 1.0                                    # compute's time is long: the disk is idle
+    assert g.pays(0.01, 1, 10) is False               # ... but a read 11 deep is late for layer 1
+    g.layer_s = 1.0
+    assert g.pays(0.01, 1, 10)
+    assert g.stats()["refused"] == 3 and g.stats()["asked"] == 6
 
 
 def test_prefetcher_stays_on_where_it_pays():

@@ -136,6 +136,29 @@ def test_demand_reads_go_before_prefetch_reads():
     assert all(m.slot not in router.prefetching for _, m in out)
 
 
+@pytest.mark.parametrize("gap_s, issued", [(None, 3), (1.0, 3), (0.0045, 1)])
+def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
+    """The router's bandwidth gate measures its reads and needs; here its figures are set: 5 ms
+    a read, every need missing, and compute's time between needs (one layer) `gap_s`. Unmeasured (None) or
+    with a long gap all three prefetch reads go (half the staging ring); with 4.5 ms only the
+    first: a second would end after its need came and still hold the disk then."""
+    router = Router(8, "predictive", n_staging=6, moe_layers=[0, 1], n_experts=8,
+                    prefetch={**ALWAYS, "bandwidth": True})
+    gate = router.read_gate
+    if gap_s is not None:
+        gate.busy_s, gate.reads, gate.miss_share = 0.05, 10.0, 1.0
+        gate.next_s = gate.layer_s = gap_s
+    out = router.need(1, 0, [0, 1])
+    assert gate.in_flight == 2 and gate.miss_share > 0.5
+    router.loaded(_loaded(out[0][1]))
+    last = router.loaded(_loaded(out[1][1]))
+    pf = [m for _, m in last if isinstance(m, M.Read)]
+    assert len(pf) == issued and all(m.prefetch for m in pf) and gate.in_flight == issued
+    assert router.stats()["prefetch_gate"]["reads"]["refused"] == {None: 0, 1.0: 0, 0.0045: 7}[gap_s]  # all 8 asked
+    assert router.prefetcher.outstanding[1] == [(m.expert, 1) for m in pf]  # refused keys are not counted
+    assert gate.answered_at[1] == 0                                         # the need of row 0 answered
+
+
 @pytest.mark.parametrize("late", ["loaded", "load_failed"])
 def test_a_need_takes_over_a_slot_a_prefetch_is_still_reading(late):
     """A pool of 3 slots: one need of 2 experts leaves room for one prefetch, still being read
@@ -335,8 +358,20 @@ def test_prefetch_config_keys():
     lru, pred = {"policy": "lru", "prefetch": "auto"}, {"policy": "predictive", "prefetch": "auto"}
     assert prefetch_setting(lru, 10, 100) is False                      # auto: the predictive policy only
     assert prefetch_setting(pred, 100, 100) is False                    # ... and only when not all fit
-    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {"threshold": 0.3, "depth": 3}
-    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {"threshold": 0.4, "depth": 1}
+    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {
+        "threshold": 0.3, "depth": 3, "gate": True, "bandwidth": True}
+    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {
+        "threshold": 0.4, "depth": 1, "gate": True, "bandwidth": True}
+    # cache.prefetch_gate = false: the fixed setting, down to the router's prefetcher
+    assert Config.from_dict({}).cache.prefetch_gate is True
+    off = prefetch_setting(Config.from_dict({"cache": {"prefetch": True, "prefetch_gate": False}}).to_dict()["cache"], 10, 100)
+    assert off["gate"] is False
+    fixed = Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=off)
+    assert fixed.prefetcher.gate is False and fixed.read_gate is None
+    gated = Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch={**off, "gate": True})
+    assert gated.prefetcher.gate is True and gated.read_gate is not None
+    # in-process (replay, tests) the router has no bandwidth gate unless asked: no clock to trust
+    assert Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=True).read_gate is None
 
 
 # -- exactness in real runs ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +48,60 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-hits-first": {"compute": {"hits_first": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
+# Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with
+# prefetch on at threshold 0.6, depth 1, self-gated; ":gate=off" makes it the fixed (ungated)
+# setting. Colons, not commas, so that --contenders still splits on commas.
+PF_PREFIX = "deltafin-pf:"
+PF_KEYS = {"t": ("prefetch_threshold", float), "d": ("prefetch_depth", int),
+           "gate": ("prefetch_gate", lambda v: {"on": True, "off": False}[v])}
 REGIMES = ("standin", "real")
 PRESET_DEFAULT = "dsv2-lite"
+
+
+def prefetch_mode(name: str) -> dict:
+    """The [cache] overrides a "deltafin-pf:t=..:d=..[:gate=on|off]" contender names; ValueError
+    for a malformed one."""
+    if not name.startswith(PF_PREFIX):
+        raise ValueError(f"{name}: not a {PF_PREFIX} contender")
+    cache: dict = {"prefetch": True}
+    for part in name[len(PF_PREFIX):].split(":"):
+        key, _, value = part.partition("=")
+        if key not in PF_KEYS or not value:
+            raise ValueError(f"{name}: {part!r} is not t=<threshold>, d=<depth> or gate=on|off")
+        field_name, conv = PF_KEYS[key]
+        try:
+            cache[field_name] = conv(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{name}: bad value in {part!r}") from None
+    load_config(None, {f"cache.{k}": v for k, v in cache.items()})  # the config's own range checks
+    return cache
+
+
+def is_deltafin(name: str) -> bool:
+    return name in DELTAFIN_MODES or name.startswith(PF_PREFIX)
+
+
+def mode_flags(name: str) -> list[str]:
+    return DELTAFIN_MODES.get(name, [])
+
+
+def mode_config(name: str) -> dict | None:
+    """The TOML sections a deltafin mode writes for --config (None: no file)."""
+    if name.startswith(PF_PREFIX):
+        return {"cache": prefetch_mode(name)}
+    return DELTAFIN_MODE_CONFIG.get(name)
+
+
+def bad_contender(name: str) -> str | None:
+    if name in CONTENDERS:
+        return None
+    if name.startswith(PF_PREFIX):
+        try:
+            prefetch_mode(name)
+            return None
+        except Exception as e:  # ValueError or the config's ConfigError
+            return str(e)
+    return name
 
 
 def log(msg: str) -> None:
@@ -148,6 +200,7 @@ class Setup:
     disk: dict = field(default_factory=dict)
     drop_cache: bool = True
     cap: bool = True
+    tag: str = ""  # added to a contender's file names (the round, with --rounds)
 
     @property
     def record_bytes(self) -> int:
@@ -222,13 +275,14 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
     from deltafin.client import Client, DeltafinError
     from deltafin.tools.run import StartError, running_supervisor
     extra = ["--max-slots", str(s.n_slots), "--max-context", str(s.max_context), "--dtype", s.dtype,
-             *_common_flags(s, regime), *DELTAFIN_MODES[mode]]
-    if mode in DELTAFIN_MODE_CONFIG:
-        toml = s.out / f"{regime}-{mode}.toml"
+             *_common_flags(s, regime), *mode_flags(mode)]
+    sections = mode_config(mode)
+    if sections:
+        toml = s.out / f"{regime}-{mode}{s.tag}.toml"
         toml.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
-                                for section, values in DELTAFIN_MODE_CONFIG[mode].items()))
+                                for section, values in sections.items()))
         extra += ["--config", str(toml)]
-    errlog = s.out / f"{regime}-{mode}.log"
+    errlog = s.out / f"{regime}-{mode}{s.tag}.log"
     with open(errlog, "w") as err:
         try:
             with running_supervisor(s.store.path, str(s.budget), extra, timeout=s.timeout_s, stderr=err,
@@ -269,6 +323,7 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "ssd_gbps": stats.get("ssd_gbps"),
         "ssd_share_of_probe": (stats["ssd_gbps"] / s.disk["gbps"]) if stats.get("ssd_gbps") and s.disk.get("gbps") else None,
         "prefetch_precision": stats.get("prefetch_precision"), "prefetch_recall": stats.get("prefetch_recall"),
+        "prefetch_gate": ((stats.get("workers") or {}).get("router") or {}).get("prefetch_gate"),  # the prefetcher's own: its setting, precision and gated share
         "time_per_token_s": (1.0 / g["decode_tok_s"]) if g.get("decode_tok_s") else None,
         "split_per_token_s": split, "n_slots": got_slots,
         # The budget estimate for --cache-frac's slots can fall short of what the supervisor
@@ -330,7 +385,7 @@ def run_mmap(s: Setup, regime: str, cap) -> dict:
     cmd = [sys.executable, "-m", "deltafin.tools.mmap_baseline", "--store", str(s.store.path), "--source", "mmap",
            "--prompt-ids", ",".join(map(str, s.prompt_ids)), "--max-tokens", str(s.max_tokens),
            "--config-json", json.dumps(cfg)]
-    data, failure, mem = _run_json_process(cmd, s, f"{regime}-mmap", cap)
+    data, failure, mem = _run_json_process(cmd, s, f"{regime}-mmap{s.tag}", cap)
     if failure:
         return {"ok": False, "cause": failure, **mem}
     n_dec = max(1, (data.get("generated_tokens") or 1) - 1)
@@ -355,7 +410,7 @@ def run_mlxlm(s: Setup, regime: str, cap, ckpt: Path | None, dtype: str | None) 
            "--prompt-ids", ",".join(map(str, s.prompt_ids)), "--max-tokens", str(s.max_tokens)]
     if dtype:
         cmd += ["--dtype", dtype]
-    data, failure, mem = _run_json_process(cmd, s, f"{regime}-mlx-lm", cap)
+    data, failure, mem = _run_json_process(cmd, s, f"{regime}-mlx-lm{s.tag}", cap)
     if failure:
         return {"ok": False, "cause": failure, **mem}
     return {"ok": True, "generated_tokens": data.get("generated_tokens"), "token_ids": data.get("token_ids"),
@@ -372,13 +427,14 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
     if name == "mlx-lm" and regime == "standin":
         return run_mlxlm(s, regime, None, ckpt, mlxlm_dtype)
     dropped = drop_page_cache() if s.drop_cache else "not asked (--no-drop-cache)"
-    cap = MemoryCap(s.budget, f"deltafin-bench-{os.getpid()}-{regime}-{name}") if s.cap else None
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+    cap = MemoryCap(s.budget, f"deltafin-bench-{os.getpid()}-{regime}-{safe}{s.tag}") if s.cap else None
     try:
         if cap is not None:
             cap.reset_peak()
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
-        if name in DELTAFIN_MODES:
+        if is_deltafin(name):
             r = run_deltafin(s, regime, name, cap)
         elif name == "mmap":
             r = run_mmap(s, regime, cap)
@@ -480,6 +536,57 @@ def _run_rows(s: Setup, n: int) -> np.ndarray:
     return np.take(s.trace_ids, np.arange(n) % len(s.trace_ids), axis=0)[:, :s.n_moe, :]
 
 
+# ------------------------------------------------------------------------------------ rounds
+
+# Figures a contender's summary over rounds gives as the median of its rounds.
+ROUND_KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "hit_rate", "bytes_read_per_token",
+              "bytes_read_per_token_all", "stall_share", "prefetch_precision", "prefetch_recall",
+              "ssd_gbps")
+
+
+def summarize_rounds(runs: list[dict]) -> dict:
+    """One contender over its rounds (run alternating with the others, so that a slow spell of
+    the shared machine falls on every contender): the round nearest the median decode rate, with
+    ROUND_KEYS replaced by their medians over the rounds that ran, each round's figures under
+    "rounds" and the decode rate's spread (max / min). A single round is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
+    per_round = [{"ok": bool(r.get("ok")), "cause": r.get("cause"), "load_average": r.get("load_average"),
+                  "disk_busy_share": (r.get("loader") or {}).get("disk_busy_share"),
+                  **{k: r.get(k) for k in ROUND_KEYS}} for r in runs]
+    if not ok:
+        return {**runs[0], "rounds": per_round, "rounds_ok": 0}
+    rates = [r["decode_tok_s"] for r in ok]
+    mid = float(np.median(rates))
+    out = dict(min(ok, key=lambda r: abs(r["decode_tok_s"] - mid)))
+    for k in ROUND_KEYS:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        out[k] = float(np.median(vals)) if vals else None
+    out["time_per_token_s"] = 1.0 / out["decode_tok_s"]
+    out.update(rounds=per_round, rounds_ok=len(ok), decode_tok_s_spread=max(rates) / min(rates),
+               decode_tok_s_range=[min(rates), max(rates)])
+    return out
+
+
+def prefetch_sweep(contenders: dict) -> dict | None:
+    """Issue 8's figure over the deltafin-pf contenders: the slowest self-gated setting over the
+    fastest fixed one (ungated settings, and prefetch off where it ran), by decode tok/s."""
+    gated, fixed = {}, {}
+    for name, r in contenders.items():
+        if not (r.get("ok") and r.get("decode_tok_s")):
+            continue
+        if name.startswith(PF_PREFIX):
+            (gated if prefetch_mode(name).get("prefetch_gate", True) else fixed)[name] = r["decode_tok_s"]
+        elif name == "deltafin-no-prefetch":
+            fixed[name] = r["decode_tok_s"]
+    if not gated or not fixed:
+        return None
+    worst, best = min(gated, key=gated.get), max(fixed, key=fixed.get)
+    return {"min_gated": worst, "min_gated_tok_s": gated[worst], "max_fixed": best,
+            "max_fixed_tok_s": fixed[best], "ratio": gated[worst] / fixed[best], "goal": 0.97}
+
+
 # ------------------------------------------------------------------------------------ output
 
 def chart(report: dict, path: Path) -> str | None:
@@ -543,17 +650,18 @@ def table(report: dict) -> str:
         lines.append(f"\n[{regime}] {rr['description']}")
         lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
                      f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
-        lines.append(f"{'contender':<20}{'decode':>9}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
+        w = max(20, *(len(n) + 1 for n in rr["contenders"]))
+        lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
                      f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
-                     f"{'peak MiB':>9}{'load':>10}")
+                     f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}")
         for name, r in rr["contenders"].items():
             if not r.get("ok"):
-                lines.append(f"{name:<20}  {r.get('cause', 'failed')}")
+                lines.append(f"{name:<{w}}  {r.get('cause', 'failed')}")
                 continue
             rd = (r.get("stage_latency") or {}).get("read")
             fmt = lambda v, f: (f.format(v) if v is not None else "-")
             lines.append(
-                f"{name:<20}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
+                f"{name:<{w}}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('decode_tok_s_spread'), '{:.2f}x'):>7}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
                 f"{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
                 f"{fmt(r.get('hit_rate'), '{:.2f}'):>6}{fmt((r.get('bytes_read_per_token') or 0) / 1e6 if r.get('bytes_read_per_token') is not None else None, '{:.1f}'):>8}"
                 f"{fmt((r['bytes_read_per_token_all'] / 1e6) if r.get('bytes_read_per_token_all') else None, '{:.1f}'):>12}"
@@ -561,8 +669,17 @@ def table(report: dict) -> str:
                 f"{(('%.1f/%.1f' % (rd['p50_ms'], rd['p99_ms'])) if rd else '-'):>17}"
                 f"{fmt(((r.get('loader') or {}).get('need_stall') or {}).get('p50_ms'), '{:.1f}'):>14}"
                 f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
+                f"{fmt(r.get('prefetch_precision'), '{:.2f}'):>8}{fmt(r.get('prefetch_recall'), '{:.2f}'):>7}"
                 f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
                 f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}")
+        if rr.get("rounds", 1) > 1:
+            lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
+                         f"fastest / slowest round's decode tok/s")
+        sw = rr.get("prefetch_sweep")
+        if sw:
+            lines.append(f"prefetch sweep: slowest self-gated {sw['min_gated']} {sw['min_gated_tok_s']:.2f} tok/s / "
+                         f"fastest fixed {sw['max_fixed']} {sw['max_fixed_tok_s']:.2f} tok/s = {sw['ratio']:.2f}x "
+                         f"(goal >= {sw['goal']})")
         for name, r in rr["contenders"].items():
             if r.get("slots_short"):
                 lines.append(f"note: {name} ran with {r['n_slots']} expert slots, {r['slots_short']} fewer than "
@@ -623,7 +740,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "trace's -train split beside a -test trace); 'none': start cold")
     p.add_argument("--cache-frac", type=float, default=0.25, help="expert slots as a share of all experts")
     p.add_argument("--regimes", default=",".join(REGIMES), help="standin,real")
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=",".join(CONTENDERS) + f"; and prefetch settings as {PF_PREFIX}t=0.6:d=1 (self-gated) "
+                        f"or {PF_PREFIX}t=0.6:d=1:gate=off (fixed)")
+    p.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, alternating "
+                   "(round 1: every contender, then round 2, ...); the report gives medians and the spread")
     p.add_argument("--standin-moe-ms", type=float, help="stand-in wait per MoE layer (default: config)")
     p.add_argument("--standin-dense-ms", type=float, help="stand-in wait per dense layer (default: config)")
     p.add_argument("--prompt-tokens", type=int)
@@ -653,9 +774,10 @@ def main(argv=None) -> int:
     preset = QUICK if a.quick else FULL
     regimes = [r for r in a.regimes.split(",") if r]
     contenders = [c for c in a.contenders.split(",") if c]
-    bad = [r for r in regimes if r not in REGIMES] + [c for c in contenders if c not in CONTENDERS]
-    if bad:
-        log(f"unknown regime or contender: {', '.join(bad)} (regimes {REGIMES}, contenders {CONTENDERS})")
+    bad = [r for r in regimes if r not in REGIMES] + [why for why in map(bad_contender, contenders) if why]
+    if bad or a.rounds < 1:
+        log(f"unknown regime or contender: {', '.join(bad) or '-'} (regimes {REGIMES}, contenders {CONTENDERS}, "
+            f"or {PF_PREFIX}t=<threshold>:d=<depth>[:gate=on|off]); --rounds >= 1")
         return 2
     out = Path(a.out or f"deltafin-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -733,19 +855,28 @@ def main(argv=None) -> int:
               "contenders": {}}
         if regime == "standin":
             rr["standin"] = {"moe_ms": moe_ms, "dense_ms": dense_ms}
-        for name in contenders:
-            log(f"[{regime}] {name} ...")
-            if name == "mlx-lm" and ckpt is None and regime == "real":
-                r = {"ok": False, "cause": f"no mlx-lm checkpoint: {ckpt_error}"}
-            else:
-                r = run_contender(s, regime, name, ckpt, a.mlxlm_dtype)
-            if r.get("ok") and r.get("decode_tok_s"):
-                r["share_of_bound"] = r["decode_tok_s"] * bound
-            r.pop("token_ids", None) if not r.get("ok") else None
-            rr["contenders"][name] = r
-            log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
-        report["regimes"][regime] = rr
-        (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        runs: dict[str, list[dict]] = {name: [] for name in contenders}
+        for i in range(a.rounds):  # every contender once per round, in the same order
+            sr = replace(s, tag=f"-r{i + 1}" if a.rounds > 1 else "")
+            for name in contenders:
+                log(f"[{regime}] {name}" + (f" (round {i + 1} of {a.rounds})" if a.rounds > 1 else "") + " ...")
+                if name == "mlx-lm" and ckpt is None and regime == "real":
+                    r = {"ok": False, "cause": f"no mlx-lm checkpoint: {ckpt_error}"}
+                else:
+                    r = run_contender(sr, regime, name, ckpt, a.mlxlm_dtype)
+                r.pop("token_ids", None) if not r.get("ok") else None
+                runs[name].append(r)
+                log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
+            for name in contenders:
+                if runs[name]:
+                    r = summarize_rounds(runs[name])
+                    if r.get("ok") and r.get("decode_tok_s"):
+                        r["share_of_bound"] = r["decode_tok_s"] * bound
+                    rr["contenders"][name] = r
+            rr["rounds"] = i + 1
+            rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])
+            report["regimes"][regime] = rr
+            (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     report["elapsed_s"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     why = chart(report, out / "chart.png")

@@ -18,6 +18,10 @@ queued (only issued into a free staging slot, and only while no demand read wait
 most half of the staging ring holds prefetch reads, and none is ordered before the need's own
 reads are in. A prefetched expert's `fill` reaches compute like any other; compute applies it the
 next time it waits on a need, which also frees its staging slot, so prefetch cannot starve a need.
+Self-gating (config cache.prefetch_gate) has two halves, both in the prefetcher: per layer
+distance on measured precision, and per read on bandwidth (`ReadGate`, fed here with every read
+sent and done and every demand need asked and answered): a prefetch read goes only while it can
+finish before its layer comes and pays for the disk time it takes from the next need's reads.
 
 `Router` is plain logic with no sockets: its methods return the messages to send as
 [(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
@@ -36,8 +40,11 @@ from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredic
 
 # Prefetcher settings unless told otherwise: tuned on the train split, chosen on dev
 # (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
-# ahead; min_precision: a layer distance whose measured precision falls under it only probes.
-PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5}
+# ahead; min_precision: a layer distance whose measured precision falls under it only probes;
+# gate: False reads every prediction over the threshold (a fixed setting). The config's routers
+# (prefetch_setting) add bandwidth=True, the per-read half of the gate, which needs a real clock;
+# in-process routers (replay, tests) go without it unless told.
+PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5, "gate": True}
 
 
 class RouterError(RuntimeError):
@@ -109,6 +116,8 @@ class Router:
         self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
         self.queued: deque = deque()              # demand reads waiting for a staging slot
         self.prefetching: set[int] = set()        # staging slots held by prefetch reads
+        # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
+        self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
         # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
         # compute): the other half is always there for demand reads
         self.prefetch_cap = len(self.staging_free) // 2
@@ -154,6 +163,7 @@ class Router:
         read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
         history, no use or hit counted)."""
         self.release()
+        now = time.perf_counter()
         if not prefetch:
             self._history(layer, experts)
         wanted = list(dict.fromkeys(experts))
@@ -186,6 +196,8 @@ class Router:
         else:
             self.counters.add("uses", len(slots))
             self.counters.add("hits", hits)
+            if self.read_gate is not None and layer in self.layer_row:
+                self.read_gate.need(now, self.layer_row[layer], bool(waiting))
         self.pending = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
                         "hits": hits, "t0": time.perf_counter(), "demand": not prefetch}
         if not waiting:
@@ -247,6 +259,8 @@ class Router:
         use = self.staging_use.get(msg.slot)
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []  # not a read this router has in flight
+        if self.read_gate is not None:
+            self.read_gate.done(time.perf_counter(), msg.nbytes)
         g, slot = use[0], use[1]
         if not self.tables[g].loaded(slot, (msg.layer, msg.expert), msg.generation):
             return self._free_staging(msg.slot)  # a fill that was superseded; nothing waits for it
@@ -268,6 +282,8 @@ class Router:
         use = self.staging_use.get(msg.slot)
         if use is None or use[2:] != (msg.generation, msg.layer, msg.expert):
             return []
+        if self.read_gate is not None:
+            self.read_gate.done(time.perf_counter(), 0)
         g, slot = use[0], use[1]
         if not self.tables[g].failed(slot, (msg.layer, msg.expert), msg.generation):
             # superseded (a need took over a prefetch's slot): the slot holds another fill now,
@@ -312,13 +328,22 @@ class Router:
             return (layer, key[1]) in self.tables[self.group(layer)].where
         keys = f.plan(resident)
         out = []
+        ahead = self.read_gate.in_flight if self.read_gate is not None else 0
         for i, (row, e) in enumerate(keys):
             layer = rows[row]
             g = self.group(layer)
             table = self.tables[g]
             q = float(self.predictor.q[row, e])
-            slot = None if room <= 0 else table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
-            if slot is None:  # out of room, or the best victim is worth more: the rest, less likely, too
+            if room <= 0:  # the prefetch share of the staging ring is full: the rest wait too
+                f.unissued(keys[i:])
+                break
+            if not f.pays(q, self.predictor.distance(row), ahead):
+                # would not pay for its disk time behind the reads ahead of it: the next key
+                # (less likely, but maybe further ahead, so with more time) is asked in turn
+                f.unissued([(row, e)])
+                continue
+            slot = table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
+            if slot is None:  # the best victim is worth more: the rest, less likely, too
                 f.unissued(keys[i:])
                 break
             t = self.staging_free.pop()
@@ -328,6 +353,9 @@ class Router:
             self.counters.add("reads")
             self.counters.add("prefetch_reads")
             out.append(("loader", M.Read(slot=t, generation=gen, layer=layer, expert=e, prefetch=True)))
+            if self.read_gate is not None:
+                self.read_gate.sent(time.perf_counter())
+            ahead += 1
             room -= 1
         return out
 
@@ -338,6 +366,8 @@ class Router:
         t = self.staging_free.pop()
         self.staging_use[t] = (g, slot, gen, layer, expert)
         self.counters.add("reads")
+        if self.read_gate is not None:
+            self.read_gate.sent(time.perf_counter())
         return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert))]
 
     def _free_staging(self, t: int) -> list[tuple[str, object]]:
@@ -354,6 +384,8 @@ class Router:
 
     def _reply(self) -> M.Slots:
         p = self.pending
+        if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
+            self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0
         if p["hits"] < len(p["slots"]):
             wait = time.perf_counter() - p["t0"]
@@ -433,14 +465,17 @@ def drive_need(router: Router, req: int, layer: int, experts: list[int], read, f
 def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
     """The router's `prefetch` from the config's cache section: cache.prefetch true, false or
     "auto" (on with the predictive policy when the resident slots cannot hold every expert: with
-    room for all, preload reads them and there is nothing to predict), and cache.prefetch_threshold."""
+    room for all, preload reads them and there is nothing to predict), cache.prefetch_threshold,
+    prefetch_depth and prefetch_gate."""
     on = cache.get("prefetch", False)
     if on == "auto":
         on = cache.get("policy") == "predictive" and n_slots < n_keys
     if not on:
         return False
     return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"]),
-            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"]))}
+            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"])),
+            "gate": bool(cache.get("prefetch_gate", PREFETCH_DEFAULTS["gate"])),
+            "bandwidth": True}  # the runtime's router has a clock (in-process replay has none)
 
 
 def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
