@@ -336,3 +336,21 @@ def test_hits_first_gives_the_same_logits_as_waiting_for_every_expert(tiny_store
     assert out[True][1] > 0 and not out[False][1]
     for a, b in zip(out[True][0], out[False][0]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fills_through_mlx_are_evaluated_where_no_graph_reads_the_pools(tiny_stores):
+    """Fills written through MLX (a GPU backend) are left to the next graph that reads the pools;
+    where none comes (the stand-in, a preload) `settle_writes` evaluates them, or every pending
+    write would keep its record's copy alive."""
+    store = Store(tiny_stores(ARCH))
+    layer = store.moe_layers[0]
+    tier = ResidentTier(store, mx.float32, {store.record(layer, 0).layout: 8}, host_writes=False)
+    records = [_record(store, layer, e) for e in range(8)]
+    nbytes = store.layout(layer)["nbytes"]
+    base = mx.get_active_memory()
+    for i in range(48):
+        tier.fill(layer, i % 8, (i * 3) % 8, records[i % 8])
+        tier.settle_writes()
+    assert tier.pending_writes == 0
+    grew = mx.get_active_memory() - base
+    assert grew < 8 * nbytes, f"{grew} bytes still held after 48 fills of {nbytes}-byte records"

@@ -437,6 +437,7 @@ class SlotExperts(ExpertProvider):
             self.counters.add("preloaded", len(self.tier.missing(layer, experts)))
             self.flush()
             self.source.need(layer, experts, self.apply, prefetch=True)
+            self.tier.settle_writes()
             return True
         return False
 
@@ -448,6 +449,7 @@ class SlotExperts(ExpertProvider):
         reported = False
         for i in range(0, len(experts), cap):
             reported = self.ensure(layer, experts[i:i + cap]) or reported
+            self.tier.settle_writes()  # no graph reads the pools here
         self._note(layer, ids, report=not reported, count=False)
 
     def can_overlap(self) -> bool:

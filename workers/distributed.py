@@ -221,6 +221,7 @@ class ShardedExperts(SlotExperts):
             self.counters.add("preloaded", len(missing))
             self.flush()
             self.source.need(layer, mine, self.apply, prefetch=True)
+            self.tier.settle_writes()
             return True
         return False
 
@@ -240,6 +241,7 @@ class ShardedExperts(SlotExperts):
         reported = False
         for i in range(0, len(experts), cap):
             reported = self.ensure(layer, experts[i:i + cap]) or reported
+            self.tier.settle_writes()  # no graph reads the pools here
         self._note(layer, ids, report=False, count=False)
         if not reported and own.size:
             self.unreported.append((self.pass_no, layer, own, False))

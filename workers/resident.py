@@ -116,6 +116,7 @@ class ResidentTier:
         self.fills = 0
         self.fill_bytes = 0
         self.fill_s = 0.0
+        self.pending_writes = 0  # fills written through MLX that no graph has evaluated yet
 
     def _dtype(self, t: dict):
         return mx.uint32 if t["dtype"] == "uint32" else self.dtype
@@ -213,6 +214,7 @@ class ResidentTier:
             if a.dtype != pools[t["name"]].dtype:
                 a = a.astype(pools[t["name"]].dtype)
             pools[t["name"]][slot] = a  # MLX reuses the pool's buffer: no pending reader holds it
+            self.pending_writes += 1
         self.held[g][slot] = (layer, expert)
         self.slot_of[layer][expert] = slot
         self.count[layer] += 1
@@ -221,6 +223,15 @@ class ResidentTier:
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
         self.fill_s += time.perf_counter() - t0
+
+    def settle_writes(self) -> None:
+        """Evaluates the fills written through MLX where no graph will read the pools soon (the
+        stand-in computes nothing; a preload fills many layers while idle): otherwise each write
+        stays pending, holding its record's copy, and they pile up (the stand-in's compute was
+        killed by the memory cap). One evaluation per need, not per fill."""
+        if self.pending_writes:
+            mx.eval([a for pools in self.pools.values() for a in pools.values()])
+            self.pending_writes = 0
 
     def drop(self, layer: int, slot: int) -> None:
         """Forgets what slot `slot` of the layer's group holds (evicted, or its read failed)."""
