@@ -354,3 +354,13 @@ def test_fills_through_mlx_are_evaluated_where_no_graph_reads_the_pools(tiny_sto
     assert tier.pending_writes == 0
     grew = mx.get_active_memory() - base
     assert grew < 8 * nbytes, f"{grew} bytes still held after 48 fills of {nbytes}-byte records"
+
+
+def test_the_cpu_backend_takes_host_writes():
+    """The probe that turns host writes on: on the MLX CPU backend an array's memory is the
+    host's, so a fill can write it in place (MLX CUDA's managed memory passes it too; measured on
+    the lent H200, not here)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("a GPU backend: the probe's answer is measured on the device")
+    got = resident.probe_host_writes()
+    assert got["host_writes"], got["why"]
