@@ -39,9 +39,10 @@ DELTAFIN_MODES = {
     "deltafin-no-hits-first": [],  # the default with a layer waiting for all its experts before any compute
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
-# sync-lru keeps one whole-record read per thread, as before chunked reads.
+# sync-lru keeps one whole-record read per thread (as before chunked reads), a layer waiting for all
+# its experts (before hits first) and fills through MLX (before fills in place).
 DELTAFIN_MODE_CONFIG = {
-    "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}},
+    "deltafin-sync-lru": {"loader": {"chunk_bytes": 0}, "compute": {"hits_first": False, "host_fills": False}},
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-mlx-fills": {"compute": {"host_fills": False}},
