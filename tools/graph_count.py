@@ -80,13 +80,16 @@ def mlx_lm_graph(mlx_model: str, prompt: list[int], token: int) -> dict:
     return got
 
 
-def deltafin_graph(store_path: str, prompt: list[int], token: int) -> dict:
-    from deltafin.protocol import messages as M
+@contextmanager
+def resident_compute(store_path: str, max_batch: int = 0):
+    """An in-process compute with every expert of the store resident (preloaded)."""
     from deltafin.runtime.config import load_config
     from deltafin.runtime.store import Store
     from deltafin.workers.compute import Compute, local_router
 
     config = load_config().to_dict()
+    if max_batch:
+        config["compute"]["max_batch"] = max(max_batch, int(config["compute"].get("max_batch", 1)))
     store = Store(store_path)
     source, staging, loader = local_router(store, config, len(store.records))
     try:
@@ -94,11 +97,16 @@ def deltafin_graph(store_path: str, prompt: list[int], token: int) -> dict:
         compute.preload()
         if not compute.experts.tier.all_full():
             raise RuntimeError("not every expert is resident: the count would include misses")
-        with capture_launch(token) as got:
-            compute.generate(M.Generate(id=1, token_ids=prompt, max_tokens=token + 1, stream=False))
-        return got
+        yield compute
     finally:
         loader.close()
+
+
+def deltafin_graph(store_path: str, prompt: list[int], token: int) -> dict:
+    from deltafin.protocol import messages as M
+    with resident_compute(store_path) as compute, capture_launch(token) as got:
+        compute.generate(M.Generate(id=1, token_ids=prompt, max_tokens=token + 1, stream=False))
+    return got
 
 
 def batch_graph(store_path: str, prompts: list[list[int]], token: int = 2) -> dict:
@@ -106,19 +114,7 @@ def batch_graph(store_path: str, prompts: list[list[int]], token: int = 2) -> di
     counts a token: every prompt is prefilled and every sequence has decoded once, then the
     scheduler's `token`-th launch (a step of all rows) is counted."""
     from deltafin.protocol import messages as M
-    from deltafin.runtime.config import load_config
-    from deltafin.runtime.store import Store
-    from deltafin.workers.compute import Compute, local_router
-
-    config = load_config().to_dict()
-    config["compute"]["max_batch"] = max(len(prompts), int(config["compute"].get("max_batch", 1)))
-    store = Store(store_path)
-    source, staging, loader = local_router(store, config, len(store.records))
-    try:
-        compute = Compute(store, config, source, staging, store.max_record_bytes)
-        compute.preload()
-        if not compute.experts.tier.all_full():
-            raise RuntimeError("not every expert is resident: the count would include misses")
+    with resident_compute(store_path, max_batch=len(prompts)) as compute:
         compute.eos_ids = set()  # every row decodes on whatever it samples: the count needs B rows
         sched = compute.scheduler
         seqs = [compute.start(M.Generate(id=i + 1, token_ids=p, max_tokens=token + 8, stream=False))
@@ -135,8 +131,6 @@ def batch_graph(store_path: str, prompts: list[list[int]], token: int = 2) -> di
         if "primitives" not in got:
             raise RuntimeError("fewer launches than --token")
         return {"rows": len(prompts), "total": sum(got["primitives"].values()), **got}
-    finally:
-        loader.close()
 
 
 def batch_counts(store_path: str, prompt: list[int], sizes: list[int], token: int = 2) -> dict:
