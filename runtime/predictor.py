@@ -491,5 +491,11 @@ class Prefetcher:
     def stats(self) -> dict:
         """Per layer distance: the gating precision and the share of steps it was gated off."""
         ds = range(self.min_distance, self.depth + 1)
-        return {"gate": self.gate, **({"reads": self.reads.stats()} if self.reads else {}), **{f"precision_d{d}": round(self.precision(d), 4) for d in ds},
-                **{f"gated_share_d{d}": round(int(self.gated_steps[d]) / max(1, int(self.tried[d])), 4) for d in ds}}
+        out = {"gate": self.gate}
+        if self.reads is not None:
+            out["reads"] = self.reads.stats()
+        for d in ds:
+            out[f"precision_d{d}"] = round(self.precision(d), 4)
+        for d in ds:
+            out[f"gated_share_d{d}"] = round(int(self.gated_steps[d]) / max(1, int(self.tried[d])), 4)
+        return out

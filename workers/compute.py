@@ -388,12 +388,15 @@ class SlotExperts(ExpertProvider):
         start = msg.staging * self.slot_bytes
         t0 = time.perf_counter()
         g = self.tier.group_of[msg.layer]
-        if self._early is not None and self._early[0] == g and (not self.tier.host[g] or msg.slot in self._early[1]):
-            # The hits in flight read this slot (host writes), or hold this group's pools (a
-            # write through MLX would then copy a whole pool): they finish first.
-            mx.eval(self._early[2])
-            self._early = None
-        if self.tier.host[g]:
+        in_place = bool(self.tier.host[g])
+        if self._early is not None and self._early[0] == g:
+            _, slots, hits = self._early
+            # The hits in flight read this slot (a write in place), or hold this group's pools
+            # (a write through MLX would then copy a whole pool): they finish first.
+            if msg.slot in slots or not in_place:
+                mx.eval(hits)
+                self._early = None
+        if in_place:
             self._settle()
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
         dt = time.perf_counter() - t0
