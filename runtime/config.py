@@ -81,6 +81,7 @@ class ComputeConfig:
     kv_tokens: int = 0
     host_fills: bool = True  # on the CPU backend, fills write the pools' memory with numpy
     hits_first: bool = True  # a layer's resident experts compute while its misses are read
+    stream_misses: bool = True  # with host fills, each miss computes as soon as its fill lands
 
     @property
     def max_inflight(self) -> int:

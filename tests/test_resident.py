@@ -311,7 +311,8 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, 
     if held_by == "pass":
         e._reads_pools(pending)
     else:
-        e._early = (e.tier.group_of[layer], {0}, pending)
+        e._inflight = {"layer": layer, "group": e.tier.group_of[layer], "slots": {0}, "pieces": [pending],
+                       "waiting": set(), "stream": False}
     fill(6)  # slot 0 now holds expert 6
     np.testing.assert_array_equal(np.array(pending), expected)
     assert not np.array_equal(np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)),
@@ -319,21 +320,26 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, 
     loader.close()
 
 
-def test_hits_first_gives_the_same_logits_as_waiting_for_every_expert(tiny_stores):
-    """A layer with hits and misses computes its hits while the misses are read (compute.hits_first):
-    the logits are those of the layer waiting for all its experts, bit for bit, in prefill and in
-    single-token passes."""
+@pytest.mark.parametrize("hits_first,stream", [(True, False), (False, True), (True, True)])
+def test_a_layer_in_pieces_gives_the_same_logits_as_waiting_for_every_expert(tiny_stores, hits_first, stream):
+    """A layer with misses computes in pieces while they are read: its hits first
+    (compute.hits_first), each miss as its fill lands (compute.stream_misses). The logits are
+    those of the layer waiting for all its experts, bit for bit, in prefill and in single-token
+    passes; and the pieces did run (counted)."""
     store = Store(tiny_stores(ARCH))
     n_slots = len(store.records) // 2  # hits and misses in most layers
     out = {}
     for on in (True, False):
         cfg = _config(policy="lru", prefetch=False)
-        cfg["compute"]["hits_first"] = on
+        cfg["compute"]["hits_first"] = hits_first and on
+        cfg["compute"]["stream_misses"] = stream and on
         compute, router, source, loader = _compute(store, n_slots, config=cfg)
         got = [compute.logits(PROMPT)] + [compute.logits([t]) for t in PROMPT[:6]]
-        out[on] = (got, compute.experts.counters.get("hits_first"))
+        c = compute.experts.counters
+        out[on] = (got, c.get("hits_first"), c.get("streamed_misses"))
         loader.close()
-    assert out[True][1] > 0 and not out[False][1]
+    assert bool(out[True][1]) == hits_first and bool(out[True][2]) == stream
+    assert not out[False][1] and not out[False][2]
     for a, b in zip(out[True][0], out[False][0]):
         np.testing.assert_array_equal(a, b)
 

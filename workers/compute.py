@@ -307,7 +307,8 @@ class SlotExperts(ExpertProvider):
         self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
         self.host_fills = True  # compute.host_fills, set by Compute before attach
         self.hits_first = True  # compute.hits_first, set by Compute
-        self._early = None  # (group, slots, output) of hits computing while a need waits
+        self.stream_misses = True  # compute.stream_misses, set by Compute
+        self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
@@ -336,32 +337,63 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hints")
         self.source.hint([[look[0], sorted(set(np.array(look[1]).reshape(-1).tolist()))]])
 
-    def _hits_first(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
-        """A layer with hits and misses: the hits' (token, expert) pairs are launched first
-        (mx.async_eval), so they compute while the misses are read and filled; then the misses'
-        pairs; the two joined in (token, k) order. Each pair's result depends only on its row and
-        expert (as in the chunked path below), so the output is the one-call output, bit for bit.
-        A fill that would overwrite a slot the hits read waits for them (`apply`)."""
+    def _in_pieces(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
+        """A layer with misses, computed in pieces so that compute does not sit idle while they
+        are read: with `hits_first` its resident experts' (token, expert) pairs are launched
+        (mx.async_eval) before the need is sent; with `stream_misses`, where fills write the pools
+        in place, each missing expert's pairs are launched as its fill lands (`apply`), so its
+        compute overlaps the reads of the others; the misses not launched so far run after the
+        need. The pieces are joined in (token, k) order. Each pair's result depends only on its
+        row and expert (as in the chunked path below), so the output is the one-call output, bit
+        for bit. A fill that would overwrite a slot a piece in flight reads waits for them."""
         tier = self.tier
         w, quant = tier.weights(layer), tier.quant(layer)
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
         sorted_rows = ids1.size >= SORT_PAIRS  # decided for the whole layer, as mlx-lm does
         hit = tier.slot_of[layer][ids1] >= 0
-        early_pairs, late_pairs = pairs_of(ids1, hit), pairs_of(ids1, ~hit)
-        early_slots = tier.slots(layer, ids1[early_pairs])
-        early = run_pairs(x2, k, early_pairs, early_slots, w, quant, sorted_rows, evaluate=False)
-        mx.async_eval(early)
-        self.counters.add("hits_first")
-        self._early = (tier.group_of[layer], set(early_slots.tolist()), early)
+        g = tier.group_of[layer]
+        fly = self._inflight = {"layer": layer, "group": g, "slots": set(), "pieces": [], "orders": [],
+                                "waiting": set(tier.missing(layer, experts)), "x2": x2, "k": k,
+                                "ids1": ids1, "sorted": sorted_rows,
+                                "stream": self.stream_misses and bool(tier.host[g])}
+        hits_run = self.hits_first and hit.any()
+        if hits_run:
+            self._launch(fly, pairs_of(ids1, hit))
+            self.counters.add("hits_first")
         try:
             reported = self.ensure(layer, experts)
         finally:
-            self._early = None
-        late = run_pairs(x2, k, late_pairs, tier.slots(layer, ids1[late_pairs]), w, quant, sorted_rows,
-                         evaluate=False)
+            self._inflight = None
+        late = np.isin(ids1, list(fly["waiting"]))  # misses no landing fill launched
+        if not hits_run:
+            late |= hit
+        if late.any():
+            self._launch(fly, pairs_of(ids1, late), run=False)
         self._note(layer, flat, report=not reported, count=False)
-        return self._reads_pools(in_token_order([early, late], [early_pairs, late_pairs], lead, k, d))
+        return self._reads_pools(in_token_order(fly["pieces"], fly["orders"], lead, k, d))
+
+    def _launch(self, fly: dict, pairs: np.ndarray, run: bool = True) -> None:
+        """One piece of a layer in pieces: the pairs' SwiGLU on their slots, launched at once
+        (run) or left in the layer's graph."""
+        tier, layer = self.tier, fly["layer"]
+        slots = tier.slots(layer, fly["ids1"][pairs])
+        piece = run_pairs(fly["x2"], fly["k"], pairs, slots, tier.weights(layer), tier.quant(layer),
+                          fly["sorted"], evaluate=False)
+        if run:
+            mx.async_eval(piece)
+            fly["slots"].update(slots.tolist())
+        fly["pieces"].append(piece)
+        fly["orders"].append(pairs)
+
+    def _landed(self, layer: int, expert: int) -> None:
+        """A fill landed: if it is a miss of the layer in pieces, its pairs start computing."""
+        fly = self._inflight
+        if fly is None or layer != fly["layer"] or expert not in fly["waiting"] or not fly["stream"]:
+            return
+        fly["waiting"].discard(expert)
+        self._launch(fly, pairs_of(fly["ids1"], fly["ids1"] == expert))
+        self.counters.add("streamed_misses")
 
     def _reads_pools(self, y):
         """y reads the pools lazily: kept as its pass's latest such output (it depends on every
@@ -389,16 +421,17 @@ class SlotExperts(ExpertProvider):
         t0 = time.perf_counter()
         g = self.tier.group_of[msg.layer]
         in_place = bool(self.tier.host[g])
-        if self._early is not None and self._early[0] == g:
-            _, slots, hits = self._early
-            # The hits in flight read this slot (a write in place), or hold this group's pools
-            # (a write through MLX would then copy a whole pool): they finish first.
-            if msg.slot in slots or not in_place:
-                mx.eval(hits)
-                self._early = None
+        fly = self._inflight
+        if fly is not None and fly["group"] == g and fly["slots"]:
+            # Pieces in flight read this slot (a write in place), or hold this group's pools (a
+            # write through MLX would then copy a whole pool): they finish first.
+            if msg.slot in fly["slots"] or not in_place:
+                mx.eval(fly["pieces"])
+                fly["slots"].clear()
         if in_place:
             self._settle()
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
+        self._landed(msg.layer, msg.expert)
         dt = time.perf_counter() - t0
         self.prepare.add(dt)
         self.t_prepare += dt
@@ -500,8 +533,10 @@ class SlotExperts(ExpertProvider):
         experts = np.unique(flat).tolist()
         cap = tier.n_slots[tier.group_of[layer]]
         if len(experts) <= cap:
-            if self.hits_first and 0 < len(tier.missing(layer, experts)) < len(experts):
-                return self._hits_first(layer, x, inds, flat, experts)
+            missing = len(tier.missing(layer, experts))
+            if missing and ((self.hits_first and missing < len(experts)) or
+                            (self.stream_misses and tier.host[tier.group_of[layer]])):
+                return self._in_pieces(layer, x, inds, flat, experts)
             reported = self.ensure(layer, experts)
             self._note(layer, flat, report=not reported, count=False)
             slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
@@ -980,6 +1015,7 @@ class Compute:
         if isinstance(self.experts, SlotExperts):
             self.experts.host_fills = bool(cc.get("host_fills", True))
             self.experts.hits_first = bool(cc.get("hits_first", True))
+            self.experts.stream_misses = bool(cc.get("stream_misses", True))
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source
