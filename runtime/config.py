@@ -82,6 +82,7 @@ class ComputeConfig:
     host_fills: bool = True  # on the CPU backend, fills write the pools' memory with numpy
     hits_first: bool = True  # a layer's resident experts compute while its misses are read
     stream_misses: bool = True  # with host fills, each miss computes as soon as its fill lands
+    pool_placement: str = "auto"  # MLX CUDA: resident pools in host memory where experts stream
 
     @property
     def max_inflight(self) -> int:

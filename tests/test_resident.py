@@ -370,3 +370,44 @@ def test_the_cpu_backend_takes_host_writes():
         pytest.skip("a GPU backend: the probe's answer is measured on the device")
     got = resident.probe_host_writes()
     assert got["host_writes"], got["why"]
+
+
+def _is_cuda() -> bool:
+    return mx.default_device() == mx.gpu and not resident.is_metal()
+
+
+def test_pools_are_placed_in_host_memory_only_where_mlx_cuda_streams_experts(tiny_stores):
+    """compute.pool_placement "auto": a tier with fewer slots than the model's experts asks for
+    host placement (MLX CUDA: its managed pools advised to live in host memory); one holding
+    every expert does not; elsewhere there is nothing to place and the tier says why."""
+    store = Store(tiny_stores(ARCH))
+    n_keys = len(store.records)
+    for n_slots, asked in ((n_keys // 2, True), (n_keys, False)):
+        compute, router, source, loader = _compute(store, n_slots)
+        placement = compute.stats()["expert_tier"]["placement"]
+        loader.close()
+        if not asked:
+            assert placement == {"placed": False, "why": "not asked"}
+        elif _is_cuda():
+            assert placement["placed"], placement["why"]
+        else:
+            assert not placement["placed"] and "not MLX CUDA" in placement["why"]
+
+
+def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
+    """MLX CUDA only: a tier placed in host memory takes host writes the device sees, and the
+    experts computed from it equal those from a tier left in device memory."""
+    if not _is_cuda():
+        pytest.skip("MLX CUDA only: other backends have no placement to choose")
+    store = bf16_store
+    layer = store.moe_layers[0]
+    g = store.record(layer, 0).layout
+    tiers = [ResidentTier(store, mx.float32, {g: 4}, host_writes=True, on_host=on) for on in (True, False)]
+    assert tiers[0].placement["placed"], tiers[0].placement["why"]
+    x = mx.array(np.random.default_rng(2).standard_normal((1, store.config["hidden_size"])).astype(np.float32))
+    out = []
+    for tier in tiers:
+        for slot, expert in ((1, 5), (3, 2)):
+            tier.fill(layer, expert, slot, _record(store, layer, expert))
+        out.append(np.array(switch_glu(x, mx.array([[1, 3]], dtype=mx.uint32), tier.weights(layer), tier.quant(layer))))
+    np.testing.assert_array_equal(out[0], out[1])

@@ -38,18 +38,21 @@ DELTAFIN_MODES = {
     "deltafin-mlx-fills": [],  # the default with fills copied through MLX (two copies on the CPU)
     "deltafin-no-hits-first": [],  # the default with a layer waiting for all its experts before any compute
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
+    "deltafin-device-pools": [],  # the default with MLX CUDA's resident pools left in device memory
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread (as before chunked reads), a layer waiting for all
 # its experts (before hits first) and fills through MLX (before fills in place).
 DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0},
-                          "compute": {"hits_first": False, "host_fills": False, "stream_misses": False}},
+                          "compute": {"hits_first": False, "host_fills": False, "stream_misses": False,
+                                      "pool_placement": "device"}},
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-mlx-fills": {"compute": {"host_fills": False}},
     "deltafin-no-hits-first": {"compute": {"hits_first": False}},
     "deltafin-no-stream-misses": {"compute": {"stream_misses": False}},
+    "deltafin-device-pools": {"compute": {"pool_placement": "device"}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 # Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with

@@ -308,15 +308,19 @@ class SlotExperts(ExpertProvider):
         self.host_fills = True  # compute.host_fills, set by Compute before attach
         self.hits_first = True  # compute.hits_first, set by Compute
         self.stream_misses = True  # compute.stream_misses, set by Compute
+        self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
         self.staging, self.slot_bytes = staging_buf, slot_bytes
-        self.tier = ResidentTier(self.store, self.dtype, resident,
-                                 host_writes=None if self.host_fills else False)
         n_keys = self.store.n_experts * len(self.store.moe_layers)
+        # Pools in host memory where experts stream (fewer slots than experts) and unless told
+        # otherwise: a tier holding every expert is read faster from device memory.
+        on_host = self.pool_placement == "host" or (self.pool_placement == "auto" and sum(resident.values()) < n_keys)
+        self.tier = ResidentTier(self.store, self.dtype, resident,
+                                 host_writes=None if self.host_fills else False, on_host=on_host)
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
 
@@ -1016,6 +1020,9 @@ class Compute:
             self.experts.host_fills = bool(cc.get("host_fills", True))
             self.experts.hits_first = bool(cc.get("hits_first", True))
             self.experts.stream_misses = bool(cc.get("stream_misses", True))
+            self.experts.pool_placement = str(cc.get("pool_placement", "auto"))
+            if self.experts.pool_placement not in ("auto", "host", "device"):
+                raise ValueError(f"compute.pool_placement = {self.experts.pool_placement!r}: use auto, host or device")
         if isinstance(self.experts, SlotExperts) and hasattr(source, "resident_slots"):
             self.experts.attach(pool_buf, slot_bytes, source.resident_slots(store))
         self.source = source
@@ -1222,7 +1229,7 @@ class Compute:
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": {**self.expert_tier,
                                 **({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
-                                    "fills": tier.fills} if tier else {})},
+                                    "fills": tier.fills, "placement": tier.placement} if tier else {})},
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
                 "batch": self.scheduler.stats(), "bench_mode": self.bench_mode}
 
