@@ -128,6 +128,22 @@ def _loader_bytes(client: Client, want: int | None = None, timeout_s: float = 60
         time.sleep(0.1)
 
 
+def _settled_loader_bytes(client: Client, quiet_s: float = 1.5, timeout_s: float = 60.0) -> int:
+    """Bytes the tree's loader read, once the figure has not changed for quiet_s: a rank that
+    did not serve the request itself answers stats from its latest published snapshot, which
+    can lag its last reads (more so on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = _loader_bytes(client), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        got = _loader_bytes(client)
+        if got != last:
+            last, since = got, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
 # -- the share, no processes ---------------------------------------------------------------------------
 def test_share_modulo_and_balanced(tiny_stores):
     from deltafin.workers.distributed import ExpertShare
@@ -222,7 +238,7 @@ def test_each_rank_reads_its_share(tiny_stores, tmp_path):
     with _single(store, no_preload) as (ep, _):
         with Client(ep, timeout=60) as c:
             c.generate(PROMPT, max_tokens=8)
-            one_demand = _loader_bytes(c)
+            one_demand = _settled_loader_bytes(c)
     with ranks(store, tmp_path, 2) as rs:
         per_rank = []
         for ep, _, _ in rs:
@@ -237,7 +253,7 @@ def test_each_rank_reads_its_share(tiny_stores, tmp_path):
         for ep, _, _ in rs:
             with Client(ep, timeout=60) as c:
                 s = c.stats()
-                demand.append(_loader_bytes(c))
+                demand.append(_settled_loader_bytes(c))
                 # the router's tables only ever held this rank's experts (e % 2 == rank)
                 assert s["workers"]["compute"]["distributed"]["rank"] == len(demand) - 1
     assert sum(demand) == one_demand
