@@ -351,7 +351,6 @@ class SlotExperts(ExpertProvider):
         row and expert (as in the chunked path below), so the output is the one-call output, bit
         for bit. A fill that would overwrite a slot a piece in flight reads waits for them."""
         tier = self.tier
-        w, quant = tier.weights(layer), tier.quant(layer)
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
         sorted_rows = ids1.size >= SORT_PAIRS  # decided for the whole layer, as mlx-lm does
