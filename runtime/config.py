@@ -83,6 +83,7 @@ class ComputeConfig:
     hits_first: bool = True  # a layer's resident experts compute while its misses are read
     stream_misses: bool = True  # with host fills, each miss computes as soon as its fill lands
     pool_placement: str = "auto"  # MLX CUDA: resident pools in host memory where experts stream
+    early_fills: bool = True  # prefetch fills that landed are applied before a layer asks
 
     @property
     def max_inflight(self) -> int:

@@ -378,7 +378,9 @@ def test_prefetch_config_keys():
 def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_path):
     """Real supervisor, router, loader and compute on a small pool (2 of 6 layers' worth of
     slots, 6 staging slots): LRU and the predictive policy without prefetch, and both with every
-    key of the next layer prefetched (threshold 0), give the same greedy tokens and logits."""
+    key of the next layer prefetched (threshold 0), with the prefetch fills that landed taken
+    before a layer asks (compute.early_fills) or only at its need, give the same greedy tokens
+    and logits."""
     from deltafin.client import Client
     from deltafin.tools import convert
     from deltafin.tools.run import running_supervisor
@@ -391,10 +393,12 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
     for name, cache in (("lru", {"policy": "lru", "prefetch": False}),
                         ("predictive", {"policy": "predictive", "prefetch": False}),
                         ("predictive+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
-                        ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0})):
+                        ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0}),
+                        ("late+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0})):
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
-                                              {"max_slots": 32, "staging_slots": 6, **cache}.items()))
+                                              {"max_slots": 32, "staging_slots": 6, **cache}.items())
+                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n")
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
@@ -404,13 +408,16 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                 hints = stats["compute"]["messages"].get("hint", 0)
                 assert (hints > 0) == name.endswith("prefetch"), (name, hints)
                 assert (stats["router"].get("hinted", 0) > 0) == name.endswith("prefetch")
+                # prefetch fills that landed while compute was busy are taken before a layer asks
+                early = stats["compute"]["pipeline"]["early_fills"]
+                assert (early > 0) == (name.endswith("prefetch") and not name.startswith("late")), (name, early)
     for name, (_, _, s) in runs.items():
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
     assert "prefetch_reads" not in ref_stats and ref_stats.get("evictions", 0) > 0
-    for name in ("predictive", "predictive+prefetch", "lru+prefetch"):
+    for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch"):
         toks, logits, stats = runs[name]
-        assert stats["policy"] == name.split("+")[0]
+        assert stats["policy"] == name.split("+")[0].replace("late", "predictive")
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
         assert stats.get("prefetch_reads", 1) > 0
         if name.endswith("prefetch"):

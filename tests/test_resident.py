@@ -3,6 +3,7 @@ the zero-copy probe, and what a resident expert costs: no copy, no message, no s
 from __future__ import annotations
 
 import mmap
+import time
 from collections import Counter
 
 import mlx.core as mx
@@ -411,3 +412,41 @@ def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
             tier.fill(layer, expert, slot, _record(store, layer, expert))
         out.append(np.array(switch_glu(x, mx.array([[1, 3]], dtype=mx.uint32), tier.weights(layer), tier.quant(layer))))
     np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need():
+    """Between needs compute takes the fills the router sent (prefetch reads that landed) over
+    the real data-plane sockets, answers each `filled`, applies a failed read, and leaves any
+    other message for the next need, which it answers."""
+    import zmq
+    from deltafin.runtime.sockets import make_socket, recv, send
+    from deltafin.workers.compute import RouterClient
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER)
+    router.bind("inproc://poll-test")
+    dealer = make_socket(ctx, zmq.DEALER, identity="compute")
+    dealer.connect("inproc://poll-test")
+    try:
+        send(dealer, M.PeerHello(role="compute"))
+        ident, _ = recv(router, routed=True)
+        client = RouterClient(dealer, timeout_s=5, alive=lambda: True)
+        applied = []
+        assert client.poll(applied.append) == 0  # nothing arrived: no wait
+        send(router, M.Fill(req=0, slot=3, staging=1, layer=2, expert=7, generation=5), to=ident)
+        send(router, M.Slots(req=1, layer=4, slots=[[1, 0, 2]], hits=1, wait_us=0), to=ident)
+        send(router, M.FillFailed(req=0, slot=4, layer=2, expert=8, error="read failed"), to=ident)
+        deadline = time.monotonic() + 5
+        while dealer.poll(0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # all three queued
+        assert client.poll(applied.append) == 1
+        assert [type(m) for m in applied] == [M.Fill, M.FillFailed]
+        _, filled = recv(router, routed=True)
+        assert filled == M.Filled(staging=1, generation=5)
+        granted = client.need(4, [1], applied.append)  # answered by the Slots kept aside
+        assert granted.slots == [(1, 0)] and granted.hits == 1
+        _, need = recv(router, routed=True)
+        assert isinstance(need, M.Need) and need.req == 1
+    finally:
+        dealer.close(0)
+        router.close(0)

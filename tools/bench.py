@@ -39,6 +39,7 @@ DELTAFIN_MODES = {
     "deltafin-no-hits-first": [],  # the default with a layer waiting for all its experts before any compute
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-device-pools": [],  # the default with MLX CUDA's resident pools left in device memory
+    "deltafin-no-early-fills": [],  # the default with landed prefetch fills applied only at a need
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread (as before chunked reads), a layer waiting for all
@@ -46,13 +47,14 @@ DELTAFIN_MODES = {
 DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0},
                           "compute": {"hits_first": False, "host_fills": False, "stream_misses": False,
-                                      "pool_placement": "device"}},
+                                      "pool_placement": "device", "early_fills": False}},
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-mlx-fills": {"compute": {"host_fills": False}},
     "deltafin-no-hits-first": {"compute": {"hits_first": False}},
     "deltafin-no-stream-misses": {"compute": {"stream_misses": False}},
     "deltafin-device-pools": {"compute": {"pool_placement": "device"}},
+    "deltafin-no-early-fills": {"compute": {"early_fills": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 # Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with

@@ -115,6 +115,10 @@ class LocalExpertSource:
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
+    def poll(self, apply) -> int:
+        """In-process every fill is applied inside its need: nothing ever waits."""
+        return 0
+
     def used(self, uses: list) -> None:
         self.messages.add("used")
         self.router.used(uses)
@@ -134,6 +138,30 @@ class RouterClient:
     def __init__(self, sock, timeout_s: float, alive):
         self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
         self.messages = Counter()
+        self.stash: deque = deque()  # messages `poll` read that only a need handles
+
+    def _fill(self, msg, apply) -> None:
+        from deltafin.runtime.sockets import send
+        apply(msg)
+        send(self.sock, M.Filled(staging=msg.staging, generation=msg.generation))
+        self.messages.add("filled")
+
+    def poll(self, apply) -> int:
+        """Applies, without waiting, the fills that arrived since the last need (prefetch reads
+        that landed while compute was busy), so a layer counts them resident before it decides
+        what to ask; returns how many. Anything else is kept for the next need."""
+        from deltafin.runtime.sockets import recv
+        n = 0
+        while self.sock.poll(0):
+            msg = recv(self.sock)
+            if isinstance(msg, M.Fill):
+                self._fill(msg, apply)
+                n += 1
+            elif isinstance(msg, M.FillFailed):
+                apply(msg)  # a read no need waits for failed: its slot is empty
+            else:
+                self.stash.append(msg)
+        return n
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
         from deltafin.runtime.sockets import recv, send, wait_readable
@@ -141,15 +169,16 @@ class RouterClient:
         send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, prefetch=prefetch))
         self.messages.add("need")
         while True:
-            try:
-                wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
-            except (TimeoutError, ConnectionError) as e:
-                raise ExpertUnavailable(str(e)) from None
-            msg = recv(self.sock)
+            if self.stash:
+                msg = self.stash.popleft()
+            else:
+                try:
+                    wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
+                except (TimeoutError, ConnectionError) as e:
+                    raise ExpertUnavailable(str(e)) from None
+                msg = recv(self.sock)
             if isinstance(msg, M.Fill):
-                apply(msg)
-                send(self.sock, M.Filled(staging=msg.staging, generation=msg.generation))
-                self.messages.add("filled")
+                self._fill(msg, apply)
             elif isinstance(msg, M.FillFailed):
                 apply(msg)
                 if msg.req == self.req:
@@ -309,6 +338,7 @@ class SlotExperts(ExpertProvider):
         self.hits_first = True  # compute.hits_first, set by Compute
         self.stream_misses = True  # compute.stream_misses, set by Compute
         self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
+        self.take_early_fills = True  # compute.early_fills, set by Compute
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
@@ -415,7 +445,8 @@ class SlotExperts(ExpertProvider):
 
     def apply(self, msg) -> None:
         """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
-        empty now). Only ever called in compute's thread while it waits for a need."""
+        empty now). Only ever called in compute's thread: while it waits for a need, or where a
+        layer takes the fills that landed meanwhile (`take_fills`)."""
         if isinstance(msg, M.FillFailed):
             self.tier.drop(msg.layer, msg.slot)
             return
@@ -439,6 +470,19 @@ class SlotExperts(ExpertProvider):
         self.prepare.add(dt)
         self.t_prepare += dt
         self.counters.add("bytes", nbytes)
+
+    def take_fills(self) -> None:
+        """Applies the prefetch fills that landed while compute was busy (`poll`), before a
+        layer decides what is resident: experts read ahead then count as hits, join the hits
+        computed first, and a layer they complete sends no need at all. Without this they waited
+        in the socket for the layer's need. Called where the layer's input is evaluated (after
+        its gate read-back), so writing the pools in place costs no extra sync."""
+        if self.take_early_fills and hasattr(self.source, "poll"):
+            t0, prep0 = time.perf_counter(), self.t_prepare
+            n = self.source.poll(self.apply)
+            if n:
+                self.counters.add("early_fills", n)
+            self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
 
     def ensure(self, layer: int, experts: list[int]) -> bool:
         """Makes the experts resident together; counts their uses. False when they all were (no
@@ -483,6 +527,7 @@ class SlotExperts(ExpertProvider):
     def fetch(self, layer: int) -> None:
         """The stand-in's MoE layer: the same requests, reads and fills, no expert math."""
         ids = self.routing.choose(layer, None)
+        self.take_fills()
         experts = np.unique(ids).tolist()
         cap = self.tier.n_slots[self.tier.group_of[layer]]
         reported = False
@@ -533,6 +578,7 @@ class SlotExperts(ExpertProvider):
             self._send_hint(ids)  # before the need: the router prefetches after answering it
             self.t_sync += time.perf_counter() - t0
         flat = self._host(ids).reshape(-1, ids.shape[-1])  # the sync: which experts, on the CPU
+        self.take_fills()
         experts = np.unique(flat).tolist()
         cap = tier.n_slots[tier.group_of[layer]]
         if len(experts) <= cap:
@@ -1019,6 +1065,7 @@ class Compute:
             self.experts.host_fills = bool(cc.get("host_fills", True))
             self.experts.hits_first = bool(cc.get("hits_first", True))
             self.experts.stream_misses = bool(cc.get("stream_misses", True))
+            self.experts.take_early_fills = bool(cc.get("early_fills", True))
             self.experts.pool_placement = str(cc.get("pool_placement", "auto"))
             if self.experts.pool_placement not in ("auto", "host", "device"):
                 raise ValueError(f"compute.pool_placement = {self.experts.pool_placement!r}: use auto, host or device")
@@ -1225,6 +1272,9 @@ class Compute:
                 "decode_tok_s": c.get("decode_tokens", 0) / c["decode_s"] if c.get("decode_s") else None,
                 "prefill_tok_s": c.get("prompt_tokens", 0) / c["prefill_s"] if c.get("prefill_s") else None,
                 "prepare_bytes": int(e.counters.get("bytes")),
+                # layers computed in pieces (hits first, misses as they land) and prefetch fills
+                # taken before a layer asked (take_fills)
+                "pipeline": {k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills")},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": {**self.expert_tier,
                                 **({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
