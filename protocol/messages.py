@@ -379,8 +379,11 @@ class Need:
 class Used:
     """compute -> router, no answer: experts compute used from its resident tier without asking,
     [[layer, [expert, ...]], ...] in the order used, so the policy sees every hit. Sent before
-    each `need` and once per forward pass; releases the pins of the previous need."""
+    each `need` and once per forward pass; releases the pins of the previous need. `ahead`: the
+    last layer was completed by prefetch fills compute took early and sent no need, so the
+    router plans its next prefetch now, as it does after answering a need."""
     uses: list
+    ahead: bool = False
 
 
 @message("hint")

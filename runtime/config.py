@@ -83,7 +83,9 @@ class ComputeConfig:
     hits_first: bool = True  # a layer's resident experts compute while its misses are read
     stream_misses: bool = True  # with host fills, each miss computes as soon as its fill lands
     pool_placement: str = "auto"  # MLX CUDA: resident pools in host memory where experts stream
-    early_fills: bool = True  # prefetch fills that landed are applied before a layer asks
+    # prefetch fills that landed are applied before a layer asks ("auto": where compute leaves the
+    # CPU to the reads: a GPU backend, or the stand-in)
+    early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
 
     @property
     def max_inflight(self) -> int:

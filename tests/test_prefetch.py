@@ -398,7 +398,7 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
-                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n")
+                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n")  # on the CPU "auto" is off
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids

@@ -119,7 +119,7 @@ class LocalExpertSource:
         """In-process every fill is applied inside its need: nothing ever waits."""
         return 0
 
-    def used(self, uses: list) -> None:
+    def used(self, uses: list, ahead: bool = False) -> None:
         self.messages.add("used")
         self.router.used(uses)
 
@@ -188,9 +188,9 @@ class RouterClient:
             elif isinstance(msg, M.Slots) and msg.req == self.req:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
 
-    def used(self, uses: list) -> None:
+    def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send
-        send(self.sock, M.Used(uses=uses))
+        send(self.sock, M.Used(uses=uses, ahead=ahead))
         self.messages.add("used")
 
     def hint(self, hints: list) -> None:
@@ -283,8 +283,9 @@ class ExpertProvider:
         if report:
             self.unreported.append((self.pass_no, layer, ids, count))
 
-    def flush(self, upto: int | None = None) -> None:
-        """Tells the router the uses served without asking, in order, up to pass `upto` (all)."""
+    def flush(self, upto: int | None = None, ahead: bool = False) -> None:
+        """Tells the router the uses served without asking, in order, up to pass `upto` (all);
+        ahead: the last of them completed a layer from early fills (the router prefetches)."""
         keep, uses, counted = [], [], 0
         for entry in self.unreported:
             p, layer, ids, count = entry
@@ -303,7 +304,7 @@ class ExpertProvider:
             self.counters.add("hits", counted)
         if uses:
             t0 = time.perf_counter()
-            self.source.used(uses)
+            self.source.used(uses, ahead=True) if ahead else self.source.used(uses)
             self.t_ipc += time.perf_counter() - t0
 
     def _host(self, ids) -> np.ndarray:
@@ -471,18 +472,23 @@ class SlotExperts(ExpertProvider):
         self.t_prepare += dt
         self.counters.add("bytes", nbytes)
 
-    def take_fills(self) -> None:
+    def take_fills(self, layer: int, experts: list[int]) -> bool:
         """Applies the prefetch fills that landed while compute was busy (`poll`), before a
         layer decides what is resident: experts read ahead then count as hits, join the hits
-        computed first, and a layer they complete sends no need at all. Without this they waited
-        in the socket for the layer's need. Called where the layer's input is evaluated (after
-        its gate read-back), so writing the pools in place costs no extra sync."""
-        if self.take_early_fills and hasattr(self.source, "poll"):
-            t0, prep0 = time.perf_counter(), self.t_prepare
-            n = self.source.poll(self.apply)
-            if n:
-                self.counters.add("early_fills", n)
-            self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
+        computed first, and a layer they complete sends no need at all (then its uses go to the
+        router at once, marked `ahead`, so that it prefetches as a need's answer would have made
+        it). Without this they waited in the socket for the layer's need. Called where the
+        layer's input is evaluated (after its gate read-back), so writing the pools in place
+        costs no extra sync. True where the fills taken made some of the layer's experts resident."""
+        if not (self.take_early_fills and hasattr(self.source, "poll")):
+            return False
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        before = len(self.tier.missing(layer, experts))
+        n = self.source.poll(self.apply)
+        if n:
+            self.counters.add("early_fills", n)
+        self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
+        return bool(n) and len(self.tier.missing(layer, experts)) < before
 
     def ensure(self, layer: int, experts: list[int]) -> bool:
         """Makes the experts resident together; counts their uses. False when they all were (no
@@ -527,14 +533,16 @@ class SlotExperts(ExpertProvider):
     def fetch(self, layer: int) -> None:
         """The stand-in's MoE layer: the same requests, reads and fills, no expert math."""
         ids = self.routing.choose(layer, None)
-        self.take_fills()
         experts = np.unique(ids).tolist()
+        early = self.take_fills(layer, experts)
         cap = self.tier.n_slots[self.tier.group_of[layer]]
         reported = False
         for i in range(0, len(experts), cap):
             reported = self.ensure(layer, experts[i:i + cap]) or reported
             self.tier.settle_writes()  # no graph reads the pools here
         self._note(layer, ids, report=not reported, count=False)
+        if early and not reported:
+            self.flush(ahead=True)
 
     def can_overlap(self) -> bool:
         return self.tier is not None and self.tier.all_full() and not self.force_sync
@@ -578,8 +586,8 @@ class SlotExperts(ExpertProvider):
             self._send_hint(ids)  # before the need: the router prefetches after answering it
             self.t_sync += time.perf_counter() - t0
         flat = self._host(ids).reshape(-1, ids.shape[-1])  # the sync: which experts, on the CPU
-        self.take_fills()
         experts = np.unique(flat).tolist()
+        early = self.take_fills(layer, experts)
         cap = tier.n_slots[tier.group_of[layer]]
         if len(experts) <= cap:
             missing = len(tier.missing(layer, experts))
@@ -588,6 +596,8 @@ class SlotExperts(ExpertProvider):
                 return self._in_pieces(layer, x, inds, flat, experts)
             reported = self.ensure(layer, experts)
             self._note(layer, flat, report=not reported, count=False)
+            if early and not missing:
+                self.flush(ahead=True)  # no need will start the router's next prefetch: this does
             slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
             return self._reads_pools(switch_glu(x, mx.array(slots), w, quant))
         # More distinct experts than the layer's resident slots (a long prefill in a small budget):
@@ -1065,7 +1075,11 @@ class Compute:
             self.experts.host_fills = bool(cc.get("host_fills", True))
             self.experts.hits_first = bool(cc.get("hits_first", True))
             self.experts.stream_misses = bool(cc.get("stream_misses", True))
-            self.experts.take_early_fills = bool(cc.get("early_fills", True))
+            early = cc.get("early_fills", "auto")
+            if early not in (True, False, "auto"):
+                raise ValueError(f"compute.early_fills = {early!r}: use true, false or \"auto\"")
+            self.experts.take_early_fills = (
+                (mx.default_device().type == mx.DeviceType.gpu or bool(self.standin)) if early == "auto" else early)
             self.experts.pool_placement = str(cc.get("pool_placement", "auto"))
             if self.experts.pool_placement not in ("auto", "host", "device"):
                 raise ValueError(f"compute.pool_placement = {self.experts.pool_placement!r}: use auto, host or device")

@@ -309,14 +309,20 @@ class Router:
         row = self.layer_row.get(key[0])
         return 0.0 if row is None else float(self.predictor.q[row, key[1]])
 
-    def _prefetch(self) -> list[tuple[str, object]]:
+    def prefetch_ahead(self) -> list[tuple[str, object]]:
+        """compute completed a layer from fills it took early, without a need (`used` with
+        ahead): the prefetch a need's answer would have started, planned now. Without it a run
+        of layers served by prefetch stopped prefetching (the demo's hit rate 58% -> 46%)."""
+        return self._prefetch(ahead=True)
+
+    def _prefetch(self, ahead: bool = False) -> list[tuple[str, object]]:
         """Read orders for what the prefetcher predicts, after a demand need is answered. Only
         into free staging slots, never queued, never while a demand read waits (implied: reads
         queue only while no staging slot is free; checked anyway), and within the prefetch share
         of the staging ring; the victim of a prefetch must be less likely to be
         used than the key read into its slot (`SlotTable.prefetch`'s keep)."""
         f = self.prefetcher
-        if f is None or self.queued or not (self.pending and self.pending["demand"]):
+        if f is None or self.queued or not (ahead or (self.pending and self.pending["demand"])):
             return []
         room = min(self.prefetch_cap - len(self.prefetching), len(self.staging_free))
         if room <= 0:
@@ -524,6 +530,8 @@ def run_router_process(run_dir: str) -> None:
                     out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch)
                 elif isinstance(msg, M.Used):
                     self.router.used(msg.uses)
+                    if msg.ahead:
+                        out = self.router.prefetch_ahead()
                 elif isinstance(msg, M.Hint):
                     self.router.hint((int(layer), int(e)) for layer, experts in msg.hints for e in experts)
                 elif isinstance(msg, M.Release):
