@@ -453,3 +453,25 @@ def test_routing_history_warms_the_predictor_before_the_first_token(tmp_path):
     r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "store"),
                         "--routing-history", str(tmp_path / "h.npz")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "routing_history" in r.stderr and "6 MoE layers" in r.stderr, r.stderr[-500:]
+
+
+def test_a_layer_served_by_early_fills_still_starts_the_next_prefetch():
+    """A layer compute completed from fills it took early sends no need; its `used` marked
+    ahead makes the router plan the prefetch a need's answer would have (Router.prefetch_ahead),
+    where a plain `used` plans none."""
+    from deltafin.workers.router import drive_need
+    ids = _chain_ids(1500, 6, 32)
+    router = Router(16, "predictive", moe_layers=range(6), n_experts=32, prefetch=True, n_staging=16)
+    req = 0
+    for row in ids[:-1]:  # served as the runtime serves them: the predictor and its gate learn
+        for layer, experts in enumerate(row.tolist()):
+            drive_need(router, req, layer, experts, _loaded, lambda fill: None)
+            req += 1
+        router.end_pass()
+    first = ids[-1, 0].tolist()
+    router.used([[0, first]])  # layer 0 served without a need (all resident, as after early fills)
+    plain = [m for _, m in router._prefetch() if isinstance(m, M.Read)]
+    assert plain == []  # no need answered: the old trigger plans nothing
+    reads = [m for _, m in router.prefetch_ahead() if isinstance(m, M.Read)]
+    assert reads and all(r.prefetch for r in reads)
+    assert (1, (first[0] + 1) % 32) in {(r.layer, r.expert) for r in reads}  # the chain's next expert
