@@ -304,7 +304,7 @@ class ExpertProvider:
             self.counters.add("hits", counted)
         if uses:
             t0 = time.perf_counter()
-            self.source.used(uses, ahead=True) if ahead else self.source.used(uses)
+            self.source.used(uses, ahead=ahead)
             self.t_ipc += time.perf_counter() - t0
 
     def _host(self, ids) -> np.ndarray:
@@ -479,16 +479,21 @@ class SlotExperts(ExpertProvider):
         router at once, marked `ahead`, so that it prefetches as a need's answer would have made
         it). Without this they waited in the socket for the layer's need. Called where the
         layer's input is evaluated (after its gate read-back), so writing the pools in place
-        costs no extra sync. True where the fills taken made some of the layer's experts resident."""
+        costs no extra sync. True where a fill taken was one of the layer's experts."""
         if not (self.take_early_fills and hasattr(self.source, "poll")):
             return False
         t0, prep0 = time.perf_counter(), self.t_prepare
-        before = len(self.tier.missing(layer, experts))
-        n = self.source.poll(self.apply)
+        mine = []
+
+        def apply(msg) -> None:
+            self.apply(msg)
+            if isinstance(msg, M.Fill) and msg.layer == layer and msg.expert in experts:
+                mine.append(msg.expert)
+        n = self.source.poll(apply)
         if n:
             self.counters.add("early_fills", n)
         self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
-        return bool(n) and len(self.tier.missing(layer, experts)) < before
+        return bool(mine)
 
     def ensure(self, layer: int, experts: list[int]) -> bool:
         """Makes the experts resident together; counts their uses. False when they all were (no
@@ -663,7 +668,7 @@ class MmapSource:
             m = self.maps[rec.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return memoryview(m)[rec.offset:rec.offset + rec.nbytes]
 
-    def used(self, uses: list) -> None:
+    def used(self, uses: list, ahead: bool = False) -> None:
         pass
 
     def hint(self, hints: list) -> None:

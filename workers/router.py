@@ -313,16 +313,17 @@ class Router:
         """compute completed a layer from fills it took early, without a need (`used` with
         ahead): the prefetch a need's answer would have started, planned now. Without it a run
         of layers served by prefetch stopped prefetching (the demo's hit rate 58% -> 46%)."""
-        return self._prefetch(ahead=True)
+        return self._prefetch(unasked=True)
 
-    def _prefetch(self, ahead: bool = False) -> list[tuple[str, object]]:
-        """Read orders for what the prefetcher predicts, after a demand need is answered. Only
+    def _prefetch(self, unasked: bool = False) -> list[tuple[str, object]]:
+        """Read orders for what the prefetcher predicts, after a demand need is answered (or,
+        unasked, after a layer compute completed without a need: `prefetch_ahead`). Only
         into free staging slots, never queued, never while a demand read waits (implied: reads
         queue only while no staging slot is free; checked anyway), and within the prefetch share
         of the staging ring; the victim of a prefetch must be less likely to be
         used than the key read into its slot (`SlotTable.prefetch`'s keep)."""
         f = self.prefetcher
-        if f is None or self.queued or not (ahead or (self.pending and self.pending["demand"])):
+        if f is None or self.queued or not (unasked or (self.pending and self.pending["demand"])):
             return []
         room = min(self.prefetch_cap - len(self.prefetching), len(self.staging_free))
         if room <= 0:
