@@ -368,11 +368,16 @@ class Need:
     """compute -> router: experts of one layer needed now, some not resident in compute's tier.
     The router pins their resident slots (never victims of this need), has the missing ones read
     and filled, then answers `slots`. Releases the pins of the previous need. `prefetch`: asked
-    ahead of any use (the preload of a tier that holds every expert), so not a use for the policy."""
+    ahead of any use (the preload of a tier that holds every expert), so not a use for the policy.
+    `lease`: a later layer's experts asked ahead (compute's gate lookahead) while an earlier need
+    may still wait: held and read behind the demand reads, answered by its own `slots`, released
+    by the need or `used` of its layer; it releases nothing and is not a use. Best effort: an
+    expert that finds no slot is left out of its answer."""
     req: int
     layer: int
     experts: list
     prefetch: bool = False
+    lease: bool = False
 
 
 @message("used")

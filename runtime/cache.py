@@ -3,7 +3,8 @@
 One global budget: every slot can hold any (layer, expert), so layers compete for the whole pool
 (a fixed per-layer split measured ~30% worse elsewhere, docs/ARCHITECTURE.md).
 
-A slot is free, loading or ready. The slots of the experts being used now are pinned. A policy
+A slot is free, loading or ready. The slots of the experts being used now, and the fills a
+lease asked for until it is released, are pinned (counted per holder). A policy
 sees only the events of the table and chooses victims among the *evictable* slots: ready and
 unpinned. `SlotTable` is the only caller of a policy, so what a policy believes evictable is
 exactly what the table says it is.
@@ -392,12 +393,17 @@ class SlotTable:
         self.generation = [0] * n_slots
         self.state = [SlotState.FREE] * n_slots
         self.free = list(range(n_slots - 1, -1, -1))  # popped from the end: slot 0 first
-        self.pinned: dict[int, None] = {}  # insertion-ordered: released in the order used
+        # slot -> how many holders pin it (a need, leases); insertion-ordered: released in the
+        # order used
+        self.pinned: dict[int, int] = {}
         self.evictions = 0
         # slots filled by `prefetch` and not used yet; how prefetched fills ended: used before
         # their eviction (of which ready when used: a miss avoided), or evicted unused
         self.prefetched: set[int] = set()
         self.prefetches = self.prefetch_used = self.prefetch_hits = self.prefetch_wasted = 0
+        # the same for fills a lease asked for (`prefetch(..., lease=True)`)
+        self.leased: set[int] = set()
+        self.leases = self.lease_used = self.lease_hits = self.lease_wasted = 0
 
     def ready(self, slot: int) -> bool:
         return self.state[slot] is SlotState.READY
@@ -408,7 +414,7 @@ class SlotTable:
         if slot is not None:
             self._prefetch_used(slot)
             self.policy.on_hit(slot, key)
-            self.pinned[slot] = None
+            self._pin(slot)
             return slot, False
         if self.free:
             slot = self.free.pop()
@@ -423,14 +429,43 @@ class SlotTable:
             self.evictions += 1
             self._forget(slot)
         self._fill(slot, key)
-        self.pinned[slot] = None
+        self._pin(slot)
         return slot, True
 
-    def prefetch(self, key: Key, keep=None) -> int | None:
+    def hold(self, key: Key) -> int | None:
+        """Pins key's slot (ready or loading) without a use: a lease holds it. None if key
+        holds no slot."""
+        slot = self.where.get(key)
+        if slot is not None:
+            self.policy.on_hit(slot, key)  # out of the evictable order while pinned
+            self._pin(slot)
+        return slot
+
+    def _pin(self, slot: int) -> None:
+        self.pinned[slot] = self.pinned.get(slot, 0) + 1
+
+    def unpin(self, slots: Iterable[tuple[int, int]]) -> None:
+        """Drops one holder's pins, (slot, generation) as it took them: a slot no one pins any
+        more becomes evictable (when ready). A pin of an earlier fill (the read failed and the
+        slot was filled again since) is not this holder's: left alone."""
+        for slot, gen in slots:
+            n = self.pinned.get(slot)
+            if n is None or self.generation[slot] != gen:
+                continue
+            if n > 1:
+                self.pinned[slot] = n - 1
+                continue
+            del self.pinned[slot]
+            if self.state[slot] is SlotState.READY:
+                self.policy.on_release(slot, self.key[slot])
+
+    def prefetch(self, key: Key, keep=None, lease: bool = False) -> int | None:
         """Starts filling a slot with key ahead of need, unpinned (evictable once loaded): a free
         slot, else the policy's victim unless `keep(victim's key)` says it is worth more than key
         (then it stays and nothing is filled). None when key holds a slot already or no slot is
-        taken. A later use of key counts the prefetch as used; its eviction before that, wasted."""
+        taken. A later use of key counts the prefetch as used; its eviction before that, wasted.
+        lease: asked for by compute ahead of its layer (`Router.lease`): pinned until the lease
+        is released (`unpin`), and counted apart from the router's own prefetch."""
         if key in self.where:
             return None
         if self.free:
@@ -445,8 +480,13 @@ class SlotTable:
             self.evictions += 1
             self._forget(slot)
         self._fill(slot, key)
-        self.prefetched.add(slot)
-        self.prefetches += 1
+        if lease:
+            self._pin(slot)
+            self.leased.add(slot)
+            self.leases += 1
+        else:
+            self.prefetched.add(slot)
+            self.prefetches += 1
         return slot
 
     def _fill(self, slot: int, key: Key) -> None:
@@ -461,6 +501,10 @@ class SlotTable:
             self.prefetched.discard(slot)
             self.prefetch_used += 1
             self.prefetch_hits += self.ready(slot)
+        elif slot in self.leased:
+            self.leased.discard(slot)
+            self.lease_used += 1
+            self.lease_hits += self.ready(slot)
 
     def use(self, key: Key) -> bool:
         """A use of a ready key that needed no acquire (compute found it resident and reported it
@@ -508,6 +552,9 @@ class SlotTable:
         if slot in self.prefetched:
             self.prefetched.discard(slot)
             self.prefetch_wasted += 1
+        elif slot in self.leased:
+            self.leased.discard(slot)
+            self.lease_wasted += 1
         key = self.key[slot]
         self.policy.on_evict(slot, key)
         del self.where[key]

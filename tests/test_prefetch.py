@@ -275,6 +275,66 @@ def test_no_deadlock_with_tiny_staging_and_pool(n_staging, n_slots, policy):
         assert wire.prefetch_reads == 0
 
 
+# -- leases: several requests in flight ----------------------------------------------------------------
+def _sent(out, kind):
+    return [m for to, m in out if isinstance(m, kind)]
+
+
+def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer():
+    """compute asks for layer 1's experts (lease) while layer 0's need still waits: both are
+    read, the lease behind the need's demand reads (loader priority of a prefetch), each answered
+    by its own `slots`; the lease's slots are pinned until layer 1's need, so another layer's
+    need cannot take them; the need of layer 1 finds them resident (lease used, a miss avoided)
+    and releases the rest, which the policy may then evict (lease wasted)."""
+    r = Router(4, "lru", n_staging=8, moe_layers=[0, 1, 2], n_experts=8)
+    need = r.need(1, 0, [0, 1])
+    lease = r.need(2, 1, [2, 3], lease=True)
+    reads = _sent(need, M.Read) + _sent(lease, M.Read)
+    assert [(m.layer, m.expert, m.prefetch) for m in reads] == [(0, 0, False), (0, 1, False),
+                                                                (1, 2, True), (1, 3, True)]
+    assert not _sent(need + lease, M.Slots)                      # two requests in flight
+    answers = [m for read in reads for m in _sent(r.loaded(_loaded(read)), M.Slots)]
+    assert [(m.req, m.layer, m.hits) for m in answers] == [(1, 0, 0), (2, 1, 0)]
+    assert r.stats()["uses"] == 2                                # a lease is not a use
+    # another pass's layer 0 needs three slots: only its own two are free of pins, the lease
+    # of layer 1 (not reached yet) holds the others
+    with pytest.raises(RouterError, match="pinned"):
+        r.need(3, 0, [4, 5, 6])
+    for m in _sent(r.need(4, 0, [0, 1]), M.Read):              # (the failed need released all)
+        r.loaded(_loaded(m))
+    r.need(5, 1, [2, 3], lease=True)                             # held again, both resident
+    out = r.need(6, 0, [4, 5])                                   # victims: layer 0's, not the lease's
+    for m in _sent(out, M.Read):
+        r.loaded(_loaded(m))
+    assert set(r.table.where) == {(0, 4), (0, 5), (1, 2), (1, 3)}
+    answer = _sent(r.need(7, 1, [2]), M.Slots)[0]                # layer 1: the lease is released
+    assert answer.hits == 1
+    s = r.stats()
+    assert (s["lease_reads"], s["lease_used"], s["lease_hits"], s["lease_wasted"]) == (2, 1, 1, 0)
+    r.need(8, 2, [6, 7, 0])                                      # (1, 3), held no more, can go now
+    s = r.stats()
+    assert (1, 3) not in r.table.where and s["lease_wasted"] == 1 and s["lease_precision"] == 0.5
+
+
+def test_a_lease_is_best_effort():
+    """A lease never fails the run: what finds no slot is left out (counted), a lease read that
+    fails drops the lease (the `fill_failed` names it, no error), and the next need reads again."""
+    r = Router(2, "lru", n_staging=4, moe_layers=[0, 1], n_experts=4)
+    for m in _sent(r.need(1, 0, [0, 1]), M.Read):
+        r.loaded(_loaded(m))
+    out = r.need(2, 1, [2], lease=True)                          # both slots pinned by layer 0
+    assert not _sent(out, M.Read) and r.stats()["lease_refused"] == 1
+    assert [m.req for m in _sent(out, M.Slots)] == [2]           # answered at once, empty
+    r.used([(0, [0])])                                           # layer 0 done: its pins go
+    read = _sent(r.need(3, 1, [2], lease=True), M.Read)[0]
+    failed = r.load_failed(M.LoadFailed(slot=read.slot, generation=read.generation, layer=1,
+                                        expert=2, error="bad record"))
+    assert [(m.req, m.expert) for m in _sent(failed, M.FillFailed)] == [(3, 2)]
+    assert not _sent(failed, M.Error) and not r.leases
+    again = _sent(r.need(4, 1, [2]), M.Read)                     # read again, on demand
+    assert [(m.layer, m.expert, m.prefetch) for m in again] == [(1, 2, False)]
+
+
 def test_used_trains_the_predictor_and_release_ends_the_pass():
     router = Router(8, "predictive", moe_layers=[1, 2], n_experts=4)
     router.used([(1, [3]), (2, [0])])  # hits compute served alone (not in the table: stray)

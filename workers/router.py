@@ -56,7 +56,9 @@ class RouterError(RuntimeError):
 class Router:
     """Answers `need` from the slot tables, whose policy chooses the victims.
 
-    `need` pins the slots of one layer's experts until the next `need`, `used` or `release`; pinned
+    `need` pins the slots of one layer's experts until the next `need`, `used` or `release`; a
+    lease (`need` with lease) holds a later layer's experts meanwhile, so several requests can be
+    in flight (compute's gate lookahead asks for layer L+1 while layer L's need waits). Pinned
     and loading slots are never chosen as victims. `n_slots`: resident slots, an int (one group for
     every layer) or {group: n} with `groups` {layer: group}. `policy` is a registered name
     (cache.policy) or, with one group only, a Policy instance (replay gives Belady its future that
@@ -121,7 +123,8 @@ class Router:
         # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
         # compute): the other half is always there for demand reads
         self.prefetch_cap = len(self.staging_free) // 2
-        self.pending: dict | None = None
+        self.pending: dict | None = None  # the need compute waits for (and pins)
+        self.leases: dict[int, dict] = {}  # req -> a lease: experts of a later layer, held
         self.counters = Counter()
         self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
         # Routing history, the raw material of policies and predictors: how often each
@@ -146,8 +149,8 @@ class Router:
     # -- compute's messages -----------------------------------------------------------------------
     def used(self, uses) -> None:
         """Uses compute served from its resident tier, [(layer, experts)] in order: hits for the
-        policy. Releases the pins of the last need."""
-        self.release()
+        policy. Releases the pins of the last need, and the leases of the layers they reach."""
+        self._release_to(max((layer for layer, _ in uses), default=-1))
         for layer, experts in uses:
             table = self.tables[self.group(layer)]
             self._history(layer, experts)
@@ -158,11 +161,15 @@ class Router:
                 else:  # compute thought it resident: its map and this table disagree
                     self.counters.add("stray_uses")
 
-    def need(self, req: int, layer: int, experts: list[int], prefetch: bool = False) -> list[tuple[str, object]]:
+    def need(self, req: int, layer: int, experts: list[int], prefetch: bool = False,
+             lease: bool = False) -> list[tuple[str, object]]:
         """Pins the experts' slots; misses get a victim slot and a read. Returns what to send:
         read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
-        history, no use or hit counted)."""
-        self.release()
+        history, no use or hit counted). lease: see `lease`. Releases the last need's pins and
+        the leases of layers up to this one."""
+        if lease:
+            return self.lease(req, layer, experts)
+        self._release_to(layer)
         now = time.perf_counter()
         if not prefetch:
             self._history(layer, experts)
@@ -212,10 +219,57 @@ class Router:
             return []
         return self._free_staging(msg.staging)
 
+    def lease(self, req: int, layer: int, experts: list[int]) -> list[tuple[str, object]]:
+        """compute's gate lookahead for a later layer, sent while an earlier layer's need may still
+        wait (several requests in flight): the experts are held (pinned) as they are, the
+        missing ones read into slots the policy gives up (never a pinned one) behind the demand
+        reads asked before, then held too; answered by its own `slots` once all are resident.
+        Not a use. Released by the need or `used` of its layer (or a later one), or the pass's
+        end. Best effort: what finds no slot is left out (counted), never an error."""
+        g = self.group(layer)
+        table = self.tables[g]
+        self.counters.add("leases")
+        out, slots, pins, waiting, hits = [], [], [], set(), 0
+        for e in dict.fromkeys(experts):
+            slot = table.hold((layer, e))
+            if slot is None:
+                slot = table.prefetch((layer, e), lease=True)
+                if slot is None:
+                    self.counters.add("lease_refused")
+                    continue
+                out += self._read(g, slot, table.generation[slot], layer, e, prefetch=True)
+            gen = table.generation[slot]
+            pins.append((slot, gen))
+            if table.ready(slot):
+                hits += 1
+            else:
+                waiting.add(slot)
+            slots.append([e, slot, gen])
+        lease = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
+                 "pins": pins, "hits": hits, "t0": time.perf_counter(), "demand": False, "lease": True}
+        if pins:
+            self.leases[req] = lease
+        if not waiting:
+            out.append(("compute", self._reply(lease)))
+        return out
+
     def release(self) -> None:
         for table in self.tables.values():
             table.release()
         self.pending = None
+        self.leases.clear()
+
+    def _release_to(self, layer: int) -> None:
+        """Unpins the last need's slots and the leases of layers up to `layer`; leases of later
+        layers stay held. Without leases, every pin goes (`release`)."""
+        if not self.leases:
+            return self.release()
+        p, self.pending = self.pending, None
+        if p is not None:
+            self.tables[p["group"]].unpin((slot, gen) for _, slot, gen in p["slots"])
+        for req in [r for r, held in self.leases.items() if held["layer"] <= layer]:
+            held = self.leases.pop(req)
+            self.tables[held["group"]].unpin(held["pins"])
 
     def learn_history(self, path: str, max_tokens: int) -> int:
         """Trains the predictor on a routing trace's last max_tokens tokens, one pass per token,
@@ -268,6 +322,11 @@ class Router:
         out = [("compute", M.Fill(req=self.pending["req"] if self.pending else -1, slot=slot,
                                   staging=msg.slot, layer=msg.layer, expert=msg.expert,
                                   generation=msg.generation))]
+        for held in list(self.leases.values()):
+            if held["group"] == g and slot in held["waiting"]:
+                held["waiting"].discard(slot)
+                if not held["waiting"]:
+                    out.append(("compute", self._reply(held)))
         p = self.pending
         if p and p["group"] == g and slot in p["waiting"]:
             p["waiting"].discard(slot)
@@ -293,6 +352,10 @@ class Router:
         req = p["req"] if p and p["group"] == g and slot in p["waiting"] else -1
         if req != -1:
             self.release()
+        for r, held in list(self.leases.items()):  # a lease waiting for it is dropped (no error)
+            if held["group"] == g and slot in held["waiting"]:
+                self.tables[g].unpin(self.leases.pop(r)["pins"])
+                req = r if req == -1 else req
         out = [("compute", M.FillFailed(req=req, slot=slot, layer=msg.layer, expert=msg.expert,
                                         error=msg.error))]
         return out + self._free_staging(msg.slot)
@@ -366,35 +429,38 @@ class Router:
             room -= 1
         return out
 
-    def _read(self, g, slot, gen, layer, expert) -> list[tuple[str, object]]:
+    def _read(self, g, slot, gen, layer, expert, prefetch: bool = False) -> list[tuple[str, object]]:
+        """A read into a staging slot, or queued (in order) until one is free. prefetch: the
+        loader serves every demand read before it (a lease's reads)."""
         if not self.staging_free:
-            self.queued.append((g, slot, gen, layer, expert))
+            self.queued.append((g, slot, gen, layer, expert, prefetch))
             return []
         t = self.staging_free.pop()
         self.staging_use[t] = (g, slot, gen, layer, expert)
         self.counters.add("reads")
         if self.read_gate is not None:
             self.read_gate.sent(time.perf_counter())
-        return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert))]
+        return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert, prefetch=prefetch))]
 
     def _free_staging(self, t: int) -> list[tuple[str, object]]:
         self.staging_use.pop(t, None)
         self.prefetching.discard(t)
         self.staging_free.append(t)
         while self.queued:
-            g, slot, gen, layer, expert = self.queued.popleft()
+            g, slot, gen, layer, expert, prefetch = self.queued.popleft()
             table = self.tables[g]
             # a queued read whose fill was superseded or failed meanwhile is dropped
             if table.key[slot] == (layer, expert) and table.generation[slot] == gen and not table.ready(slot):
-                return self._read(g, slot, gen, layer, expert)
+                return self._read(g, slot, gen, layer, expert, prefetch)
         return []
 
-    def _reply(self) -> M.Slots:
-        p = self.pending
+    def _reply(self, p: dict | None = None) -> M.Slots:
+        """The `slots` answer of the need waiting (or of lease p)."""
+        p = p or self.pending
         if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
             self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0
-        if p["hits"] < len(p["slots"]):
+        if p["hits"] < len(p["slots"]) and not p.get("lease"):  # a lease: nobody waited
             wait = time.perf_counter() - p["t0"]
             self.stall.add(wait)
             wait_us = int(wait * 1e6)
@@ -408,6 +474,8 @@ class Router:
         uses = c.get("uses", 0)
         if self.prefetcher is not None:
             c.update(self.prefetch_stats())
+        if c.get("leases"):
+            c.update(self.lease_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": (c.get("hits", 0) / uses) if uses else None,
@@ -432,6 +500,17 @@ class Router:
                 "prefetch_recall": avoided / (avoided + misses) if avoided + misses else None,
                 "prefetch_gate": self.prefetcher.stats(),
                 "hint_precision": self.predictor.hint_precision() if self.counters.get("hinted") else None}
+
+    def lease_stats(self) -> dict:
+        """Leases (compute's gate lookahead held ahead of its layer): reads they made, of those
+        used before their eviction (and found ready when used: a miss avoided) or evicted
+        unused; lease_precision = used / read."""
+        tables = self.tables.values()
+        read = sum(t.leases for t in tables)
+        used = sum(t.lease_used for t in tables)
+        return {"lease_reads": read, "lease_used": used, "lease_hits": sum(t.lease_hits for t in tables),
+                "lease_wasted": sum(t.lease_wasted for t in tables),
+                "lease_precision": used / read if read else None}
 
     def residency(self) -> list:
         """[[layer, [expert, ...]], ...]: the experts holding a slot (ready or loading), by layer."""
@@ -528,7 +607,7 @@ def run_router_process(run_dir: str) -> None:
                 if isinstance(msg, M.PeerHello):
                     send(self.data, M.PeerHello(role="router"), to=sender)
                 elif isinstance(msg, M.Need):
-                    out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch)
+                    out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
                 elif isinstance(msg, M.Used):
                     self.router.used(msg.uses)
                     if msg.ahead:
