@@ -421,9 +421,11 @@ class SlotTable:
         else:
             slot = self.policy.victim()
             if slot is None:
-                # a prefetch still being read gives its slot up to a need, so prefetch never leaves
-                # a need short of slots; its late `loaded` is then a superseded fill
-                slot = next((s for s in self.prefetched if not self.ready(s) and s not in self.pinned), None)
+                # a prefetch (or a released lease) still being read gives its slot up to a need,
+                # so reading ahead never leaves a need short of slots; its late `loaded` is then a
+                # superseded fill
+                slot = next((s for s in (*self.prefetched, *self.leased)
+                             if not self.ready(s) and s not in self.pinned), None)
                 if slot is None:
                     raise CacheError("every slot is pinned or loading; the pool is too small for one layer")
             self.evictions += 1

@@ -86,6 +86,7 @@ class ComputeConfig:
     # prefetch fills that landed are applied before a layer asks ("auto": where compute leaves the
     # CPU to the reads: a GPU backend, or the stand-in)
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    leases: bool = True  # gate lookahead also asked as a lease (read while the layer before computes)
 
     @property
     def max_inflight(self) -> int:

@@ -200,15 +200,17 @@ class Wire:
         self.unreported: list = []
         self.req = 0
         self.prefetch_reads = 0
+        self.leases = 0
 
     def send(self, out) -> None:
         for to, msg in out:
             if to == "compute":
                 self.inbox.append(msg)
                 continue
-            if msg.slot in self.router.prefetching:
-                self.prefetch_reads += 1
-                assert not self.router.queued, "a prefetch read went out while a demand read waits"
+            if msg.slot in self.router.prefetching:  # a prefetch read, or a lease's
+                g, slot = self.router.staging_use[msg.slot][:2]
+                self.prefetch_reads += slot in self.router.tables[g].prefetched
+                assert not self.router.queued, "a read ahead went out while a demand read waits"
                 assert len(self.router.prefetching) <= self.router.prefetch_cap
             self.flight.append(msg)
 
@@ -224,19 +226,28 @@ class Wire:
             self.view[(msg.layer, msg.expert)] = msg.slot
             self.send(self.router.filled(M.Filled(staging=msg.staging, generation=msg.generation)))
 
-    def layer(self, layer: int, experts: list[int]) -> None:
+    def layer(self, layer: int, experts: list[int], lease: tuple | None = None) -> None:
+        """One layer's experts; `lease`: (a later layer, experts) asked right behind its need."""
+        def ask_lease():
+            if lease is not None:
+                self.req += 1
+                self.leases += 1
+                self.send(self.router.need(self.req, *lease, lease=True))
         if all((layer, e) in self.view for e in experts):
             self.unreported.append((layer, experts))  # served alone, reported later
+            ask_lease()
             return
         if self.unreported:
             self.router.used(self.unreported)
             self.unreported = []
         self.req += 1
-        self.send(self.router.need(self.req, layer, experts))
+        req = self.req
+        self.send(self.router.need(req, layer, experts))
+        ask_lease()
         while True:
             while self.inbox:
                 msg = self.inbox.popleft()
-                if isinstance(msg, M.Slots) and msg.req == self.req:
+                if isinstance(msg, M.Slots) and msg.req == req:
                     for e, slot, _ in msg.slots:
                         assert self.view.get((layer, e)) == slot, "compute's map and the router disagree"
                     return
@@ -246,13 +257,15 @@ class Wire:
             self.loader_step()
 
 
+@pytest.mark.parametrize("leases", [False, True])
 @pytest.mark.parametrize("n_staging, n_slots, policy", [(2, 5, "predictive"), (3, 5, "lru"),
                                                         (4, 5, "predictive"), (1, 5, "predictive")])
-def test_no_deadlock_with_tiny_staging_and_pool(n_staging, n_slots, policy):
+def test_no_deadlock_with_tiny_staging_and_pool(n_staging, n_slots, policy, leases):
     """Chunks of 1-4 tokens (2 to 5 distinct experts a need) over a pool of 5 slots, staging
-    rings of 1-4 slots, every key of the next layer prefetched: every need is answered,
-    consistently, whatever order the reads finish in (a large need takes over the slots of
-    prefetches still being read)."""
+    rings of 1-4 slots, every key of the next layer prefetched, and (leases) the next layer's
+    experts asked as a lease behind each need where they fit in half the pool, as compute does:
+    every need is answered, consistently, whatever order the reads finish in (a large need
+    takes over the slots of prefetches still being read)."""
     rng = np.random.default_rng(n_staging)
     ids = _chain_ids(400, 4, 8)[:, :, 0]
     router = Router(n_slots, policy, n_staging=n_staging, moe_layers=range(4), n_experts=8, prefetch=ALWAYS)
@@ -262,12 +275,15 @@ def test_no_deadlock_with_tiny_staging_and_pool(n_staging, n_slots, policy):
         chunk = ids[t:t + int(rng.integers(1, 5))]
         t += len(chunk)
         for layer in range(4):
-            wire.layer(layer, sorted({int(e) for e in chunk[:, layer]} | {int(chunk[0, layer]) ^ 1}))
+            ahead = sorted({int(e) for e in chunk[:, layer + 1]} | {int(chunk[0, layer + 1]) ^ 2}) if layer < 3 else []
+            wire.layer(layer, sorted({int(e) for e in chunk[:, layer]} | {int(chunk[0, layer]) ^ 1}),
+                       (layer + 1, ahead) if leases and 0 < len(ahead) <= n_slots // 2 else None)
             for _ in range(int(rng.integers(0, 3))):  # reads finish while compute computes
                 wire.loader_step()
         router.end_pass()
     stats = router.stats()
     assert stats["uses"] > 0
+    assert (stats.get("lease_reads", 0) > 50) == leases and wire.leases == stats.get("leases", 0)
     if n_staging >= 2:  # one staging slot: none of it is prefetch's share
         assert wire.prefetch_reads > 100 and stats["prefetch_reads"] == wire.prefetch_reads
         assert stats["prefetch_used"] > 0
@@ -289,11 +305,16 @@ def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer()
     r = Router(4, "lru", n_staging=8, moe_layers=[0, 1, 2], n_experts=8)
     need = r.need(1, 0, [0, 1])
     lease = r.need(2, 1, [2, 3], lease=True)
-    reads = _sent(need, M.Read) + _sent(lease, M.Read)
-    assert [(m.layer, m.expert, m.prefetch) for m in reads] == [(0, 0, False), (0, 1, False),
-                                                                (1, 2, True), (1, 3, True)]
     assert not _sent(need + lease, M.Slots)                      # two requests in flight
-    answers = [m for read in reads for m in _sent(r.loaded(_loaded(read)), M.Slots)]
+    # the lease's reads wait until the need has its reads in, then go as prefetch reads
+    assert not _sent(lease, M.Read)
+    first = _sent(need, M.Read)
+    assert [(m.layer, m.expert, m.prefetch) for m in first] == [(0, 0, False), (0, 1, False)]
+    assert not _sent(r.loaded(_loaded(first[0])), M.Read)
+    out = r.loaded(_loaded(first[1]))
+    then = _sent(out, M.Read)
+    assert [(m.layer, m.expert, m.prefetch) for m in then] == [(1, 2, True), (1, 3, True)]
+    answers = _sent(out, M.Slots) + [m for read in then for m in _sent(r.loaded(_loaded(read)), M.Slots)]
     assert [(m.req, m.layer, m.hits) for m in answers] == [(1, 0, 0), (2, 1, 0)]
     assert r.stats()["uses"] == 2                                # a lease is not a use
     # another pass's layer 0 needs three slots: only its own two are free of pins, the lease
@@ -439,7 +460,8 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
     """Real supervisor, router, loader and compute on a small pool (2 of 6 layers' worth of
     slots, 6 staging slots): LRU and the predictive policy without prefetch, and both with every
     key of the next layer prefetched (threshold 0), with the prefetch fills that landed taken
-    before a layer asks (compute.early_fills) or only at its need, give the same greedy tokens
+    before a layer asks (compute.early_fills) or only at its need, and with the gate lookahead
+    asked as a lease (compute.leases, the default) or only hinted, give the same greedy tokens
     and logits."""
     from deltafin.client import Client
     from deltafin.tools import convert
@@ -454,11 +476,13 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                         ("predictive", {"policy": "predictive", "prefetch": False}),
                         ("predictive+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0}),
-                        ("late+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0})):
+                        ("late+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
+                        ("nolease+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0})):
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
-                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n")  # on the CPU "auto" is off
+                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n"  # on the CPU "auto" is off
+                        + f"leases = {json.dumps(not name.startswith('nolease'))}\n")
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
@@ -471,13 +495,18 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                 # prefetch fills that landed while compute was busy are taken before a layer asks
                 early = stats["compute"]["pipeline"]["early_fills"]
                 assert (early > 0) == (name.endswith("prefetch") and not name.startswith("late")), (name, early)
+                # the lookahead asked as a lease, read behind the layer's need
+                leases = stats["compute"]["pipeline"]["leases"]
+                assert (leases > 0) == (name.endswith("prefetch") and not name.startswith("nolease")), (name, leases)
+                assert (stats["router"].get("leases", 0) > 0) == (leases > 0)
+                assert (stats["router"].get("lease_reads", 0) > 0) == (leases > 0), stats["router"]
     for name, (_, _, s) in runs.items():
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
     assert "prefetch_reads" not in ref_stats and ref_stats.get("evictions", 0) > 0
-    for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch"):
+    for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch", "nolease+prefetch"):
         toks, logits, stats = runs[name]
-        assert stats["policy"] == name.split("+")[0].replace("late", "predictive")
+        assert stats["policy"] == name.split("+")[0].replace("late", "predictive").replace("nolease", "predictive")
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
         assert stats.get("prefetch_reads", 1) > 0
         if name.endswith("prefetch"):

@@ -40,6 +40,7 @@ DELTAFIN_MODES = {
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-device-pools": [],  # the default with MLX CUDA's resident pools left in device memory
     "deltafin-no-early-fills": [],  # the default with landed prefetch fills applied only at a need
+    "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 # sync-lru keeps one whole-record read per thread (as before chunked reads), a layer waiting for all
@@ -47,7 +48,8 @@ DELTAFIN_MODES = {
 DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"loader": {"chunk_bytes": 0},
                           "compute": {"hits_first": False, "host_fills": False, "stream_misses": False,
-                                      "pool_placement": "device", "early_fills": False}},
+                                      "pool_placement": "device", "early_fills": False,
+                                      "leases": False}},
     "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-mlx-fills": {"compute": {"host_fills": False}},
@@ -55,6 +57,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-stream-misses": {"compute": {"stream_misses": False}},
     "deltafin-device-pools": {"compute": {"pool_placement": "device"}},
     "deltafin-no-early-fills": {"compute": {"early_fills": False}},
+    "deltafin-no-leases": {"compute": {"leases": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 # Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with

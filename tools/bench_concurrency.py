@@ -107,8 +107,9 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
             "mean_batch": rows / steps if steps else None,
             # per forward pass (decode steps and prefill chunks) of the level: layers that stopped
             # for a read (need), gate read-backs sent as lookahead hints (one per layer read back
-            # but the last MoE layer, where the router prefetches), expert copies into the tier
-            "per_pass": ({k: (m1.get(k, 0) - m0.get(k, 0)) / passes for k in ("need", "hint", "filled")}
+            # but the last MoE layer, where the router prefetches), the same asked as leases
+            # (compute.leases), expert copies into the tier
+            "per_pass": ({k: (m1.get(k, 0) - m0.get(k, 0)) / passes for k in ("need", "hint", "lease", "filled")}
                          if (passes := steps + _prefill_passes(c0, c1)) else None),
             "ttft_s": statistics.median(f - t_send for f in first if f is not None)}
 

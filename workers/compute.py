@@ -98,7 +98,8 @@ class LocalExpertSource:
             return {groups.pop(): self.router.table.n_slots}
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
+             lease: tuple | None = None) -> Granted:
         from deltafin.workers.router import RouterError, drive_need
         self.req += 1
         self.messages.add("need")
@@ -113,7 +114,19 @@ class LocalExpertSource:
         except RouterError as e:
             raise ExpertUnavailable(str(e), code=e.code) from None
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
+        if lease is not None:
+            self.lease(*lease, apply)
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
+
+    def lease(self, layer: int, experts: list[int], apply) -> None:
+        """In-process a lease's reads land at once (`drive_need`); it stays held in the router."""
+        from deltafin.workers.router import RouterError, drive_need
+        self.req += 1
+        self.messages.add("lease")
+        try:
+            drive_need(self.router, self.req, layer, experts, self.loader.read, apply, lease=True)
+        except RouterError:
+            pass  # best effort: a failed lease read fails nothing; the need reads it again
 
     def poll(self, apply) -> int:
         """In-process every fill is applied inside its need: nothing ever waits."""
@@ -163,11 +176,17 @@ class RouterClient:
                 self.stash.append(msg)
         return n
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
+             lease: tuple | None = None) -> Granted:
+        """Sends the need, then `lease` ((layer, experts) of a later layer) if given, so the
+        router reads the lease behind this need's reads; waits for this need's `slots`."""
         from deltafin.runtime.sockets import recv, send, wait_readable
         self.req += 1
-        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, prefetch=prefetch))
+        req = self.req
+        send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch))
         self.messages.add("need")
+        if lease is not None:
+            self.lease(*lease)
         while True:
             if self.stash:
                 msg = self.stash.popleft()
@@ -181,12 +200,21 @@ class RouterClient:
                 self._fill(msg, apply)
             elif isinstance(msg, M.FillFailed):
                 apply(msg)
-                if msg.req == self.req:
+                if msg.req == req:
                     raise ExpertUnavailable(msg.error, code="expert_read_failed")
             elif isinstance(msg, M.Error):  # the router's own code (budget_too_small)
                 raise ExpertUnavailable(msg.message, code=msg.code)
-            elif isinstance(msg, M.Slots) and msg.req == self.req:
+            elif isinstance(msg, M.Slots) and msg.req == req:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
+            # else a lease's answer: its fills were applied as they came
+
+    def lease(self, layer: int, experts: list[int], apply=None) -> None:
+        """Asks ahead for a later layer's experts (no wait): `need` with lease. Its fills are
+        applied as they arrive, by a need's wait or `poll`."""
+        from deltafin.runtime.sockets import send
+        self.req += 1
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True))
+        self.messages.add("lease")
 
     def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send
@@ -340,6 +368,8 @@ class SlotExperts(ExpertProvider):
         self.stream_misses = True  # compute.stream_misses, set by Compute
         self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
         self.take_early_fills = True  # compute.early_fills, set by Compute
+        self.leases = True  # compute.leases, set by Compute: the lookahead also asked as a lease
+        self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
 
@@ -370,7 +400,14 @@ class SlotExperts(ExpertProvider):
             return
         mx.eval(ids, look[1])
         self.counters.add("hints")
-        self.source.hint([[look[0], sorted(set(np.array(look[1]).reshape(-1).tolist()))]])
+        experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
+        self.source.hint([[look[0], experts]])
+        # The same experts asked as a lease, sent right behind this layer's need (or alone where
+        # it has none): the router reads them while this layer waits and computes. At most half
+        # of the layer's pool, so a lease never leaves the next need short of slots.
+        if self.leases and hasattr(self.source, "lease") and \
+                len(experts) <= self.tier.n_slots[self.tier.group_of[look[0]]] // 2:
+            self._lease = (look[0], experts)
 
     def _in_pieces(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
         """A layer with misses, computed in pieces so that compute does not sit idle while they
@@ -501,12 +538,17 @@ class SlotExperts(ExpertProvider):
         missing = self.tier.missing(layer, experts)
         self.counters.add("uses", len(experts))
         self.counters.add("hits", len(experts) - len(missing))
+        lease, self._lease = self._lease, None  # the next layer's, asked behind this need
+        if lease is not None:
+            self.counters.add("leases")
         if not missing:
+            if lease is not None:
+                self.source.lease(*lease, self.apply)
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         self.flush()  # the router sees the earlier uses first, in order
         t0, prep0 = time.perf_counter(), self.t_prepare
-        granted = self.source.need(layer, experts, self.apply)
+        granted = self.source.need(layer, experts, self.apply, lease=lease)
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)
@@ -606,7 +648,9 @@ class SlotExperts(ExpertProvider):
             slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
             return self._reads_pools(switch_glu(x, mx.array(slots), w, quant))
         # More distinct experts than the layer's resident slots (a long prefill in a small budget):
-        # in chunks, each evaluated before the next chunk's fills overwrite its slots.
+        # in chunks, each evaluated before the next chunk's fills overwrite its slots. No lease
+        # here: it would hold slots the chunks take in turn.
+        self._lease = None
         reported = False
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
@@ -1085,6 +1129,10 @@ class Compute:
                 raise ValueError(f"compute.early_fills = {early!r}: use true, false or \"auto\"")
             self.experts.take_early_fills = (
                 (mx.default_device().type == mx.DeviceType.gpu or bool(self.standin)) if early == "auto" else early)
+            leases = cc.get("leases", True)
+            if leases not in (True, False):
+                raise ValueError(f"compute.leases = {leases!r}: use true or false")
+            self.experts.leases = leases
             self.experts.pool_placement = str(cc.get("pool_placement", "auto"))
             if self.experts.pool_placement not in ("auto", "host", "device"):
                 raise ValueError(f"compute.pool_placement = {self.experts.pool_placement!r}: use auto, host or device")
@@ -1293,7 +1341,7 @@ class Compute:
                 "prepare_bytes": int(e.counters.get("bytes")),
                 # layers computed in pieces (hits first, misses as they land) and prefetch fills
                 # taken before a layer asked (take_fills)
-                "pipeline": {k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills")},
+                "pipeline": {k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases")},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": {**self.expert_tier,
                                 **({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

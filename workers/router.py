@@ -117,7 +117,8 @@ class Router:
         self.staging_free = list(range((n_staging or self.n_slots) - 1, -1, -1))  # slot 0 first
         self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
         self.queued: deque = deque()              # demand reads waiting for a staging slot
-        self.prefetching: set[int] = set()        # staging slots held by prefetch reads
+        self.queued_ahead: deque = deque()        # lease reads waiting (behind every demand read)
+        self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
         # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
         self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
         # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
@@ -198,6 +199,10 @@ class Router:
             slots.append([e, slot, gen])
         for slot, gen, e in fresh:  # the reads go out once every expert has its slot
             out += self._read(g, slot, gen, layer, e)
+        if self.queued_ahead and waiting:  # a lease's read still queued is wanted now: on demand
+            for item in [q for q in self.queued_ahead if q[0] == g and q[1] in waiting]:
+                self.queued_ahead.remove(item)
+                out += self._read(*item)
         if prefetch:
             self.counters.add("prefetched", len(slots) - hits)
         else:
@@ -237,7 +242,7 @@ class Router:
                 if slot is None:
                     self.counters.add("lease_refused")
                     continue
-                out += self._read(g, slot, table.generation[slot], layer, e, prefetch=True)
+                out += self._read(g, slot, table.generation[slot], layer, e, ahead=True)
             gen = table.generation[slot]
             pins.append((slot, gen))
             if table.ready(slot):
@@ -332,6 +337,8 @@ class Router:
             p["waiting"].discard(slot)
             if not p["waiting"]:
                 out.append(("compute", self._reply()))
+                while self.queued_ahead and (more := self._next_queued()):  # leases' reads now
+                    out += more
                 out += self._prefetch()  # the need's own reads are in: now the next layer's
         return out
 
@@ -429,29 +436,46 @@ class Router:
             room -= 1
         return out
 
-    def _read(self, g, slot, gen, layer, expert, prefetch: bool = False) -> list[tuple[str, object]]:
-        """A read into a staging slot, or queued (in order) until one is free. prefetch: the
-        loader serves every demand read before it (a lease's reads)."""
+    def _read(self, g, slot, gen, layer, expert, ahead: bool = False) -> list[tuple[str, object]]:
+        """A read into a staging slot, or queued (in order) until one is free. ahead (a lease's
+        read): it waits until the need compute waits for has all its reads in (so it never
+        shares the disk with them), behind every demand read, here and in the loader (as a
+        prefetch read), and holds at most the prefetch share of the staging ring, with the
+        prefetch reads."""
+        if ahead and (self.queued or len(self.prefetching) >= self.prefetch_cap or
+                      (self.pending is not None and self.pending["waiting"])):
+            self.queued_ahead.append((g, slot, gen, layer, expert))
+            return []
         if not self.staging_free:
-            self.queued.append((g, slot, gen, layer, expert, prefetch))
+            (self.queued_ahead if ahead else self.queued).append((g, slot, gen, layer, expert))
             return []
         t = self.staging_free.pop()
         self.staging_use[t] = (g, slot, gen, layer, expert)
+        if ahead:
+            self.prefetching.add(t)
         self.counters.add("reads")
         if self.read_gate is not None:
             self.read_gate.sent(time.perf_counter())
-        return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert, prefetch=prefetch))]
+        return [("loader", M.Read(slot=t, generation=gen, layer=layer, expert=expert, prefetch=ahead))]
 
     def _free_staging(self, t: int) -> list[tuple[str, object]]:
         self.staging_use.pop(t, None)
         self.prefetching.discard(t)
         self.staging_free.append(t)
-        while self.queued:
-            g, slot, gen, layer, expert, prefetch = self.queued.popleft()
-            table = self.tables[g]
-            # a queued read whose fill was superseded or failed meanwhile is dropped
-            if table.key[slot] == (layer, expert) and table.generation[slot] == gen and not table.ready(slot):
-                return self._read(g, slot, gen, layer, expert, prefetch)
+        return self._next_queued()
+
+    def _next_queued(self) -> list[tuple[str, object]]:
+        """The next queued read into a free staging slot: demand reads first, then a lease's
+        while no need waits for reads (`_read`)."""
+        for queue in (self.queued, self.queued_ahead):
+            if queue is self.queued_ahead and self.pending is not None and self.pending["waiting"]:
+                break
+            while queue and self.staging_free and (queue is self.queued or len(self.prefetching) < self.prefetch_cap):
+                g, slot, gen, layer, expert = queue.popleft()
+                table = self.tables[g]
+                # a queued read whose fill was superseded or failed meanwhile is dropped
+                if table.key[slot] == (layer, expert) and table.generation[slot] == gen and not table.ready(slot):
+                    return self._read(g, slot, gen, layer, expert, queue is self.queued_ahead)
         return []
 
     def _reply(self, p: dict | None = None) -> M.Slots:
@@ -521,11 +545,11 @@ class Router:
 
 
 def drive_need(router: Router, req: int, layer: int, experts: list[int], read, fill,
-               prefetch: bool = False) -> M.Slots:
-    """One need served in-process: read(order) -> Loaded | LoadFailed (the loader), fill(Fill) (compute
-    applies it). Returns the `slots` answer; raises RouterError for a failed read or a need that
-    cannot be met."""
-    todo = deque(router.need(req, layer, experts, prefetch))
+               prefetch: bool = False, lease: bool = False) -> M.Slots:
+    """One need (or lease) served in-process: read(order) -> Loaded | LoadFailed (the loader),
+    fill(Fill) (compute applies it). Returns the `slots` answer; raises RouterError for a failed
+    read or a need that cannot be met."""
+    todo = deque(router.need(req, layer, experts, prefetch, lease))
     reply, failure = None, None
     while todo:
         _, msg = todo.popleft()
