@@ -45,6 +45,15 @@ class Trace:
         """Smallest expert count the ids allow (max id + 1); the model may have more."""
         return int(self.ids.max()) + 1 if self.ids.size else 0
 
+    def head(self, n: int) -> "Trace":
+        """The first n tokens (the requests they reach, the last one cut to fit)."""
+        ends = np.cumsum(self.lengths)
+        keep = int(np.searchsorted(ends, n)) + 1 if n < self.tokens else len(self.lengths)
+        lengths = self.lengths[:keep].copy()
+        if keep and n < self.tokens:
+            lengths[-1] -= int(ends[keep - 1]) - n
+        return Trace(self.ids[:n], lengths, self.names[:keep])
+
     def requests(self):
         """(name, ids of its tokens) per request, in order."""
         start = 0

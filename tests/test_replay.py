@@ -173,6 +173,28 @@ def test_cli_predictive_policy_with_prefetch(tmp_path, capsys):
     assert "needs an online policy" in capsys.readouterr().err
 
 
+def test_cli_tokens_window_and_history(tmp_path):
+    """--tokens N replays the trace's first N tokens (requests cut to fit); --history warms the
+    predictor first, as cache.routing_history does: on a chain (expert at layer l = e0 + l) a
+    history of it lets prefetch work from the first token of a short window."""
+    rng = np.random.default_rng(1)
+    chain = lambda n: ((rng.integers(0, 8, n)[:, None] + np.arange(3)[None, :]) % 8).astype(np.uint8)[:, :, None]
+    save_trace(tmp_path / "c-dev.npz", chain(60), [25, 35], ["a", "b"])
+    save_trace(tmp_path / "c-train.npz", chain(2000), [2000], ["t"])
+    head = load_trace(tmp_path / "c-dev.npz").head(30)
+    assert head.tokens == 30 and head.lengths.tolist() == [25, 5] and head.names.tolist() == ["a", "b"]
+    assert load_trace(tmp_path / "c-dev.npz").head(60).lengths.tolist() == [25, 35]
+    got = {}
+    for name, extra in (("cold", []), ("warm", ["--history", str(tmp_path / "c-train.npz")])):
+        out = tmp_path / f"{name}.json"
+        assert R.main([str(tmp_path / "c-dev.npz"), "--cache-frac", "0.25", "--policy", "predictive",
+                       "--prefetch", "--tokens", "30", "--json", str(out), *extra]) == 0
+        got[name] = json.loads(out.read_text())
+    assert got["cold"]["tokens"] == got["warm"]["tokens"] == 30
+    assert got["warm"]["policy"]["prefetch_reads"] > got["cold"]["policy"]["prefetch_reads"]
+    assert got["warm"]["policy"]["hit_rate"] > got["cold"]["policy"]["hit_rate"] + 0.2
+
+
 @pytest.mark.skipif(not (SHARED_TRACES / "dsv2lite-dev.npz").exists(), reason="shared traces not present")
 def test_dev_trace_matches_the_reference_figures():
     """ANCHORS.md, dev split at 25% of the experts: LRU 0.446, Belady 0.716."""

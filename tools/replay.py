@@ -2,6 +2,7 @@
 
   deltafin-replay TRACE --cache-frac F [--policy P] [--rank probability|recency] [--prefetch]
                   [--prefetch-threshold P] [--prefetch-depth D] [--prefetch-min-precision P]
+                  [--history TRAIN.npz] [--tokens N]
                   [--experts N] [--record-bytes N] [--json OUT] [--splits]
 
 Every (token, MoE layer) of the trace becomes one `need` of that token's top-k experts, in
@@ -82,14 +83,16 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
            record_bytes: int = DSV2_LITE_RECORD_BYTES, per_step: bool = False,
            prefetch: bool | dict = False, n_experts: int | None = None,
            policy_options: dict | None = None, predictor_options: dict | None = None,
-           n_staging: int | None = None) -> dict:
+           n_staging: int | None = None, history: str | None = None) -> dict:
     """Replays the trace through a `Router`; returns the hit rate and read volume.
 
     `policy`: a registered name (an offline one such as "belady" is given the trace's future
     here; "predictive" the router's routing predictor) or a Policy instance. `prefetch`: True or a
     dict of `Prefetcher` options (threshold, depth, min_precision, ...). `policy_options` go to the
     policy (predictive: rank), `predictor_options` to the routing predictor. `n_staging`: the
-    router's staging slots (None: one per resident slot). per_step: also return
+    router's staging slots (None: one per resident slot). `history`: a routing trace the
+    router's predictor learns first (as cache.routing_history does at start; its last 4,096
+    tokens), where there is a predictor. per_step: also return
     "reads_per_step", the demand reads (misses) of every (token, layer) as an int array
     [tokens, layers] (what the forecast prices)."""
     ids = trace_or_ids.ids if isinstance(trace_or_ids, Trace) else np.asarray(trace_or_ids)
@@ -105,6 +108,8 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
     router = Router(n_slots, policy, n_staging=n_staging, moe_layers=range(n_layers),
                     n_experts=n_experts or infer_experts(ids), prefetch=prefetch,
                     policy_options=policy_options, predictor_options=predictor_options)
+    if history and router.predictor is not None:
+        router.learn_history(history, 4096)
 
     def instant_read(r: M.Read) -> M.Loaded:
         return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert,
@@ -155,7 +160,8 @@ def add_recall(with_prefetch: dict, without: dict) -> None:
 
 def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
                   record_bytes: int = DSV2_LITE_RECORD_BYTES, n_experts: int | None = None,
-                  prefetch: bool | dict = False, policy_options: dict | None = None) -> dict:
+                  prefetch: bool | dict = False, policy_options: dict | None = None,
+                  history: str | None = None) -> dict:
     """`policy` on the trace at a cache of `cache_frac` of all experts, with LRU and Belady on the
     same trace and cache size as references (keys "policy", "lru", "belady"). With `prefetch`,
     "policy" is replayed with it and "no_prefetch" without (for prefetch_recall)."""
@@ -166,7 +172,7 @@ def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
 
     def run(name, pf=False):
         return replay(trace, n_slots, name, record_bytes, prefetch=pf, n_experts=n_experts,
-                      policy_options=policy_options if name == policy else None)
+                      policy_options=policy_options if name == policy else None, history=history)
     runs = {"policy": run(policy, prefetch)}
     if prefetch:
         runs["no_prefetch"] = run(policy)
@@ -229,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefetch-min-precision", type=float, default=PREFETCH_DEFAULTS["min_precision"],
                     help="a layer distance whose measured prefetch precision falls under this only "
                          f"probes (default {PREFETCH_DEFAULTS['min_precision']})")
+    ap.add_argument("--history", type=Path, default=None,
+                    help="a routing trace the predictor learns before the replay (its last 4,096 "
+                         "tokens; cache.routing_history in the runtime), e.g. the -train split")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="replay only the trace's first N tokens (e.g. the window a deltafin-bench "
+                         "run processes: prompt + max_tokens - 1)")
     ap.add_argument("--experts", type=int, default=None,
                     help="experts per layer (default: max id + 1, rounded up to a known model's count)")
     ap.add_argument("--record-bytes", type=int, default=DSV2_LITE_RECORD_BYTES,
@@ -253,9 +265,13 @@ def main(argv=None) -> int:
     reports = {}
     try:
         for label, path in paths.items():
+            trace = load_trace(path)
+            if args.tokens:
+                trace = trace.head(args.tokens)
             reports[label] = {"trace": str(path), **replay_report(
-                load_trace(path), args.cache_frac, args.policy, args.record_bytes, args.experts, prefetch,
-                {"rank": args.rank} if args.policy == "predictive" else None)}
+                trace, args.cache_frac, args.policy, args.record_bytes, args.experts, prefetch,
+                {"rank": args.rank} if args.policy == "predictive" else None,
+                str(args.history) if args.history else None)}
     except (TraceError, RouterError) as e:
         print(f"deltafin-replay: {e}", file=sys.stderr)
         return 2

@@ -98,8 +98,7 @@ class LocalExpertSource:
             return {groups.pop(): self.router.table.n_slots}
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
-             lease: tuple | None = None) -> Granted:
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
         from deltafin.workers.router import RouterError, drive_need
         self.req += 1
         self.messages.add("need")
@@ -114,19 +113,11 @@ class LocalExpertSource:
         except RouterError as e:
             raise ExpertUnavailable(str(e), code=e.code) from None
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
-        if lease is not None:
-            self.lease(*lease, apply)
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
-    def lease(self, layer: int, experts: list[int], apply) -> None:
-        """In-process a lease's reads land at once (`drive_need`); it stays held in the router."""
-        from deltafin.workers.router import RouterError, drive_need
-        self.req += 1
-        self.messages.add("lease")
-        try:
-            drive_need(self.router, self.req, layer, experts, self.loader.read, apply, lease=True)
-        except RouterError:
-            pass  # best effort: a failed lease read fails nothing; the need reads it again
+    # No `lease` in-process: its fills would land at once, while the layer that asked has not run
+    # (a victim could be one of its experts, used without a need); over the socket they are
+    # applied only at a later wait, after what the pass built is evaluated.
 
     def poll(self, apply) -> int:
         """In-process every fill is applied inside its need: nothing ever waits."""
@@ -548,7 +539,8 @@ class SlotExperts(ExpertProvider):
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         self.flush()  # the router sees the earlier uses first, in order
         t0, prep0 = time.perf_counter(), self.t_prepare
-        granted = self.source.need(layer, experts, self.apply, lease=lease)
+        granted = (self.source.need(layer, experts, self.apply, lease=lease) if lease is not None
+                   else self.source.need(layer, experts, self.apply))
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)

@@ -227,8 +227,8 @@ class Router:
     def lease(self, req: int, layer: int, experts: list[int]) -> list[tuple[str, object]]:
         """compute's gate lookahead for a later layer, sent while an earlier layer's need may still
         wait (several requests in flight): the experts are held (pinned) as they are, the
-        missing ones read into slots the policy gives up (never a pinned one) behind the demand
-        reads asked before, then held too; answered by its own `slots` once all are resident.
+        missing ones read into slots the policy gives up (never a pinned one, nor one more likely
+        to be used than the key) behind the demand reads asked before, then held too; answered by its own `slots` once all are resident.
         Not a use. Released by the need or `used` of its layer (or a later one), or the pass's
         end. Best effort: what finds no slot is left out (counted), never an error."""
         g = self.group(layer)
@@ -238,7 +238,11 @@ class Router:
         for e in dict.fromkeys(experts):
             slot = table.hold((layer, e))
             if slot is None:
-                slot = table.prefetch((layer, e), lease=True)
+                # as for a prefetch, the victim must be less likely to be used than the key (whose
+                # probability the lookahead's hint has just set)
+                q = self._probability((layer, e)) if self.predictor is not None else None
+                slot = table.prefetch((layer, e), lease=True,
+                                      keep=None if q is None else (lambda k, q=q: self._probability(k) >= q))
                 if slot is None:
                     self.counters.add("lease_refused")
                     continue
