@@ -199,7 +199,7 @@ class RouterClient:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
             # else a lease's answer: its fills were applied as they came
 
-    def lease(self, layer: int, experts: list[int], apply=None) -> None:
+    def lease(self, layer: int, experts: list[int]) -> None:
         """Asks ahead for a later layer's experts (no wait): `need` with lease. Its fills are
         applied as they arrive, by a need's wait or `poll`."""
         from deltafin.runtime.sockets import send
@@ -534,7 +534,7 @@ class SlotExperts(ExpertProvider):
             self.counters.add("leases")
         if not missing:
             if lease is not None:
-                self.source.lease(*lease, self.apply)
+                self.source.lease(*lease)
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         self.flush()  # the router sees the earlier uses first, in order
