@@ -228,9 +228,10 @@ class Router:
         """compute's gate lookahead for a later layer, sent while an earlier layer's need may still
         wait (several requests in flight): the experts are held (pinned) as they are, the
         missing ones read into slots the policy gives up (never a pinned one, nor one more likely
-        to be used than the key) behind the demand reads asked before, then held too; answered by its own `slots` once all are resident.
-        Not a use. Released by the need or `used` of its layer (or a later one), or the pass's
-        end. Best effort: what finds no slot is left out (counted), never an error."""
+        to be used than the key) behind the demand reads asked before, then held too; answered
+        by its own `slots` once all are resident. Not a use. Released by the need or `used` of
+        its layer (or a later one), or the pass's end. Best effort: what finds no slot is left
+        out (counted), never an error."""
         g = self.group(layer)
         table = self.tables[g]
         self.counters.add("leases")
