@@ -8,7 +8,10 @@ runs on the pools inside the lazy graph, with no read-back, no message and no co
 ids come back to the CPU (one sync); experts already resident cost nothing more, and the missing
 ones are asked of the router (`need`), which has them read into staging slots and tells compute
 to copy each into a resident slot (`fill`). The uses compute served alone are reported to the
-router without waiting (`used`), so the cache policy still sees every hit. Each expert's result
+router without waiting (`used`), so the cache policy still sees every hit. Where the router
+prefetches, a layer that reads its gate back also applies the next layer's gate to its input and
+asks for those experts ahead (`need` with lease, sent behind its own need), so two requests are
+in flight while it waits and computes. Each expert's result
 depends only on its own tokens and weights, so the output is the same whatever the memory budget,
 the slot assignment or the order experts arrive in.
 
