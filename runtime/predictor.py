@@ -315,11 +315,7 @@ class ReadGate:
     after (ahead + 1) x read time; its layer comes after distance x the time per layer. If used
     (probability q) it saves its demand read's stall, less what it is late by; it costs the part
     of it that overlaps the next need times the share of needs that wait (unless it is a read of
-    the very next layer and used), and, if not used (1 - q), the rest of its disk time times the
-    share of time the read pipeline is busy (on a saturated disk every wasted read delays a later
-    one; on an idle one it costs nothing). It pays when q x saved >= cost: on a pipeline busy a
-    share u of the time, a read wholly ahead of the next need pays from q = u / (1 + u) (0.47 at
-    u = 0.9). Until reads and gaps are
+    the very next layer and used). It pays when q x saved >= cost. Until reads and gaps are
     measured it says yes (the precision gate alone rules). The router feeds it: `sent`/`done`
     per read, `answered` per demand need answered, `need` per demand need; positions are the
     predictor's rows (MoE layers in order) of `n_layers`.
@@ -332,7 +328,6 @@ class ReadGate:
         self.in_flight = 0
         self.last = None             # time of the last sent/done (busy time runs while in_flight)
         self.busy_s = 0.0            # decayed seconds with a read in flight
-        self.span_s = 0.0            # decayed seconds, busy or not (the same decay): busy share
         self.bytes = 0.0             # decayed bytes read (reported)
         self.reads = 0.0             # decayed reads done
         self.next_s: float | None = None   # running mean time from an answer to the next need
@@ -349,7 +344,6 @@ class ReadGate:
         self._tick(now)
         self.in_flight = max(0, self.in_flight - 1)
         self.busy_s *= self.decay
-        self.span_s *= self.decay
         self.bytes = self.bytes * self.decay + nbytes
         self.reads = self.reads * self.decay + 1.0
 
@@ -383,29 +377,20 @@ class ReadGate:
         saved = min(t, max(0.0, t - max(0.0, finish - distance * self.layer_s)))
         overlap = min(t, max(0.0, finish - self.next_s))
         cost = self.miss_share * overlap * ((1.0 - q) if distance == 1 else 1.0)
-        cost += (1.0 - q) * self.busy_share() * (t - overlap)
         ok = saved > 0 and q * saved >= cost
         self.refused += not ok
         return ok
-
-    def busy_share(self) -> float:
-        """Share of the time (decayed as the reads) with a read in flight."""
-        return min(1.0, self.busy_s / self.span_s) if self.span_s > 0 else 0.0
 
     def stats(self) -> dict:
         t = self.read_s()
         ms = lambda v: round(v * 1e3, 3) if v is not None else None
         return {"mb_per_s": round(self.bytes / self.busy_s / 1e6, 1) if self.busy_s > 0 else None,
                 "read_ms": ms(t), "next_need_ms": ms(self.next_s), "layer_ms": ms(self.layer_s),
-                "miss_share": round(self.miss_share, 4), "busy_share": round(self.busy_share(), 4),
-                "asked": self.asked, "refused": self.refused}
+                "miss_share": round(self.miss_share, 4), "asked": self.asked, "refused": self.refused}
 
     def _tick(self, now: float) -> None:
-        if self.last is not None:
-            dt = max(0.0, now - self.last)
-            self.span_s += dt
-            if self.in_flight > 0:
-                self.busy_s += dt
+        if self.last is not None and self.in_flight > 0:
+            self.busy_s += max(0.0, now - self.last)
         self.last = now
 
 

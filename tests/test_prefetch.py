@@ -139,8 +139,7 @@ def test_demand_reads_go_before_prefetch_reads():
 @pytest.mark.parametrize("gap_s, issued", [(None, 3), (1.0, 3), (0.0045, 1)])
 def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
     """The router's bandwidth gate measures its reads and needs; here its figures are set: 5 ms
-    a read, every need missing, the pipeline busy 5% of the time, and compute's time between
-    needs (one layer) `gap_s`. Unmeasured (None) or
+    a read, every need missing, and compute's time between needs (one layer) `gap_s`. Unmeasured (None) or
     with a long gap all three prefetch reads go (half the staging ring); with 4.5 ms only the
     first: a second would end after its need came and still hold the disk then."""
     router = Router(8, "predictive", n_staging=6, moe_layers=[0, 1], n_experts=8,
@@ -148,7 +147,6 @@ def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
     gate = router.read_gate
     if gap_s is not None:
         gate.busy_s, gate.reads, gate.miss_share = 0.05, 10.0, 1.0
-        gate.span_s = 1.0  # reads in flight 5% of the time: a wasted read costs little
         gate.next_s = gate.layer_s = gap_s
     out = router.need(1, 0, [0, 1])
     assert gate.in_flight == 2 and gate.miss_share > 0.5
