@@ -241,9 +241,7 @@ class Router:
             if slot is None:
                 # as for a prefetch, the victim must be less likely to be used than the key (whose
                 # probability the lookahead's hint has just set)
-                q = self._probability((layer, e)) if self.predictor is not None else None
-                slot = table.prefetch((layer, e), lease=True,
-                                      keep=None if q is None else (lambda k, q=q: self._probability(k) >= q))
+                slot = table.prefetch((layer, e), lease=True, keep=self._worth_more((layer, e)))
                 if slot is None:
                     self.counters.add("lease_refused")
                     continue
@@ -384,6 +382,14 @@ class Router:
         row = self.layer_row.get(key[0])
         return 0.0 if row is None else float(self.predictor.q[row, key[1]])
 
+    def _worth_more(self, key):
+        """The `keep` test of a read ahead of need for key: a victim more likely to be used than
+        key stays. None (no test) without a predictor."""
+        if self.predictor is None:
+            return None
+        q = self._probability(key)
+        return lambda victim: self._probability(victim) >= q
+
     def prefetch_ahead(self) -> list[tuple[str, object]]:
         """compute completed a layer from fills it took early, without a need (`used` with
         ahead): the prefetch a need's answer would have started, planned now. Without it a run
@@ -424,7 +430,7 @@ class Router:
                 # (less likely, but maybe further ahead, so with more time) is asked in turn
                 f.unissued([(row, e)])
                 continue
-            slot = table.prefetch((layer, e), keep=lambda k: self._probability(k) >= q)
+            slot = table.prefetch((layer, e), keep=self._worth_more((layer, e)))
             if slot is None:  # the best victim is worth more: the rest, less likely, too
                 f.unissued(keys[i:])
                 break

@@ -1,12 +1,10 @@
 """Issue 11 probe: a decode step of B rows, every expert resident, attention per sequence (as now)
 against one batch-owned KV array per layer (one scatter of the rows' k/v at their offsets, one
 masked SDPA over the padded rows). ms per step, and the logits' difference on the first step."""
-import sys, time
+import time
 import mlx.core as mx, numpy as np
-from deltafin.runtime.config import Config
-from deltafin.runtime.store import Store
 from deltafin.runtime.models.base import StagedAttention
-from deltafin.workers.compute import Compute, local_router
+from resident_step import prefilled_rows, resident_compute
 
 per_seq_rows = StagedAttention.rows
 CAP = 256
@@ -35,13 +33,8 @@ def batched_rows(self, x, caches, offsets):
         c.offset += 1
     return self.output(out)
 
-store = Store(sys.argv[1])
-cfg = Config().to_dict()
-cfg["compute"]["dtype"] = sys.argv[2] if len(sys.argv) > 2 else "float32"
-src, staging, loader = local_router(store, cfg, n_slots=0)
+c, loader, cfg = resident_compute()
 try:
-    c = Compute(store, cfg, src, staging, store.max_record_bytes)
-    c.preload()
     m, e = c.model, c.experts
     first = {}
     for mode in ("per_seq", "batched"):
@@ -49,11 +42,7 @@ try:
         for B in (1, 2, 4, 8):
             for _, a, _, _ in m.layers:
                 a._bst = None
-            prompts = [[(37 * i + 11 * j) % 3000 + 100 for j in range(16 - i)] for i in range(B)]
-            caches = [m.make_cache() for _ in prompts]
-            for p, cache in zip(prompts, caches):
-                c.forward(p[:-1], cache)
-            toks = mx.array([p[-1] for p in prompts], dtype=mx.int32)
+            caches, toks = prefilled_rows(c, B)
             times = []
             for s in range(14):
                 t0 = time.perf_counter()

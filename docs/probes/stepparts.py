@@ -1,25 +1,14 @@
 """Issue 11 probe: a decode step of B rows with every expert resident, split into the host's graph
 building (forward_batch + argmax + seal) and the wait for its evaluation; ms, median of 10."""
-import sys, time
+import time
 import mlx.core as mx, numpy as np
-from deltafin.runtime.config import Config
-from deltafin.runtime.store import Store
-from deltafin.workers.compute import Compute, local_router
+from resident_step import prefilled_rows, resident_compute
 
-store = Store(sys.argv[1])
-cfg = Config().to_dict()
-cfg["compute"]["dtype"] = sys.argv[2] if len(sys.argv) > 2 else "float32"
-src, staging, loader = local_router(store, cfg, n_slots=0)
+c, loader, cfg = resident_compute()
 try:
-    c = Compute(store, cfg, src, staging, store.max_record_bytes)
-    c.preload()
     m, e = c.model, c.experts
     for B in (1, 2, 4, 8):
-        prompts = [[(37 * i + 11 * j) % 3000 + 100 for j in range(16 - i)] for i in range(B)]
-        caches = [m.make_cache() for _ in prompts]
-        for p, cache in zip(prompts, caches):
-            c.forward(p[:-1], cache)
-        toks = mx.array([p[-1] for p in prompts], dtype=mx.int32)
+        caches, toks = prefilled_rows(c, B)
         build, wait, total = [], [], []
         for s in range(14):
             mx.synchronize()
