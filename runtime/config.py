@@ -87,6 +87,8 @@ class ComputeConfig:
     # CPU to the reads: a GPU backend, or the stand-in)
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
     leases: bool = True  # gate lookahead also asked as a lease (read while the layer before computes)
+    # a resident layer launched at once where a read-back comes later in the pass ("auto": on a GPU)
+    eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
 
     @property
     def max_inflight(self) -> int:
@@ -100,6 +102,8 @@ class CacheConfig:
     max_slots: int = 0
     staging_slots: int = 0
     preload: bool = True
+    # whole layers kept resident apart from the rest (runtime/tiers.py): true, false, "auto"
+    whole_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch_threshold: float = 0.4
     prefetch_depth: int = 3  # layers ahead the prefetcher reads for
@@ -178,6 +182,8 @@ class Config:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
+        if self.cache.whole_layers not in (True, False, "auto"):
+            raise ConfigError(f"cache.whole_layers {self.cache.whole_layers!r}: use true, false or \"auto\"")
         if not 1 <= self.cache.prefetch_depth <= 16:
             raise ConfigError("cache.prefetch_depth must be within 1..16 (layers ahead)")
         if self.cache.history_tokens < 0:

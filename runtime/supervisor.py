@@ -42,7 +42,7 @@ from pathlib import Path
 
 import zmq
 from deltafin.protocol import messages as M
-from deltafin.runtime import archinfo
+from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size, load_config
@@ -333,8 +333,12 @@ class Supervisor:
         if not self.plan.n_slots:
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
+        # The budget counts slots per record layout; the workers get them with whole layers kept
+        # apart where cache.whole_layers asks (runtime/tiers.py), the same split every generation.
+        self.resident = tiers.whole_layers(self.store, self.plan.resident, self.config.cache.whole_layers,
+                                           gpu=bool(self.ready_info.get("compute", {}).get("gpu")))
         attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
-                              slot_bytes=self.plan.slot_bytes, resident=self.plan.resident)
+                              slot_bytes=self.plan.slot_bytes, resident=self.resident)
         for role in ROLES:
             self._to_worker(role, attach)
         self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
@@ -727,6 +731,7 @@ class Supervisor:
                   "tree_bytes": sum((p["pss"] or p["rss"] or 0) for p in procs.values()),
                   "peak_tree_bytes": self.peak_tree_bytes,
                   "n_slots": self.plan.n_slots, "resident": self.plan.resident,
+                  "resident_groups": getattr(self, "resident", None) or self.plan.resident,
                   "resident_bytes": self.plan.resident_bytes,
                   "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
                   "staging_bytes": self.plan.staging,

@@ -8,6 +8,13 @@ record tensor per *group* of layers that share a record layout, [n_slots, ...] (
 A group is a record layout: every MoE layer of a store usually has the same one, so there is one
 group; a store whose layers differ (other shapes or bits) gets one group per layout, and the
 resident slots are split among them in proportion to their expert counts.
+
+Whole layers (`whole_layers`, cache.whole_layers): a layout's slots may be split once more, into a
+group that holds the first layers of the layout whole (named LAYOUT+whole: read in at start, never
+evicted, so those layers never read their routing back) and the layout's own group, which the
+other layers share as before. The budget still counts slots per layout; the split is made where
+the pool is handed to the workers, and every process derives the same layers from the slot counts
+(`layer_groups(store, resident)`).
 """
 from __future__ import annotations
 
@@ -16,8 +23,21 @@ from deltafin.runtime.store import Store, StoreError
 FLOAT_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def layer_groups(store: Store) -> dict[int, str]:
-    """MoE layer -> its group (the layout id its records share)."""
+WHOLE = "+whole"  # suffix of a group of whole layers
+# cache.whole_layers = "auto" keeps whole layers where the slots hold at least this share of a
+# layout's experts: there a dynamic cache's extra hits are few, while each whole layer saves a GPU
+# one gate read-back (a sync) per pass.
+WHOLE_MIN_SHARE = 0.75
+
+
+def layout_of(group: str) -> str:
+    """The record layout of a resident group."""
+    return group[:-len(WHOLE)] if group.endswith(WHOLE) else group
+
+
+def layer_groups(store: Store, resident: dict | None = None) -> dict[int, str]:
+    """MoE layer -> its group: the layout id its records share, or LAYOUT+whole for the first
+    layers of a layout that `resident` (slots per group) keeps whole."""
     groups = {}
     for layer in store.moe_layers:
         ids = {store.record(layer, e).layout for e in range(store.n_experts)}
@@ -25,13 +45,42 @@ def layer_groups(store: Store) -> dict[int, str]:
             raise StoreError(f"layer {layer}: its experts have {len(ids)} record layouts; one layer "
                              f"must share one layout")
         groups[layer] = ids.pop()
+    for g, n in (resident or {}).items():
+        if g.endswith(WHOLE):
+            layers = [layer for layer in store.moe_layers if groups[layer] == layout_of(g)]
+            for layer in layers[:n // store.n_experts]:
+                groups[layer] = g
     return groups
 
 
-def group_sizes(store: Store) -> dict[str, int]:
+def whole_layers(store: Store, resident: dict[str, int], setting, gpu: bool) -> dict[str, int]:
+    """Resident slots per layout -> the same slots with whole layers kept apart (module docstring).
+
+    setting: cache.whole_layers, true, false or "auto" (on a GPU, where a layout's slots hold at
+    least WHOLE_MIN_SHARE of its experts). A layout keeps whole all its layers but one layer's worth
+    of slots (and the remainder), which the other layers share: a layer's union of experts always
+    fits there, so no layer is computed in chunks. Nothing changes where every expert is resident
+    already or not even one layer could be kept whole."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"cache.whole_layers = {setting!r}: use true, false or \"auto\"")
+    if setting is False or (setting == "auto" and not gpu):
+        return dict(resident)
+    sizes, n_exp = group_sizes(store), store.n_experts
+    out = {}
+    for g, n in resident.items():
+        whole = n // n_exp - 1
+        if g.endswith(WHOLE) or n >= sizes[g] or whole < 1 or (setting == "auto" and n < WHOLE_MIN_SHARE * sizes[g]):
+            out[g] = n
+            continue
+        out[g + WHOLE] = whole * n_exp
+        out[g] = n - whole * n_exp
+    return out
+
+
+def group_sizes(store: Store, resident: dict | None = None) -> dict[str, int]:
     """group -> how many experts (layer x expert) it has."""
     sizes: dict[str, int] = {}
-    for g in layer_groups(store).values():
+    for g in layer_groups(store, resident).values():
         sizes[g] = sizes.get(g, 0) + store.n_experts
     return sizes
 

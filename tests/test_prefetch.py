@@ -461,8 +461,9 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
     slots, 6 staging slots): LRU and the predictive policy without prefetch, and both with every
     key of the next layer prefetched (threshold 0), with the prefetch fills that landed taken
     before a layer asks (compute.early_fills) or only at its need, and with the gate lookahead
-    asked as a lease (compute.leases, the default) or only hinted, give the same greedy tokens
-    and logits."""
+    asked as a lease (compute.leases, the default) or only hinted, and with the first layer kept
+    whole in a slot group of its own (cache.whole_layers), give the same greedy tokens and
+    logits."""
     from deltafin.client import Client
     from deltafin.tools import convert
     from deltafin.tools.run import running_supervisor
@@ -477,7 +478,9 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                         ("predictive+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("late+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
-                        ("nolease+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0})):
+                        ("nolease+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
+                        ("whole+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0,
+                                            "whole_layers": True})):
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
@@ -486,7 +489,11 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
-                stats = c.stats()["workers"]
+                full = c.stats()
+                stats = full["workers"]
+                # whole layers: the first layer's 16 experts in a group of their own (32 slots)
+                groups = full["memory"]["resident_groups"]
+                assert (sorted(groups.values()) == [16, 16]) == name.startswith("whole"), (name, groups)
                 runs[name] = (toks, c.logits(prompt + toks), stats["router"])
                 # gate lookahead: compute hints the next layer where the router prefetches
                 hints = stats["compute"]["messages"].get("hint", 0)
@@ -504,9 +511,11 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
     assert "prefetch_reads" not in ref_stats and ref_stats.get("evictions", 0) > 0
-    for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch", "nolease+prefetch"):
+    for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch", "nolease+prefetch",
+                 "whole+prefetch"):
         toks, logits, stats = runs[name]
-        assert stats["policy"] == name.split("+")[0].replace("late", "predictive").replace("nolease", "predictive")
+        assert stats["policy"] == name.split("+")[0].replace("late", "predictive").replace(
+            "nolease", "predictive").replace("whole", "predictive")
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
         assert stats.get("prefetch_reads", 1) > 0
         if name.endswith("prefetch"):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deltafin.client import Client
 from deltafin.protocol import messages as M
+from deltafin.runtime import tiers
 from deltafin.runtime.config import parse_size
 from deltafin.runtime.store import Store
 
@@ -187,11 +188,16 @@ def main(argv=None) -> int:
         with running_supervisor(a.store, str(budget), extra, timeout=a.timeout) as (ep, _):
             with Client(ep, timeout=a.timeout) as c:
                 deadline = time.monotonic() + a.timeout
-                while n_slots >= len(store.records) and time.monotonic() < deadline:
-                    # a slot for every expert: the runtime reads them all in first (cache.preload)
-                    if _compute(c)["expert_tier"].get("fills", 0) >= len(store.records):
+                # a slot for every expert, or whole layers (cache.whole_layers): the runtime reads
+                # them in first (cache.preload); the levels start once it has
+                groups = c.stats()["memory"].get("resident_groups") or {}
+                preload = len(store.records) if n_slots >= len(store.records) else \
+                    sum(n for g, n in groups.items() if g.endswith(tiers.WHOLE))
+                while preload and time.monotonic() < deadline:
+                    if _compute(c)["expert_tier"].get("fills", 0) >= preload:
                         break
                     time.sleep(0.2)
+                report["resident_groups"] = groups
                 c.generate(_prompt(999, a.prompt_tokens), max_tokens=4)  # warm: kernels, allocator
                 report["resident_slots"] = _compute(c)["expert_tier"].get("resident_slots")
             for n in levels:

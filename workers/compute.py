@@ -363,6 +363,7 @@ class SlotExperts(ExpertProvider):
         self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
         self.take_early_fills = True  # compute.early_fills, set by Compute
         self.leases = True  # compute.leases, set by Compute: the lookahead also asked as a lease
+        self.eager_layers = False  # compute.eager_layers, set by Compute
         self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
@@ -614,7 +615,12 @@ class SlotExperts(ExpertProvider):
             else:  # a trace's ids, in the gate's shape
                 host = np.asarray(ids).reshape(inds.shape)
                 slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
-            return self._reads_pools(switch_glu(x, slots, ordered or w, quant))
+            y = switch_glu(x, slots, ordered or w, quant)
+            if self.eager_layers and not tier.all_full():
+                # A later layer of this pass reads its routing back, which waits for everything
+                # before it: launched now, this layer computes while the next ones are built.
+                mx.async_eval(y)
+            return self._reads_pools(y)
         if not isinstance(ids, mx.array):
             # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
             # the pass's pending graph still holds the pools, and a fill would then copy a whole
@@ -1122,12 +1128,16 @@ class Compute:
             early = cc.get("early_fills", "auto")
             if early not in (True, False, "auto"):
                 raise ValueError(f"compute.early_fills = {early!r}: use true, false or \"auto\"")
-            self.experts.take_early_fills = (
-                (mx.default_device().type == mx.DeviceType.gpu or bool(self.standin)) if early == "auto" else early)
+            gpu = mx.default_device().type == mx.DeviceType.gpu
+            self.experts.take_early_fills = (gpu or bool(self.standin)) if early == "auto" else early
             leases = cc.get("leases", True)
             if leases not in (True, False):
                 raise ValueError(f"compute.leases = {leases!r}: use true or false")
             self.experts.leases = leases
+            eager = cc.get("eager_layers", "auto")
+            if eager not in (True, False, "auto"):
+                raise ValueError(f"compute.eager_layers = {eager!r}: use true, false or \"auto\"")
+            self.experts.eager_layers = gpu if eager == "auto" else eager
             self.experts.pool_placement = str(cc.get("pool_placement", "auto"))
             if self.experts.pool_placement not in ("auto", "host", "device"):
                 raise ValueError(f"compute.pool_placement = {self.experts.pool_placement!r}: use auto, host or device")
@@ -1379,7 +1389,8 @@ def local_router(store: Store, config: dict, n_slots: int = 0):
     cache = config.get("cache") or {}
     n_slots = n_slots or int(cache.get("max_slots") or 0) or len(store.records)
     sizes = tiers.group_sizes(store)
-    resident = tiers.split_resident(sizes, dict.fromkeys(sizes, 1), n_slots)
+    resident = tiers.whole_layers(store, tiers.split_resident(sizes, dict.fromkeys(sizes, 1), n_slots),
+                                  cache.get("whole_layers", "auto"), gpu=mx.default_device().type == mx.DeviceType.gpu)
     n_staging = tiers.staging_slots(store, int((config.get("loader") or {}).get("threads", 4)),
                                     int(cache.get("staging_slots") or 0))
     pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
@@ -1548,6 +1559,7 @@ def run_compute_process(run_dir: str) -> None:
 
         def ready_info(self):
             return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
+                    "gpu": mx.default_device().type == mx.DeviceType.gpu,
                     "bench_mode": self.compute.bench_mode, "expert_tier": self.compute.expert_tier}
 
         def on_pool(self, msg):

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.runtime.store import Store, views_from_buffer
-from deltafin.runtime.tiers import layer_groups
+from deltafin.runtime.tiers import layer_groups, layout_of
 
 PROBE_BYTES = 16384  # one Apple page: the alignment Metal needs to wrap host memory
 
@@ -154,12 +154,12 @@ class ResidentTier:
     def __init__(self, store: Store, dtype, slots: dict[str, int], host_writes: bool | None = None,
                  on_host: bool = False):
         self.store, self.dtype = store, dtype
-        self.group_of = layer_groups(store)
+        self.group_of = layer_groups(store, slots)
         missing = set(self.group_of.values()) - set(slots)
         if missing:
             raise ValueError(f"no resident slots for record layout(s) {sorted(missing)}")
         self.n_slots = {g: int(n) for g, n in slots.items() if g in set(self.group_of.values())}
-        self.layouts = {g: store.layouts[g] for g in self.n_slots}
+        self.layouts = {g: store.layouts[layout_of(g)] for g in self.n_slots}
         self.pools: dict[str, dict[str, mx.array]] = {}
         for g, n in self.n_slots.items():
             self.pools[g] = {t["name"]: mx.zeros((n, *t["shape"]), dtype=self._dtype(t))

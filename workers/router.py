@@ -608,7 +608,7 @@ def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
         # Every expert fits: nothing is ever evicted or prefetched, so no policy needs the
         # predictor's bookkeeping on every use; LRU's is the cheapest.
         policy = "lru"
-    router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store),
+    router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store, resident),
                     moe_layers=store.moe_layers, n_experts=store.n_experts,
                     prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
     if cache.get("routing_history") and router.predictor is not None:

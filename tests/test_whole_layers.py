@@ -1,0 +1,95 @@
+"""Whole layers (cache.whole_layers, runtime/tiers.py): where the slots hold most experts, the
+first layers of a layout get a slot group of their own, read in whole and never evicted, so they
+never read their routing back; the other layers share the rest. The split's arithmetic, the same
+layers derived from the slot counts everywhere, and in-process runs that give the all-resident
+logits bit for bit with read-backs only on the shared layers (the whole layers launched as soon
+as they are built, compute.eager_layers)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from deltafin.runtime import tiers
+from deltafin.runtime.config import Config
+from deltafin.runtime.store import Store
+
+LAYERS, EXPERTS = 4, 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Store:
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("whole")
+    src = tiny("mixtral", root / "hf", layers=LAYERS, experts=EXPERTS, top_k=2, seed=5)
+    assert convert.main([str(src), str(root / "store"), "--no-progress"]) == 0
+    return Store(root / "store")
+
+
+def test_the_split_keeps_all_but_one_layers_worth_whole(store):
+    (g,) = tiers.group_sizes(store)
+    w = g + tiers.WHOLE
+    # 28 of 32 experts: 3 layers' worth, one left to share (with the remainder)
+    assert tiers.whole_layers(store, {g: 28}, True, gpu=False) == {w: 16, g: 12}
+    assert tiers.whole_layers(store, {g: 28}, "auto", gpu=True) == {w: 16, g: 12}
+    assert tiers.whole_layers(store, {g: 28}, "auto", gpu=False) == {g: 28}   # auto: GPU only
+    assert tiers.whole_layers(store, {g: 20}, "auto", gpu=True) == {g: 20}    # below 75%
+    assert tiers.whole_layers(store, {g: 20}, True, gpu=False) == {w: 8, g: 12}
+    assert tiers.whole_layers(store, {g: 15}, True, gpu=False) == {g: 15}     # not one layer to spare
+    assert tiers.whole_layers(store, {g: 32}, True, gpu=True) == {g: 32}      # all resident already
+    assert tiers.whole_layers(store, {g: 28}, False, gpu=True) == {g: 28}
+    with pytest.raises(ValueError, match="whole_layers"):
+        tiers.whole_layers(store, {g: 28}, "yes", gpu=True)
+    # every process derives the same layers from the counts: the first ones of the layout
+    groups = tiers.layer_groups(store, {w: 16, g: 12})
+    assert [groups[layer] for layer in store.moe_layers] == [w, w, g, g]
+    assert tiers.group_sizes(store, {w: 16, g: 12}) == {w: 16, g: 16}
+    assert tiers.layer_groups(store) == dict.fromkeys(store.moe_layers, g)
+
+
+def _generate(store, whole, n_slots: int, steps: int = 12):
+    """Greedy logits of one prompt decoded in-process, and the compute (its counters)."""
+    from deltafin.workers.compute import Compute, local_router
+    cfg = Config().to_dict()
+    cfg["cache"]["whole_layers"] = whole
+    # whole layers launched as soon as built where a shared layer reads back later (on the CPU
+    # "auto" leaves it off): the same logits either way
+    cfg["compute"]["eager_layers"] = bool(whole)
+    src, staging, loader = local_router(store, cfg, n_slots=n_slots)
+    try:
+        c = Compute(store, cfg, src, staging, store.max_record_bytes)
+        c.preload()
+        m, cache, out = c.model, c.model.make_cache(), []
+        c.forward([3, 14, 15, 92, 65], cache)
+        tok = 35
+        syncs0 = c.experts.counters.get("gate_syncs")
+        for _ in range(steps):
+            pno = c.experts.begin_pass(1)
+            lg = m(mx.array([tok], dtype=mx.int32), cache, c.experts)
+            mx.eval(lg)
+            c.experts.commit(pno, rows=False)
+            out.append(np.array(lg[-1]))
+            tok = int(np.argmax(out[-1]))
+        return out, c, c.experts.counters.get("gate_syncs") - syncs0, src.router
+    finally:
+        loader.close()
+
+
+def test_whole_layers_give_the_all_resident_logits_and_read_back_only_the_shared_layers(store):
+    ref, _, ref_syncs, _ = _generate(store, False, 0)
+    assert ref_syncs == 0
+    got, c, syncs, router = _generate(store, True, 20)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    tier = c.experts.tier
+    whole = [layer for layer, g in tier.group_of.items() if g.endswith(tiers.WHOLE)]
+    assert whole == store.moe_layers[:1]
+    assert all(tier.full(layer) for layer in whole)            # read in at start, and kept
+    shared = len(store.moe_layers) - len(whole)
+    assert 0 < syncs <= 12 * shared, syncs                     # read-backs on the shared layers only
+    # the shared layers' group evicts (the whole layers stayed full above)
+    assert router.stats().get("evictions", 0) > 0
+    # without the split the same slots read routing back on more layers
+    _, _, plain_syncs, _ = _generate(store, False, 20)
+    assert plain_syncs > syncs, (plain_syncs, syncs)
