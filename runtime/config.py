@@ -182,8 +182,10 @@ class Config:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
-        if self.cache.whole_layers not in (True, False, "auto"):
-            raise ConfigError(f"cache.whole_layers {self.cache.whole_layers!r}: use true, false or \"auto\"")
+        for name, value in (("cache.whole_layers", self.cache.whole_layers),
+                            ("compute.eager_layers", self.compute.eager_layers)):
+            if value not in (True, False, "auto"):
+                raise ConfigError(f"{name} {value!r}: use true, false or \"auto\"")
         if not 1 <= self.cache.prefetch_depth <= 16:
             raise ConfigError("cache.prefetch_depth must be within 1..16 (layers ahead)")
         if self.cache.history_tokens < 0:

@@ -110,6 +110,25 @@ def mlx_lm_stores(tmp_path_factory):
     return get
 
 
+def greedy_alone(c, prompt: list, steps: int) -> list:
+    """In-process greedy decoding by a Compute `c`, one row a pass: prompt[:-1] prefilled, then
+    `steps` passes from prompt[-1]; the logits of each pass (numpy)."""
+    import mlx.core as mx
+    import numpy as np
+    m = c.model
+    cache, tok, out = m.make_cache(), prompt[-1], []
+    if len(prompt) > 1:
+        c.forward(prompt[:-1], cache)
+    for _ in range(steps):
+        pno = c.experts.begin_pass(1)
+        lg = m(mx.array([tok], dtype=mx.int32), cache, c.experts)
+        mx.eval(lg)
+        c.experts.commit(pno, rows=False)
+        out.append(np.array(lg[-1]))
+        tok = int(np.argmax(out[-1]))
+    return out
+
+
 def config_flags(tmp_path, **sections) -> list[str]:
     """`--config FILE` flags for a supervisor: a TOML file in tmp_path with the given sections."""
     text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())

@@ -16,7 +16,7 @@ import pytest
 from deltafin.client import Client
 from deltafin.protocol import messages as M
 from deltafin.tools.run import running_supervisor
-from conftest import config_flags  # noqa: E402
+from conftest import config_flags, greedy_alone  # noqa: E402
 
 BIG = "4GiB"
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [100, 200, 300, 400], [5, 6]]
@@ -80,19 +80,7 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(request, ar
         prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 6)] for i in range(rows)]
         steps = 5
 
-        def run(p):
-            cache, tok, out = m.make_cache(), p[-1], []
-            if len(p) > 1:
-                c.forward(p[:-1], cache)
-            for _ in range(steps):
-                pno = c.experts.begin_pass(1)
-                lg = m(mx.array([tok], dtype=mx.int32), cache, c.experts)
-                mx.eval(lg)
-                c.experts.commit(pno, rows=False)
-                out.append(np.array(lg[-1]))
-                tok = int(np.argmax(out[-1]))
-            return out
-        alone = [run(p) for p in prompts]
+        alone = [greedy_alone(c, p, steps) for p in prompts]
         caches = [m.make_cache() for _ in prompts]
         for p, cache in zip(prompts, caches):
             if len(p) > 1:
