@@ -335,7 +335,9 @@ class Supervisor:
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
         # The budget counts slots per record layout; the workers get them with whole layers kept
         # apart where cache.whole_layers asks (runtime/tiers.py), the same split every generation.
-        self.resident = tiers.whole_layers(self.store, self.plan.resident, self.config.cache.whole_layers,
+        # Not with distributed ranks: a rank holds only its share of each layer's experts.
+        whole = self.config.cache.whole_layers if not self.config.distributed.enabled else False
+        self.resident = tiers.whole_layers(self.store, self.plan.resident, whole,
                                            gpu=bool(self.ready_info.get("compute", {}).get("gpu")))
         attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
                               slot_bytes=self.plan.slot_bytes, resident=self.resident)

@@ -97,3 +97,19 @@ def test_settings_take_true_false_or_auto(tmp_path):
         (tmp_path / "bad.toml").write_text(f'[{section}]\n{key} = "yes"\n')
         with pytest.raises(ConfigError, match=key):
             load_config(tmp_path / "bad.toml")
+
+
+def test_distributed_ranks_keep_no_whole_layers(store, tmp_path):
+    """A rank holds only its share of each layer's experts, so whole layers stay off there even
+    where asked; the ranks serve as before."""
+    from deltafin.client import Client
+    from test_distributed import PROMPT, ranks  # noqa: E402
+    cfg = tmp_path / "whole.toml"
+    cfg.write_text("[cache]\nwhole_layers = true\n")
+    with ranks(store.path, tmp_path, 2, ["--max-slots", "24", "--config", str(cfg)]) as rs:
+        with Client(rs[0][0], timeout=60) as c:
+            assert len(c.generate(PROMPT, max_tokens=4).token_ids) == 4
+        for ep, _, _ in rs:
+            with Client(ep, timeout=60) as c:
+                groups = c.stats()["memory"]["resident_groups"]
+                assert not any(g.endswith(tiers.WHOLE) for g in groups), groups
