@@ -6,6 +6,7 @@ logits bit for bit with read-backs only on the shared layers (the whole layers l
 as they are built, compute.eager_layers)."""
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -113,3 +114,20 @@ def test_distributed_ranks_keep_no_whole_layers(store, tmp_path):
             with Client(ep, timeout=60) as c:
                 groups = c.stats()["memory"]["resident_groups"]
                 assert not any(g.endswith(tiers.WHOLE) for g in groups), groups
+
+
+def test_only_streaming_groups_are_placed_in_host_memory(store):
+    """compute.pool_placement "auto": the pools of a group that streams (fewer slots than its
+    experts) go to host memory on MLX CUDA; a group held whole (the whole tier, or whole layers)
+    stays in device memory, where kernels read it faster. Elsewhere nothing is placed, but the
+    tier still asks only for the streaming groups."""
+    from deltafin.workers.resident import ResidentTier, is_metal
+    (g,) = tiers.group_sizes(store)
+    w = g + tiers.WHOLE
+    full = ResidentTier(store, mx.float32, {g: LAYERS * EXPERTS}, host_writes=True, on_host="streaming")
+    assert full.placement == {"placed": False, "why": "not asked"}
+    split = ResidentTier(store, mx.float32, {w: 16, g: 12}, host_writes=True, on_host="streaming")
+    if mx.default_device() == mx.gpu and not is_metal():
+        assert split.placement["placed"] and split.placement["groups"] == [g], split.placement
+    else:
+        assert not split.placement["placed"] and split.placement["why"] != "not asked"

@@ -372,9 +372,10 @@ class SlotExperts(ExpertProvider):
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         n_keys = self.store.n_experts * len(self.store.moe_layers)
-        # Pools in host memory where experts stream (fewer slots than experts) and unless told
-        # otherwise: a tier holding every expert is read faster from device memory.
-        on_host = self.pool_placement == "host" or (self.pool_placement == "auto" and sum(resident.values()) < n_keys)
+        # Pools in host memory where experts stream (a group with fewer slots than experts) and
+        # unless told otherwise: a group holding every expert of its layers (the whole tier, or
+        # whole layers) is read faster from device memory.
+        on_host = {"host": True, "device": False}.get(self.pool_placement, "streaming")
         self.tier = ResidentTier(self.store, self.dtype, resident,
                                  host_writes=None if self.host_fills else False, on_host=on_host)
         self.hints = (self.routing.mode == "gate" and

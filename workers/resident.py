@@ -149,10 +149,12 @@ class ResidentTier:
     that reads the pools before a fill (`SlotExperts.apply` does: MLX graphs are lazy, and an
     unevaluated one would read the new contents). The pools are then never replaced, so their
     numpy views stay valid. on_host: the pools are placed in host memory where the backend
-    offers it (`place_on_host`: MLX CUDA)."""
+    offers it (`place_on_host`: MLX CUDA): True every group's, "streaming" those of the groups
+    with fewer slots than experts (a group held whole, such as whole layers, is read faster from
+    device memory and is written only while it is preloaded)."""
 
     def __init__(self, store: Store, dtype, slots: dict[str, int], host_writes: bool | None = None,
-                 on_host: bool = False):
+                 on_host: bool | str = False):
         self.store, self.dtype = store, dtype
         self.group_of = layer_groups(store, slots)
         missing = set(self.group_of.values()) - set(slots)
@@ -177,16 +179,21 @@ class ResidentTier:
                         pool = self.pools[g][t["name"]]
                         raw = np.frombuffer(memoryview(pool), dtype=np.uint8).reshape(pool.shape[0], -1)
                         self.host[g][t["name"]] = (how, raw)
+        self.group_experts = {g: store.n_experts * list(self.group_of.values()).count(g) for g in self.n_slots}
         # on_host: where fills write in place and experts stream, the pools live in host memory
         # (place_on_host; MLX CUDA only, a no-op elsewhere)
-        self.placement = place_on_host([a for pools in self.pools.values() for a in pools.values()]) \
-            if on_host and host_writes else {"placed": False, "why": "not asked"}
+        hosted = [g for g in self.n_slots if on_host is True or
+                  (on_host == "streaming" and self.n_slots[g] < self.group_experts[g])]
+        self.placement = {"placed": False, "why": "not asked"}
+        if hosted and host_writes:
+            self.placement = place_on_host([a for g in hosted for a in self.pools[g].values()])
+            if self.placement["placed"]:
+                self.placement["groups"] = hosted
         # read by the metrics thread too: a plain int, not the MLX arrays
         self.nbytes = sum(a.nbytes for pools in self.pools.values() for a in pools.values())
         self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
         self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
         self.count = dict.fromkeys(self.group_of, 0)
-        self.group_experts = {g: store.n_experts * list(self.group_of.values()).count(g) for g in self.n_slots}
         self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
         self._in_order: dict[int, dict[str, mx.array]] = {}  # layer -> its pools' rows in expert order
         self.fills = 0
