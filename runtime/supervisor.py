@@ -232,6 +232,7 @@ class Supervisor:
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.plan: BudgetPlan = plan_budget(self.store, config)
+        self.resident: dict = {}  # slots per group handed to the workers (whole layers split off)
         self.plan.check_before_start()
         self.endpoint_arg = endpoint or rc.endpoint
         # Runs killed earlier go first: their segments, and a socket file at our endpoint's path.
@@ -733,7 +734,7 @@ class Supervisor:
                   "tree_bytes": sum((p["pss"] or p["rss"] or 0) for p in procs.values()),
                   "peak_tree_bytes": self.peak_tree_bytes,
                   "n_slots": self.plan.n_slots, "resident": self.plan.resident,
-                  "resident_groups": getattr(self, "resident", None) or self.plan.resident,
+                  "resident_groups": self.resident or self.plan.resident,
                   "resident_bytes": self.plan.resident_bytes,
                   "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
                   "staging_bytes": self.plan.staging,

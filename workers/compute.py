@@ -101,7 +101,7 @@ class LocalExpertSource:
             return {groups.pop(): self.router.table.n_slots}
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False) -> Granted:
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None) -> Granted:
         from deltafin.workers.router import RouterError, drive_need
         self.req += 1
         self.messages.add("need")
@@ -118,9 +118,9 @@ class LocalExpertSource:
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
-    # No `lease` in-process: its fills would land at once, while the layer that asked has not run
-    # (a victim could be one of its experts, used without a need); over the socket they are
-    # applied only at a later wait, after what the pass built is evaluated.
+    # No `lease` in-process (so `need` never gets one): its fills would land at once, while the
+    # layer that asked has not run (a victim could be one of its experts, used without a need);
+    # over the socket they are applied only at a later wait, after what the pass built is evaluated.
 
     def poll(self, apply) -> int:
         """In-process every fill is applied inside its need: nothing ever waits."""
@@ -544,8 +544,7 @@ class SlotExperts(ExpertProvider):
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         self.flush()  # the router sees the earlier uses first, in order
         t0, prep0 = time.perf_counter(), self.t_prepare
-        granted = (self.source.need(layer, experts, self.apply, lease=lease) if lease is not None
-                   else self.source.need(layer, experts, self.apply))
+        granted = self.source.need(layer, experts, self.apply, lease=lease)
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)

@@ -194,6 +194,7 @@ class ResidentTier:
         self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
         self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
         self.count = dict.fromkeys(self.group_of, 0)
+        self.n_full = 0  # layers with every expert resident (all_full asks once per layer)
         self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
         self._in_order: dict[int, dict[str, mx.array]] = {}  # layer -> its pools' rows in expert order
         self.fills = 0
@@ -216,7 +217,7 @@ class ResidentTier:
         return self.count[layer] == self.store.n_experts
 
     def all_full(self) -> bool:
-        return all(self.full(layer) for layer in self.group_of)
+        return self.n_full == len(self.group_of)
 
     def missing(self, layer: int, experts) -> list[int]:
         where = self.slot_of[layer]
@@ -301,6 +302,7 @@ class ResidentTier:
         self.held[g][slot] = (layer, expert)
         self.slot_of[layer][expert] = slot
         self.count[layer] += 1
+        self.n_full += self.full(layer)
         self._tables.pop(layer, None)
         self._arrange(g)
         self.fills += 1
@@ -324,6 +326,7 @@ class ResidentTier:
         if old is not None:
             self.held[g][slot] = None
             self.slot_of[old[0]][old[1]] = -1
+            self.n_full -= self.full(old[0])
             self.count[old[0]] -= 1
             self._tables.pop(old[0], None)
 
