@@ -222,6 +222,12 @@ class Config:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
 
 
+def as_config(config: "Config | dict") -> Config:
+    """The typed configuration: a Config as it is, a dict (a run's JSON, a test's sections)
+    validated once into one; keys a dict leaves out take the documented defaults."""
+    return config if isinstance(config, Config) else Config.from_dict(config)
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """defaults.toml, then the user's file, then overrides {"section.key": value} (flags)."""
     data = tomllib.loads(resources.files("deltafin.configs").joinpath("default.toml").read_text())
