@@ -100,7 +100,9 @@ def views_from_buffer(buf, layout: dict) -> dict[str, np.ndarray]:
 
 
 class StoreWriter:
-    """Builds a store; the caller adds every expert record, dense tensor and tokenizer file."""
+    """Builds a store; the caller adds every expert record, dense tensor and tokenizer file.
+    Used as a context manager: leaving the block by an exception removes the partial store, and
+    `finish` (called inside the block) moves the complete one into place."""
 
     def __init__(self, out_dir, config: dict, bits: int, group_size: int,
                  dense_quantization: dict | None = None, force: bool = False, extra: dict | None = None):
@@ -207,6 +209,13 @@ class StoreWriter:
         for f in self._files.values():
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, kind, _value, _tb) -> None:
+        if kind is not None:
+            self.abort()
 
 
 class Store:

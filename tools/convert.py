@@ -198,24 +198,21 @@ class Converter:
             raise ConvertError(str(e)) from None
         bar = progress_bar(len(sources) + len(dense), "convert", self.progress)
         try:
-            for (layer, e) in sorted(sources):
-                tensors, quant = self.record(layer, sources[(layer, e)])
-                writer.add_expert(layer, e, tensors, quant)
-                bar.update(1)
-            for name in sorted(dense):
-                ref: TensorRef = self.refs[name]
-                writer.add_dense(name, ref.dtype, ref.shape, ref.read())
-                bar.update(1)
-            for fname in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
-                if (self.src / fname).exists():
-                    writer.add_tokenizer_file(self.src / fname)
-            out = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
+            with writer:
+                for (layer, e) in sorted(sources):
+                    tensors, quant = self.record(layer, sources[(layer, e)])
+                    writer.add_expert(layer, e, tensors, quant)
+                    bar.update(1)
+                for name in sorted(dense):
+                    ref: TensorRef = self.refs[name]
+                    writer.add_dense(name, ref.dtype, ref.shape, ref.read())
+                    bar.update(1)
+                for fname in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
+                    if (self.src / fname).exists():
+                        writer.add_tokenizer_file(self.src / fname)
+                return writer.finish()
         finally:
             bar.close()
-        return out
 
 
 def _layer_of(name: str) -> int | None:

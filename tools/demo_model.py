@@ -300,7 +300,7 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                           "upcycled": "identical experts", "calibration_routing": routing}}
         writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense,
                              force=force, extra=extra)
-        try:
+        with writer:
             for name in g.raw:
                 if ".mlp." in name:
                     continue
@@ -325,9 +325,6 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
             for f in tok_files:
                 writer.add_tokenizer_file(f)
             out = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
     log(f"wrote demo store {out} ({n_experts} experts, top-{top_k}) in {time.time() - t0:.1f}s")
     return out
 

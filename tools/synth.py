@@ -536,7 +536,7 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
     writer = StoreWriter(out, config, bits, group_size, force=force,
                          dense_quantization={"bits": bits, "group_size": group_size},
                          extra={"synthetic": {"preset": preset, "seed": seed}})
-    try:
+    with writer:
         for name in sorted(dense, key=_natural):
             shape = dense[name]
             if _quantize_dense(name, shape, group_size, config):
@@ -559,9 +559,6 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
             for f in write_tokenizer(Path(td), 512):
                 writer.add_tokenizer_file(f)
         return writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
