@@ -6,7 +6,8 @@ import mlx.core as mx
 
 from deltafin.runtime.config import Config
 from deltafin.runtime.store import Store
-from deltafin.workers.compute import Compute, local_router
+from deltafin.tools.inprocess import local_router
+from deltafin.workers.engine import Compute
 
 
 def resident_compute(argv=None):
