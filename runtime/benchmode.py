@@ -2,10 +2,11 @@
 
 Normal mode (no [bench] keys) routes by the gate. `bench.routing_trace` routes every MoE layer from a
 recorded trace (docs/TRACES.md), so a synthetic store is read in a real model's access pattern;
-`bench.standin` replaces each layer's math by a wait (workers/compute.py, `StandInModel`) and,
+`bench.standin` replaces each layer's math by a wait (`StandInModel`, picked by workers/engine.py) and,
 having no gate, routes from the trace or from seeded uniform random ids. Every stats report
 carries `bench_mode`, so no figure is mistaken for the other mode's. numpy only: the supervisor
-checks a trace against the store before any worker starts, without importing MLX.
+checks a trace against the store before any worker starts, without importing MLX (the
+stand-in imports it when it runs).
 """
 from __future__ import annotations
 
@@ -27,6 +28,33 @@ def precise_wait(seconds: float) -> None:
         time.sleep(seconds - 2e-4)
     while time.perf_counter() < end:
         pass
+
+
+class StandInModel:
+    """The model's call signature with each layer's math replaced by a wait: the MoE layers still
+    request their experts and fill them (`fetch`), so reads, messages and copies stay real; the
+    logits are zeros (greedy then picks token 0)."""
+
+    def __init__(self, n_layers: int, moe_layers: list[int], vocab: int, moe_ms: float, dense_ms: float):
+        self.n_layers, self.moe_layers, self.vocab = n_layers, set(moe_layers), vocab
+        self.moe_s, self.dense_s = moe_ms / 1e3, dense_ms / 1e3
+
+    def make_cache(self):
+        return None  # no attention, so no KV cache
+
+    def __call__(self, tokens, cache, experts):
+        import mlx.core as mx  # here, not at import: the supervisor imports this module without MLX
+        n = int(tokens.size) if isinstance(tokens, mx.array) else len(tokens)
+        for i in range(self.n_layers):
+            if i in self.moe_layers:
+                precise_wait(self.moe_s)
+                experts.fetch(i)
+            else:
+                precise_wait(self.dense_s)
+        return mx.zeros((n, self.vocab), dtype=mx.float32)
+
+    def forward_batch(self, tokens, caches, experts, float32=True):
+        return self(tokens, None, experts)  # one sequence at a time (its scheduler's max_batch)
 
 
 def load_routing_trace(store: Store, path: str) -> np.ndarray:
@@ -78,10 +106,6 @@ class Routing:
             self.mode = "gate"
         self.cursor = 0
         self.n = self.start = 0
-
-    @property
-    def from_gate(self) -> bool:
-        return self.trace is None and self.rng is None
 
     def begin_pass(self, n_tokens: int) -> dict:
         """A pass over n tokens starts; returns what `undo_pass` needs to take it back."""

@@ -77,7 +77,7 @@ class TextSide:
 
 
 def generate(compute, tokenizer: Tokenizer, req: M.Generate, emit=None) -> M.Done:
-    """One request on an in-process `Compute` (workers/compute.py), text handled as the
+    """One request on an in-process `Compute` (workers/engine.py), text handled as the
     supervisor handles it: emit gets the client's token messages (streamed requests), a stop
     string ends the sequence after the token that completed it."""
     ids = prompt_ids(tokenizer, req, compute.max_context)

@@ -2,7 +2,7 @@
 
 Staging tier: POSIX shared memory, a small ring of slots the loader reads records into (one
 record each, `store.max_record_bytes`). Resident tier: the experts compute uses, one MLX array per
-record tensor per *group* of layers that share a record layout, [n_slots, ...] (workers/compute.py,
+record tensor per *group* of layers that share a record layout, [n_slots, ...] (workers/resident.py,
 `ResidentTier`). A resident expert is copied in once per load and never again per use.
 
 A group is a record layout: every MoE layer of a store usually has the same one, so there is one

@@ -65,7 +65,8 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(request, ar
     filled by real reads)."""
     from deltafin.runtime.config import Config
     from deltafin.runtime.store import Store
-    from deltafin.workers.compute import Compute, local_router
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
     store = Store(request.getfixturevalue("mlx_lm_stores")(arch)[1] if quantized
                   else request.getfixturevalue("tiny_stores")(arch))
     cfg = Config().to_dict()
@@ -188,7 +189,7 @@ def test_the_kv_reserve_bounds_the_requests_decoded_together(tiny_stores, tmp_pa
 def test_the_queue_counts_free_batch_places_as_room():
     """max_batch run and max_queue wait: more are refused with queue_full; several run at once
     and a cancel marks the running one it names."""
-    from deltafin.workers.compute import QueueFull, RequestQueue
+    from deltafin.workers.scheduler import QueueFull, RequestQueue
     q = RequestQueue(1, max_batch=3)
     items = [q.add(b"c", M.Generate(id=i, token_ids=[1])) for i in range(4)]
     with pytest.raises(QueueFull, match="max_batch=3"):

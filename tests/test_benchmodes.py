@@ -18,7 +18,9 @@ from deltafin.runtime.config import ConfigError, load_config
 from deltafin.runtime.store import Store
 from deltafin.runtime.traces import load_trace, save_trace
 from deltafin.tools.run import running_supervisor
-from deltafin.workers.compute import Compute, LocalExpertSource, MmapExperts, MmapSource, run_inprocess
+from deltafin.tools.mmap_baseline import MmapExperts, MmapSource, run_inprocess
+from deltafin.workers.engine import Compute
+from deltafin.workers.sources import LocalExpertSource
 from deltafin.workers.loader import Loader
 from deltafin.workers.router import Router
 

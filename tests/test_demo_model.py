@@ -126,7 +126,7 @@ def generations(store, gguf_path, tmp_path_factory):
     from tokenizers import Tokenizer
 
     from deltafin.runtime.models import build_model
-    from deltafin.runtime.models.base import ResidentExperts
+    from deltafin.runtime.models.switch import ResidentExperts
     tok = Tokenizer.from_file(str(store.tokenizer_dir / "tokenizer.json"))
     ids = tok.encode(dm.chat_prompt(store.tokenizer_dir, [{"role": "user", "content": QUESTION}])).ids
 

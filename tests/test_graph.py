@@ -14,7 +14,9 @@ from deltafin.runtime.config import load_config
 from deltafin.runtime.store import Store
 from deltafin.runtime.tiers import layer_groups
 from deltafin.runtime.traces import load_trace
-from deltafin.workers.compute import Compute, LocalExpertSource, sample_on_device
+from deltafin.workers.engine import Compute
+from deltafin.workers.scheduler import sample_on_device
+from deltafin.workers.sources import LocalExpertSource
 from deltafin.workers.loader import Loader
 from deltafin.workers.resident import ResidentTier
 from deltafin.workers.router import Router

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from deltafin.runtime.config import load_config
-from deltafin.workers.compute import run_inprocess
+from deltafin.tools.mmap_baseline import run_inprocess
 
 pytest.importorskip("mlx_lm")
 

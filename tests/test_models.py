@@ -20,7 +20,8 @@ from mlx_lm.utils import load_model  # noqa: E402
 
 from deltafin.runtime.models import (  # noqa: E402
     ResidentExperts, UnsupportedArchitecture, build_model, switch_glu)
-from deltafin.runtime.models.base import Linear, QuantSpec, uniform_quant  # noqa: E402
+from deltafin.runtime.models.base import Linear, QuantSpec  # noqa: E402
+from deltafin.runtime.models.switch import uniform_quant  # noqa: E402
 from deltafin.tools import synth  # noqa: E402
 
 SEQ = 12

@@ -187,7 +187,7 @@ def test_a_need_takes_over_a_slot_a_prefetch_is_still_reading(late):
 
 class Wire:
     """The router between a loader that finishes reads in a random order and a compute that, as
-    workers/compute.py does, uses what its own residency map holds without asking (reporting the
+    workers/slot_experts.py does, uses what its own residency map holds without asking (reporting the
     uses later with `used`), asks with `need` otherwise, and applies fills only while it waits on
     a need. Checks on every message: a prefetch read goes out only while no demand read waits,
     within the staging share; compute's map agrees with every `slots` answer."""

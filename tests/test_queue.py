@@ -35,7 +35,7 @@ def _compute(stats: dict) -> dict:
 
 # -- the queue itself, in-process ---------------------------------------------------------------------
 def test_request_queue_is_a_bounded_fifo_with_cancel():
-    from deltafin.workers.compute import QueueFull, RequestQueue
+    from deltafin.workers.scheduler import QueueFull, RequestQueue
     q = RequestQueue(1)                       # one running, one waiting
     a, b = q.add(b"x", M.Generate(id=1, token_ids=[1])), q.add(b"y", M.Generate(id=1, token_ids=[2]))
     with pytest.raises(QueueFull, match="max_queue=1"):

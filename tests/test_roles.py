@@ -10,7 +10,8 @@ import pytest
 from deltafin.protocol import messages as M
 from deltafin.runtime.models import ResidentExperts
 from deltafin.runtime.store import Store
-from deltafin.workers.compute import Compute, LocalExpertSource
+from deltafin.workers.engine import Compute
+from deltafin.workers.sources import LocalExpertSource
 from deltafin.workers.loader import Loader
 from deltafin.workers.router import Router, RouterError
 

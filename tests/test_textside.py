@@ -16,7 +16,8 @@ from deltafin.runtime.store import Store
 from deltafin.runtime.textside import generate
 from deltafin.runtime.tokenizer import Tokenizer, eos_ids
 from deltafin.tools.run import running_supervisor
-from deltafin.workers.compute import Compute, local_router
+from deltafin.tools.inprocess import local_router
+from deltafin.workers.engine import Compute
 
 BIG = "2GiB"
 PROMPT = "once upon a time"

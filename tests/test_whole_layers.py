@@ -52,7 +52,8 @@ def test_the_split_keeps_all_but_one_layers_worth_whole(store):
 def _generate(store, whole, n_slots: int, steps: int = 12):
     """Greedy logits of one prompt decoded in-process (a prefill and `steps` passes), the compute,
     its gate read-backs and the router."""
-    from deltafin.workers.compute import Compute, local_router
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
     cfg = Config().to_dict()
     cfg["cache"]["whole_layers"] = whole
     # whole layers launched as soon as built where a shared layer reads back later (on the CPU

@@ -473,7 +473,7 @@ def resident_compute_s_per_token(s: Setup, tokens: int) -> dict:
     messages), in this process, uncapped: the compute term of the bound in the real regime."""
     import mlx.core as mx
     from deltafin.runtime.models import build_model
-    from deltafin.runtime.models.base import ResidentExperts
+    from deltafin.runtime.models.switch import ResidentExperts
     store = s.store
     t0 = time.perf_counter()
     model = build_model(store.config, store.dense_weights(), store.manifest.get("dense_quantization"), s.dtype)

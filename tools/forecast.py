@@ -97,7 +97,7 @@ def measure_prepare(store, dtype: str = "float32", repeats: int = 15) -> dict:
     import mlx.core as mx
 
     from deltafin.runtime.models.base import resolve_dtype
-    from deltafin.workers.compute import MmapExperts, MmapSource
+    from deltafin.tools.mmap_baseline import MmapExperts, MmapSource
     src = MmapSource(store)
     try:
         experts = MmapExperts(store, None, 0, src, resolve_dtype(dtype, {}), max_chunk=store.top_k)

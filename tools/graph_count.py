@@ -85,7 +85,8 @@ def resident_compute(store_path: str, max_batch: int = 0):
     """An in-process compute with every expert of the store resident (preloaded)."""
     from deltafin.runtime.config import load_config
     from deltafin.runtime.store import Store
-    from deltafin.workers.compute import Compute, local_router
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
 
     config = load_config().to_dict()
     if max_batch:

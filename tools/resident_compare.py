@@ -31,7 +31,8 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
     from deltafin.protocol import messages as M
     from deltafin.runtime.config import load_config
     from deltafin.runtime.store import Store
-    from deltafin.workers.compute import Compute, local_router
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
 
     model, _ = load(mlx_model)
     config = load_config().to_dict()

@@ -50,10 +50,11 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
-from deltafin.runtime.models.base import SORT_PAIRS
+from deltafin.runtime.models.switch import run_pairs, sorts_pairs
 from deltafin.runtime.ranks import OUT_OF_STEP_EXIT, RANK_LOST_EXIT
 from deltafin.runtime.store import Store
-from deltafin.workers.compute import ExpertUnavailable, RequestError, SlotExperts, run_pairs
+from deltafin.workers.slot_experts import SlotExperts
+from deltafin.workers.sources import ExpertUnavailable, RequestError
 
 
 IDLE, REQUEST, STOP = 0, 1, 2
@@ -258,7 +259,7 @@ class ShardedExperts(SlotExperts):
         w, quant = tier.weights(layer), tier.quant(layer)
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
-        sorted_rows = ids1.size >= SORT_PAIRS  # decided for the whole layer, as on one host
+        sorted_rows = sorts_pairs(ids1.size)  # decided for the whole layer, as on one host
         mine = np.nonzero(self.share.owner[layer][ids1] == self.share.rank)[0]
         experts = np.unique(ids1[mine]).tolist()
         cap = tier.n_slots[tier.group_of[layer]]

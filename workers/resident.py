@@ -11,16 +11,9 @@ pool (measured, tests/test_resident.py).
 
 compute is the only writer of its residency map (`slot_of`): it applies every fill itself, in its
 own thread, so the map and the pools never disagree, and a hit needs no question to the router.
-
-Where MLX can adopt host memory without a copy (Metal: page-aligned buffers reach
-newBufferWithBytesNoCopy), the staging slots themselves could be the resident tier;
-`probe_zero_copy` says whether this process can. On the Linux CPU and CUDA backends MLX refuses
-("Cannot import a CPU array without a copy") and the owned tier here is the only one. The
-adopted tier is not implemented: it was never run on a Mac.
 """
 from __future__ import annotations
 
-import mmap
 import time
 
 import mlx.core as mx
@@ -28,30 +21,6 @@ import numpy as np
 
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tiers import layer_groups, layout_of
-
-PROBE_BYTES = 16384  # one Apple page: the alignment Metal needs to wrap host memory
-
-
-def probe_zero_copy() -> dict:
-    """Can MLX here use page-aligned shared memory in place? Wraps an anonymous mapping (page
-    aligned, as a shared-memory slot is) with `mx.asarray(copy=False)` and checks that a write to
-    the host memory is seen through the MLX array. {"zero_copy": bool, "why": str}."""
-    buf = mmap.mmap(-1, PROBE_BYTES)
-    host = np.frombuffer(buf, dtype=np.uint32)
-    try:
-        try:
-            wrapped = mx.asarray(host, copy=False)
-        except (ValueError, TypeError, RuntimeError) as e:
-            return {"zero_copy": False, "why": f"mx.asarray(copy=False) refused: {e}"}
-        host[0] = 0x5EED
-        seen = int(wrapped[0].item())
-        del wrapped
-        if seen != 0x5EED:
-            return {"zero_copy": False, "why": "mx.asarray(copy=False) copied (a host write was not seen)"}
-        return {"zero_copy": True, "why": f"{mx.default_device()} adopts page-aligned host memory"}
-    finally:
-        del host
-        buf.close()
 
 
 def probe_host_writes() -> dict:

@@ -1,6 +1,6 @@
 """Forward passes of the supported MoE architectures, looked up by config["model_type"]."""
 
-from .base import KVCache, ResidentExperts, UnsupportedArchitecture, switch_glu
+from .base import KVCache, UnsupportedArchitecture
 from .decoder import MoETransformer
 from .deepseek_v2 import DeepseekV2
 from .deepseek_v3 import DeepseekV3
@@ -8,6 +8,7 @@ from .mixtral import Mixtral
 from .olmoe import Olmoe
 from .qwen2_moe import Qwen2Moe
 from .qwen3_moe import Qwen3Moe
+from .switch import ResidentExperts, switch_glu
 
 MODELS = {
     "mixtral": Mixtral,

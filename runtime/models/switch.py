@@ -1,0 +1,108 @@
+"""The routed experts' math, one module for every caller: the models (`switch_glu`,
+`ResidentExperts`), compute's resident tier and the distributed ranks (`run_pairs` on chosen
+(token, expert) pairs, joined back by `in_token_order`).
+
+Every op mirrors the MLX primitive mlx-lm's SwitchGLU uses, so the logits match mlx-lm on the same
+quantized checkpoint. Whether a layer's rows are sorted by expert is decided once per layer, by
+the number of (token, expert) pairs (`sorts_pairs`), as mlx-lm decides it.
+"""
+import mlx.core as mx
+import numpy as np
+
+from deltafin.runtime.models.base import swiglu
+
+# mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
+SORT_PAIRS = 64
+
+
+def sorts_pairs(n_pairs: int) -> bool:
+    """Whether a layer with n_pairs (token, expert) pairs runs on rows sorted by expert."""
+    return n_pairs >= SORT_PAIRS
+
+
+def expert_matmul(x, w, name, idx, quant, sorted_indices):
+    """One projection of the chosen experts: w holds stacked [E, out, in] tensors (or a pool of
+    resident slots), idx selects per row. quant: {"bits", "group_size"}, or None for a float
+    projection (mlx-lm leaves one float when its input does not fit the group size)."""
+    if quant is None:
+        return mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
+                            sorted_indices=sorted_indices)
+    return mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
+                         rhs_indices=idx, transpose=True, group_size=quant["group_size"],
+                         bits=quant["bits"], sorted_indices=sorted_indices)
+
+
+def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
+    """SwiGLU of the selected experts, the projections in mlx-lm's order. quant: per projection
+    name (a record layout's "quant")."""
+    up = expert_matmul(x, w, "up_proj", idx, quant["up_proj"], sorted_indices)
+    gate = expert_matmul(x, w, "gate_proj", idx, quant["gate_proj"], sorted_indices)
+    return expert_matmul(swiglu(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
+
+
+def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
+    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+            for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def switch_glu(x, inds, w, quant: dict):
+    """Chosen experts' SwiGLU, as mlx-lm's SwitchGLU: x [..., D], inds [..., k] rows of w ->
+    [..., k, D] (e.g. [N, D] and [N, k], or the gate's [B, L, D] and [B, L, k]).
+
+    w: stacked [E, out, in] tensors, or resident pools with inds as slot numbers (each row's
+    result depends only on its own row and expert, so the slot numbering changes nothing)."""
+    x = mx.expand_dims(x, (-2, -3))
+    # Sorting rows by expert keeps each expert's weights contiguous when there are many rows.
+    do_sort = sorts_pairs(inds.size)
+    idx, order = inds, None
+    if do_sort:
+        flat = inds.flatten()
+        order = mx.argsort(flat)
+        x, idx = x.flatten(0, -3)[order // inds.shape[-1]], flat[order]
+    y = gather_glu(x, idx, w, quant, do_sort)
+    if do_sort:
+        y = mx.unflatten(y[mx.argsort(order)], 0, inds.shape)
+    return y.squeeze(-2)
+
+
+def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, sorted_rows: bool,
+              evaluate: bool = True):
+    """The SwiGLU of the (token, expert) pairs `pairs` (flat indices, grouped by expert) on the
+    stacked weights `w` at `slot_ids`, evaluated at once (evaluate) so the stack can go before the
+    next one. sorted_rows: `sorts_pairs` of the whole layer's pairs, not of this piece's."""
+    idx = mx.array(slot_ids.astype(np.uint32))
+    rows = x2[mx.array(pairs // k)]
+    xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
+    piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), x2.shape[-1])
+    if evaluate:
+        mx.eval(piece)
+    return piece
+
+
+def pairs_of(ids1: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Flat (token, k) indices where mask holds, grouped by expert (stable)."""
+    pairs = np.nonzero(mask)[0]
+    return pairs[np.argsort(ids1[pairs], kind="stable")]
+
+
+def in_token_order(pieces: list, order: list, lead, k: int, d: int):
+    """Concatenated chunk results back in (token, k) order."""
+    y = mx.concatenate(pieces, axis=0)
+    n = sum(len(o) for o in order)
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[np.concatenate(order)] = np.arange(n)
+    return y[mx.array(inverse)].reshape(*lead, k, d)
+
+
+class ResidentExperts:
+    """ExpertProvider with every expert in memory: {layer: {"gate_proj.weight": [E, ...], ...}}."""
+
+    keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
+
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
+        self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
+
+    def __call__(self, layer, x, inds):
+        w = self.layers[layer]
+        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size))

@@ -1,0 +1,386 @@
+"""The expert provider of the runtime: a MoE layer's experts from compute's resident tier.
+
+`SlotExperts` keeps the experts it uses in its resident tier (workers/resident.py: MLX pools
+filled once per load) and knows what the tier holds without asking anyone: when every expert of
+the layer is resident, the gate's ids index a device-side expert->slot table and `gather_qmm`
+runs on the pools inside the lazy graph, with no read-back, no message and no copy. Otherwise the
+ids come back to the CPU (one sync); experts already resident cost nothing more, and the missing
+ones are asked of the source (`need`, workers/sources.py), which has them read into staging
+slots and tells compute to copy each into a resident slot (`apply`). The uses compute served
+alone are reported without waiting (`used`), so the cache policy still sees every hit. Where the
+router prefetches, a layer that reads its gate back also applies the next layer's gate to its
+input and asks for those experts ahead (`need` with lease, sent behind its own need), so two
+requests are in flight while it waits and computes. Each expert's result depends only on its own
+tokens and weights, so the output is the same whatever the memory budget, the slot assignment or
+the order experts arrive in.
+
+A layer not all resident runs one of three ways: its experts made resident by one need, then one
+call (`_one_need`); in pieces while its misses are read (`_in_pieces`); or in chunks of the
+layer's slots where it uses more experts than it has slots (`_in_chunks`).
+"""
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.benchmode import Routing
+from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, sorts_pairs, switch_glu
+from deltafin.runtime.store import Store
+from deltafin.workers.passes import ExpertProvider
+from deltafin.workers.resident import ResidentTier
+from deltafin.workers.router import prefetch_setting
+from deltafin.workers.sources import ExpertSource, ExpertUnavailable
+
+
+class SlotExperts(ExpertProvider):
+    """The ExpertProvider of the runtime: experts from compute's resident tier, filled from the
+    shared-memory staging slots the router has the loader read into."""
+
+    def __init__(self, store: Store, staging_buf, slot_bytes: int, source: ExpertSource, dtype,
+                 routing: Routing | None = None):
+        super().__init__(store, source, dtype, routing)
+        self.staging, self.slot_bytes = staging_buf, slot_bytes
+        self.tier: ResidentTier | None = None
+        self.force_sync = False  # measurement only: read every layer's ids back, resident or not
+        self.cache_config: dict = {}  # the config's [cache] as a dict, set by Compute before attach
+        self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
+        self.host_fills = True  # compute.host_fills, set by Compute before attach
+        self.hits_first = True  # compute.hits_first, set by Compute
+        self.stream_misses = True  # compute.stream_misses, set by Compute
+        self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
+        self.take_early_fills = True  # compute.early_fills, set by Compute
+        self.leases = True  # compute.leases, set by Compute: the lookahead also asked as a lease
+        self.eager_layers = False  # compute.eager_layers, set by Compute
+        self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
+        self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
+        self._look = None  # (next layer, its gate's ids on this layer's input), until sent
+
+    def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
+        """The staging segment and the resident slots per group (the process: at attach_pool)."""
+        self.staging, self.slot_bytes = staging_buf, slot_bytes
+        n_keys = self.store.n_experts * len(self.store.moe_layers)
+        # Pools in host memory where experts stream (a group with fewer slots than experts) and
+        # unless told otherwise: a group holding every expert of its layers (the whole tier, or
+        # whole layers) is read faster from device memory.
+        on_host = {"host": True, "device": False}.get(self.pool_placement, "streaming")
+        self.tier = ResidentTier(self.store, self.dtype, resident,
+                                 host_writes=None if self.host_fills else False, on_host=on_host)
+        self.hints = (self.routing.mode == "gate" and
+                      prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
+
+    def wants_lookahead(self, layer: int) -> bool:
+        """Whether the model should apply the next MoE layer's gate to this layer's input: only
+        where the router prefetches and this layer reads its gate back anyway (not all resident)."""
+        return self.hints and not self.tier.full(layer) and not self.force_sync
+
+    def lookahead(self, layer: int, inds) -> None:
+        self._look = (layer, inds)
+
+    def _send_hint(self, ids) -> None:
+        """Evaluates the lookahead with this layer's ids (one sync for both) and sends it."""
+        look, self._look = self._look, None
+        if look is None or not isinstance(ids, mx.array):
+            return
+        mx.eval(ids, look[1])
+        self.counters.add("hints")
+        experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
+        self.source.hint([[look[0], experts]])
+        # The same experts asked as a lease, sent right behind this layer's need (or alone where
+        # it has none): the router reads them while this layer waits and computes. At most half
+        # of the layer's pool, so a lease never leaves the next need short of slots.
+        if self.leases and self.source.takes_leases and \
+                len(experts) <= self.tier.n_slots[self.tier.group_of[look[0]]] // 2:
+            self._lease = (look[0], experts)
+
+
+    def _in_pieces(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
+        """A layer with misses, computed in pieces so that compute does not sit idle while they
+        are read: with `hits_first` its resident experts' (token, expert) pairs are launched
+        (mx.async_eval) before the need is sent; with `stream_misses`, where fills write the pools
+        in place, each missing expert's pairs are launched as its fill lands (`apply`), so its
+        compute overlaps the reads of the others; the misses not launched so far run after the
+        need. The pieces are joined in (token, k) order. Each pair's result depends only on its
+        row and expert (as in `_in_chunks`), so the output is the one-call output, bit for bit.
+        A fill that would overwrite a slot a piece in flight reads waits for them."""
+        fly = self._flight(layer, x, flat, experts)
+        ids1 = fly["ids1"]
+        hit = self.tier.slot_of[layer][ids1] >= 0
+        hits_run = self.hits_first and hit.any()
+        self._inflight = fly
+        if hits_run:
+            self._launch(fly, pairs_of(ids1, hit))
+            self.counters.add("hits_first")
+        try:
+            reported = self.ensure(layer, experts)
+        finally:
+            self._inflight = None
+        late = np.isin(ids1, list(fly["waiting"]))  # misses no landing fill launched
+        if not hits_run:
+            late |= hit
+        if late.any():
+            self._launch(fly, pairs_of(ids1, late), run=False)
+        self._note(layer, flat, report=not reported, count=False)
+        return self._reads_pools(in_token_order(fly["pieces"], fly["orders"], inds.shape[:-1],
+                                                fly["k"], x.shape[-1]))
+
+    def _flight(self, layer: int, x, flat: np.ndarray, experts: list[int]) -> dict:
+        """A layer in pieces: its rows and ids, its misses still waiting, the pieces launched and
+        the slots they read (which a fill into the same group must wait for)."""
+        tier, g = self.tier, self.tier.group_of[layer]
+        ids1 = flat.reshape(-1)
+        return {"layer": layer, "group": g, "slots": set(), "pieces": [], "orders": [],
+                "waiting": set(tier.missing(layer, experts)), "x2": x.reshape(-1, x.shape[-1]),
+                "k": flat.shape[-1], "ids1": ids1,
+                "sorted": sorts_pairs(ids1.size),  # decided for the whole layer, as mlx-lm does
+                "stream": self.stream_misses and bool(tier.host[g])}
+
+    def _launch(self, fly: dict, pairs: np.ndarray, run: bool = True) -> None:
+        """One piece of a layer in pieces: the pairs' SwiGLU on their slots, launched at once
+        (run) or left in the layer's graph."""
+        tier, layer = self.tier, fly["layer"]
+        slots = tier.slots(layer, fly["ids1"][pairs])
+        piece = run_pairs(fly["x2"], fly["k"], pairs, slots, tier.weights(layer), tier.quant(layer),
+                          fly["sorted"], evaluate=False)
+        if run:
+            mx.async_eval(piece)
+            fly["slots"].update(slots.tolist())
+        fly["pieces"].append(piece)
+        fly["orders"].append(pairs)
+
+    def _landed(self, layer: int, expert: int) -> None:
+        """A fill landed: if it is a miss of the layer in pieces, its pairs start computing."""
+        fly = self._inflight
+        if fly is None or layer != fly["layer"] or expert not in fly["waiting"] or not fly["stream"]:
+            return
+        fly["waiting"].discard(expert)
+        self._launch(fly, pairs_of(fly["ids1"], fly["ids1"] == expert))
+        self.counters.add("streamed_misses")
+
+    def _reads_pools(self, y):
+        """y reads the pools lazily: kept as its pass's latest such output (it depends on every
+        earlier one of the pass), so a fill writing the pools' memory in place can evaluate it
+        first."""
+        self.current["reads"] = y
+        return y
+
+    def _settle(self) -> None:
+        """Evaluates what the open passes have built on the pools, before a fill writes them in
+        place (ResidentTier.host): an unevaluated graph would read the new expert. Where a gate
+        was read back this is already done, and costs nothing."""
+        pending = [rec.pop("reads") for rec in self.passes.values() if "reads" in rec]
+        if pending:
+            mx.eval(pending)
+
+    def apply(self, msg) -> None:
+        """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
+        empty now). Only ever called in compute's thread: while it waits for a need, or where a
+        layer takes the fills that landed meanwhile (`take_fills`)."""
+        if isinstance(msg, M.FillFailed):
+            self.tier.drop(msg.layer, msg.slot)
+            return
+        nbytes = self.store.layout(msg.layer, msg.expert)["nbytes"]
+        start = msg.staging * self.slot_bytes
+        t0 = time.perf_counter()
+        g = self.tier.group_of[msg.layer]
+        in_place = bool(self.tier.host[g])
+        fly = self._inflight
+        if fly is not None and fly["group"] == g and fly["slots"]:
+            # Pieces in flight read this slot (a write in place), or hold this group's pools (a
+            # write through MLX would then copy a whole pool): they finish first.
+            if msg.slot in fly["slots"] or not in_place:
+                mx.eval(fly["pieces"])
+                fly["slots"].clear()
+        if in_place:
+            self._settle()
+        self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
+        self._landed(msg.layer, msg.expert)
+        dt = time.perf_counter() - t0
+        self.prepare.add(dt)
+        self.t_prepare += dt
+        self.counters.add("bytes", nbytes)
+
+    def take_fills(self, layer: int, experts: list[int]) -> bool:
+        """Applies the prefetch fills that landed while compute was busy (`poll`), before a
+        layer decides what is resident: experts read ahead then count as hits, join the hits
+        computed first, and a layer they complete sends no need at all (then its uses go to the
+        router at once, marked `ahead`, so that it prefetches as a need's answer would have made
+        it). Without this they waited in the socket for the layer's need. Called where the
+        layer's input is evaluated (after its gate read-back), so writing the pools in place
+        costs no extra sync. True where a fill taken was one of the layer's experts."""
+        if not self.take_early_fills:
+            return False
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        mine = []
+
+        def apply(msg) -> None:
+            self.apply(msg)
+            if isinstance(msg, M.Fill) and msg.layer == layer and msg.expert in experts:
+                mine.append(msg.expert)
+        n = self.source.poll(apply)
+        if n:
+            self.counters.add("early_fills", n)
+        self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
+        return bool(mine)
+
+    def ensure(self, layer: int, experts: list[int]) -> bool:
+        """Makes the experts resident together; counts their uses. False when they all were (no
+        message: their use is reported later); True when a need was sent (it reports them)."""
+        missing = self.tier.missing(layer, experts)
+        self.counters.add("uses", len(experts))
+        self.counters.add("hits", len(experts) - len(missing))
+        lease, self._lease = self._lease, None  # the next layer's, asked behind this need
+        if lease is not None:
+            self.counters.add("leases")
+        if not missing:
+            if lease is not None:
+                self.source.lease(*lease)
+            return False
+        self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
+        self.flush()  # the router sees the earlier uses first, in order
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        granted = self.source.need(layer, experts, self.apply, lease=lease)
+        took = time.perf_counter() - t0 - (self.t_prepare - prep0)
+        self.t_wait += min(granted.wait_s, took)
+        self.t_ipc += max(0.0, took - granted.wait_s)
+        for e, slot in granted.slots:
+            if not self.tier.holds(layer, e, slot):
+                raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
+                                        f"{layer} expert {e} (slot {slot})")
+        return True
+
+    def preload_step(self) -> bool:
+        """Where the resident tier holds every expert of a group (the budget allows it), asks for
+        the next layer of it that is not all resident: once all are, no layer ever syncs or asks
+        again. One layer per call, so a caller can keep answering between layers. False when
+        there is nothing (more) to load."""
+        if self.tier is None:
+            return False
+        for layer in self.store.moe_layers:
+            g = self.tier.group_of[layer]
+            if self.tier.n_slots[g] < self.tier.group_experts[g] or self.tier.full(layer):
+                continue
+            experts = list(range(self.store.n_experts))
+            self.counters.add("preloaded", len(self.tier.missing(layer, experts)))
+            self.flush()
+            self.source.need(layer, experts, self.apply, prefetch=True)
+            self.tier.settle_writes()
+            return True
+        return False
+
+    def fetch(self, layer: int) -> None:
+        """The stand-in's MoE layer: the same requests, reads and fills, no expert math."""
+        ids = self.routing.choose(layer, None)
+        experts = np.unique(ids).tolist()
+        early = self.take_fills(layer, experts)
+        cap = self.tier.n_slots[self.tier.group_of[layer]]
+        reported = False
+        for i in range(0, len(experts), cap):
+            reported = self.ensure(layer, experts[i:i + cap]) or reported
+            self.tier.settle_writes()  # no graph reads the pools here
+        self._note(layer, ids, report=not reported, count=False)
+        if early and not reported:
+            self.flush(ahead=True)
+
+    def can_overlap(self) -> bool:
+        return self.tier is not None and self.tier.all_full() and not self.force_sync
+
+    def _count_or_note(self, layer: int, ids) -> None:
+        """A resident layer's ids: where every expert is resident (nothing can be evicted, so the
+        router needs no uses) and no one records this pass's routing, a single row's k ids are k
+        distinct experts, all hits: counted from the shape, not read back (no stack of the
+        pass's ids in its graph, no copy, no message per token). Otherwise noted, to be read back
+        with the pass and reported."""
+        rec = self.current
+        if rec["rows"] or rec["n"] != 1 or not self.tier.all_full():
+            self._note(layer, ids, report=True, count=True)
+            return
+        rec["uses"] = rec.get("uses", 0) + ids.shape[-1]  # counted once the pass is committed
+
+
+    def __call__(self, layer: int, x, inds):
+        """The layer's experts' output [..., k, D] for x [..., D] and the gate's ids [..., k]."""
+        ids = self.routing.choose(layer, inds)  # the gate's ids (on the device), or the trace's
+        tier = self.tier
+        if tier.full(layer) and not self.force_sync:
+            return self._all_resident(layer, x, inds, ids)
+        flat = self._read_ids(x, ids)
+        experts = np.unique(flat).tolist()
+        early = self.take_fills(layer, experts)
+        g = tier.group_of[layer]
+        if len(experts) > tier.n_slots[g]:
+            return self._in_chunks(layer, x, inds, flat, experts)
+        missing = len(tier.missing(layer, experts))
+        if missing and ((self.hits_first and missing < len(experts)) or
+                        (self.stream_misses and tier.host[g])):
+            return self._in_pieces(layer, x, inds, flat, experts)
+        return self._one_need(layer, x, inds, flat, experts, flush_ahead=early and not missing)
+
+    def _all_resident(self, layer: int, x, inds, ids):
+        """Every expert of the layer resident: no question to ask, the ids index the layer's
+        experts inside the graph."""
+        tier = self.tier
+        self._count_or_note(layer, ids)
+        ordered = tier.expert_weights(layer)  # None: index the expert->slot table
+        if isinstance(ids, mx.array):
+            slots = ids if ordered is not None else tier.device_table(layer)[ids]
+        else:  # a trace's ids, in the gate's shape
+            host = np.asarray(ids).reshape(inds.shape)
+            slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
+        y = switch_glu(x, slots, ordered or tier.weights(layer), tier.quant(layer))
+        if self.eager_layers and not tier.all_full():
+            # A later layer of this pass reads its routing back, which waits for everything
+            # before it: launched now, this layer computes while the next ones are built.
+            mx.async_eval(y)
+        return self._reads_pools(y)
+
+    def _read_ids(self, x, ids) -> np.ndarray:
+        """The layer's ids on the CPU [n, k] (the sync), the gate's lookahead sent with them."""
+        if not isinstance(ids, mx.array):
+            # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
+            # the pass's pending graph still holds the pools, and a fill would then copy a whole
+            # pool instead of writing one slot (compute grew to 22 GB on the 26-layer store in the
+            # real regime). Evaluated here, where a real run's gate read-back evaluates it.
+            mx.eval(x)
+        if isinstance(ids, mx.array):
+            self.counters.add("gate_syncs")
+        if self._look is not None:
+            t0 = time.perf_counter()
+            self._send_hint(ids)  # before the need: the router prefetches after answering it
+            self.t_sync += time.perf_counter() - t0
+        return self._host(ids).reshape(-1, ids.shape[-1])
+
+    def _one_need(self, layer: int, x, inds, flat: np.ndarray, experts: list[int], flush_ahead: bool):
+        """The layer's experts made resident together (one need, or none), then one call.
+        flush_ahead: early fills completed the layer, so no need starts the router's next
+        prefetch: its uses, sent now, do."""
+        tier = self.tier
+        reported = self.ensure(layer, experts)
+        self._note(layer, flat, report=not reported, count=False)
+        if flush_ahead:
+            self.flush(ahead=True)
+        slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
+        return self._reads_pools(switch_glu(x, mx.array(slots), tier.weights(layer), tier.quant(layer)))
+
+    def _in_chunks(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
+        """More distinct experts than the layer's resident slots (a long prefill in a small
+        budget): in chunks, each evaluated before the next chunk's fills overwrite its slots. No
+        lease here: it would hold slots the chunks take in turn."""
+        tier = self.tier
+        self._lease = None
+        w, quant, cap = tier.weights(layer), tier.quant(layer), tier.n_slots[tier.group_of[layer]]
+        reported = False
+        lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
+        x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
+        sorted_rows = sorts_pairs(ids1.size)  # decided for the whole layer, as mlx-lm does
+        pieces, order = [], []
+        for i in range(0, len(experts), cap):
+            chunk = experts[i:i + cap]
+            reported = self.ensure(layer, chunk) or reported
+            pairs = pairs_of(ids1, np.isin(ids1, chunk))
+            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, sorted_rows))
+            order.append(pairs)
+        self._note(layer, flat, report=not reported, count=False)
+        return in_token_order(pieces, order, lead, k, d)

@@ -1,0 +1,219 @@
+"""compute's side of the data plane: where a layer's missing experts come from.
+
+An `ExpertSource` answers a layer's `need` (the experts it lacks, read into staging slots and
+copied into resident slots by `apply`, as the fills arrive), takes the uses compute served alone
+(`used`), the gate's lookahead (`hint`) and, where it `takes_leases`, a later layer's experts asked
+ahead (`lease`). `RouterClient` is the process's source, over the data-plane socket;
+`LocalExpertSource` calls the router and loader directly (tests and tools).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.metrics import Counter
+from deltafin.runtime.store import Store
+from deltafin.runtime.tiers import layer_groups
+
+
+class RequestError(ValueError):
+    """The request itself is wrong (empty prompt, too long, bad token id)."""
+
+    code = "bad_request"
+
+
+class ExpertUnavailable(RuntimeError):
+    """A layer's experts could not be had (a read failed, the router refused, a wait timed out)."""
+
+    def __init__(self, message: str, code: str = "expert_unavailable"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Granted:
+    slots: list          # [(expert, slot)]
+    hits: int
+    wait_s: float
+
+
+class ExpertSource(Protocol):
+    """What `SlotExperts` asks of a source. apply: called with each `M.Fill` / `M.FillFailed`
+    the source receives, in compute's thread."""
+
+    takes_leases: bool  # whether `need` is ever given a lease (and `lease` called)
+    messages: Counter
+
+    def resident_slots(self, store: Store) -> dict | None:
+        """{group: resident slots}, or None where the process learns them later (attach_pool)."""
+
+    def need(self, layer: int, experts: list[int], apply: Callable, prefetch: bool = False,
+             lease: tuple | None = None) -> Granted: ...
+
+    def lease(self, layer: int, experts: list[int]) -> None: ...
+
+    def poll(self, apply: Callable) -> int: ...
+
+    def used(self, uses: list, ahead: bool = False) -> None: ...
+
+    def hint(self, hints: list) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class LocalExpertSource:
+    """Router and loader called directly: the in-process wiring used by tests and tools. Counts
+    the messages compute would send (`messages`), as `RouterClient` does over the socket.
+
+    It takes no leases (`need` never gets one): a lease's fills would land at once, while the
+    layer that asked has not run (a victim could be one of its experts, used without a need);
+    over the socket they are applied only at a later wait, after what the pass built is evaluated."""
+
+    takes_leases = False
+
+    def __init__(self, router, loader):
+        self.router, self.loader, self.req = router, loader, 0
+        self.messages = Counter()
+
+    def resident_slots(self, store: Store) -> dict:
+        """{group: resident slots} of the router's tables, named by the store's record layouts."""
+        groups = set(layer_groups(store).values())
+        if self.router.only is not None:
+            if len(groups) != 1:
+                raise ValueError("the store has several record layouts: give the router one slot "
+                                 "group per layout (Router(groups=...))")
+            return {groups.pop(): self.router.table.n_slots}
+        return {g: t.n_slots for g, t in self.router.tables.items()}
+
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None) -> Granted:
+        from deltafin.workers.router import RouterError, drive_need
+        self.req += 1
+        self.messages.add("need")
+        t0 = time.perf_counter()
+
+        def fill(msg):
+            apply(msg)
+            if isinstance(msg, M.Fill):
+                self.messages.add("filled")
+        try:
+            reply = drive_need(self.router, self.req, layer, experts, self.loader.read, fill, prefetch)
+        except RouterError as e:
+            raise ExpertUnavailable(str(e), code=e.code) from None
+        wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
+        return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
+
+    def lease(self, layer: int, experts: list[int]) -> None:
+        raise NotImplementedError("the in-process source takes no leases (takes_leases is False)")
+
+    def poll(self, apply) -> int:
+        """In-process every fill is applied inside its need: nothing ever waits."""
+        return 0
+
+    def used(self, uses: list, ahead: bool = False) -> None:
+        self.messages.add("used")
+        self.router.used(uses)
+
+    def hint(self, hints: list) -> None:
+        self.messages.add("hint")
+        self.router.hint((layer, e) for layer, experts in hints for e in experts)
+
+    def release(self) -> None:
+        self.router.release()
+
+
+
+class RouterClient:
+    """compute's side of the data plane over the socket: `need` waits (applying the fills that
+    arrive meanwhile), `used` does not."""
+
+    takes_leases = True
+
+    def __init__(self, sock, timeout_s: float, alive):
+        self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
+        self.messages = Counter()
+        self.stash: deque = deque()  # messages `poll` read that only a need handles
+
+    def resident_slots(self, store: Store) -> None:
+        """Not known at start: the supervisor tells the process when it attaches the pool."""
+        return None
+
+    def _fill(self, msg, apply) -> None:
+        from deltafin.runtime.sockets import send
+        apply(msg)
+        send(self.sock, M.Filled(staging=msg.staging, generation=msg.generation))
+        self.messages.add("filled")
+
+    def poll(self, apply) -> int:
+        """Applies, without waiting, the fills that arrived since the last need (prefetch reads
+        that landed while compute was busy), so a layer counts them resident before it decides
+        what to ask; returns how many. Anything else is kept for the next need."""
+        from deltafin.runtime.sockets import recv
+        n = 0
+        while self.sock.poll(0):
+            msg = recv(self.sock)
+            if isinstance(msg, M.Fill):
+                self._fill(msg, apply)
+                n += 1
+            elif isinstance(msg, M.FillFailed):
+                apply(msg)  # a read no need waits for failed: its slot is empty
+            else:
+                self.stash.append(msg)
+        return n
+
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
+             lease: tuple | None = None) -> Granted:
+        """Sends the need, then `lease` ((layer, experts) of a later layer) if given, so the
+        router reads the lease behind this need's reads; waits for this need's `slots`."""
+        from deltafin.runtime.sockets import recv, send, wait_readable
+        self.req += 1
+        req = self.req
+        send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch))
+        self.messages.add("need")
+        if lease is not None:
+            self.lease(*lease)
+        while True:
+            if self.stash:
+                msg = self.stash.popleft()
+            else:
+                try:
+                    wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
+                except (TimeoutError, ConnectionError) as e:
+                    raise ExpertUnavailable(str(e)) from None
+                msg = recv(self.sock)
+            if isinstance(msg, M.Fill):
+                self._fill(msg, apply)
+            elif isinstance(msg, M.FillFailed):
+                apply(msg)
+                if msg.req == req:
+                    raise ExpertUnavailable(msg.error, code="expert_read_failed")
+            elif isinstance(msg, M.Error):  # the router's own code (budget_too_small)
+                raise ExpertUnavailable(msg.message, code=msg.code)
+            elif isinstance(msg, M.Slots) and msg.req == req:
+                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
+            # else a lease's answer: its fills were applied as they came
+
+    def lease(self, layer: int, experts: list[int]) -> None:
+        """Asks ahead for a later layer's experts (no wait): `need` with lease. Its fills are
+        applied as they arrive, by a need's wait or `poll`."""
+        from deltafin.runtime.sockets import send
+        self.req += 1
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True))
+        self.messages.add("lease")
+
+    def used(self, uses: list, ahead: bool = False) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Used(uses=uses, ahead=ahead))
+        self.messages.add("used")
+
+    def hint(self, hints: list) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Hint(hints=hints))
+        self.messages.add("hint")
+
+    def release(self) -> None:
+        from deltafin.runtime.sockets import send
+        send(self.sock, M.Release(req=self.req))
+
