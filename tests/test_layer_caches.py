@@ -123,3 +123,32 @@ def test_recurrent_state_carries_over_passes_and_batches_by_rows():
     assert np.array_equal(np.array(caches[0].state), np.array(a.state))
     assert np.array_equal(np.array(caches[0].conv), np.array(a.conv))
     assert np.array_equal(np.array(caches[1].state), np.array(alone(xs[:1]).state))
+
+
+def test_the_moe_block_runs_experts_in_a_latent_space_with_biases():
+    """latent=(down, up): the experts see down(x) and the block returns up of their weighted sum;
+    expert_bias[e] is added to expert e's output before weighting."""
+    from functools import partial
+
+    from deltafin.runtime.models import routing
+    from deltafin.runtime.models.base import Linear, QuantSpec
+    from deltafin.runtime.models.decoder import SparseMoE
+
+    rng = np.random.default_rng(2)
+    D, R, E = 8, 4, 6
+    w = {n: mx.array(rng.standard_normal(s).astype(np.float32))
+         for n, s in (("gate.weight", (E, D)), ("down.weight", (R, D)), ("up.weight", (D, R)))}
+    lin = {n: Linear(w, n, QuantSpec(None)) for n in ("gate", "down", "up")}
+    scale = mx.arange(1, E + 1, dtype=mx.float32)  # expert e multiplies its input by e + 1
+    bias = mx.array(rng.standard_normal((E, R)).astype(np.float32))
+
+    def experts(layer, x, inds):
+        return mx.expand_dims(x, -2) * scale[inds][..., None]
+    experts.keeps_shape = True
+    route = partial(routing.softmax_topk, k=2, norm=True)
+    moe = SparseMoE(0, lin["gate"], route, latent=(lin["down"], lin["up"]), expert_bias=bias)
+    x = mx.array(rng.standard_normal((1, 3, D)).astype(np.float32))
+    inds, scores = route(lin["gate"](x))
+    z = lin["down"](x)
+    want = lin["up"]((((mx.expand_dims(z, -2) * scale[inds][..., None]) + bias[inds]) * scores[..., None]).sum(-2))
+    assert np.allclose(np.array(moe(x, experts)), np.array(want), atol=1e-5)
