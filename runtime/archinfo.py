@@ -1,12 +1,18 @@
-"""What the store and converter need to know about each architecture's checkpoint layout.
+"""The registry of model families: what the runtime knows of each without MLX.
 
-Only the routed experts are special: where they sit in a checkpoint, which layers have them,
-how many there are. Everything else is a dense tensor copied as it is.
+One `ArchInfo` per family (`ARCHS`, the one list of supported architectures): where its routed
+experts sit in a checkpoint (the store and converter copy every other tensor as it is), which
+layers have them, the cache each layer's attention keeps (runtime/layerkinds.py: the budget and
+admission size caches from it), and the module of runtime/models holding its forward pass
+(`build_model` imports it from here).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
+
+from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -15,37 +21,90 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
+# ---------------------------------------------------------------- which layers have routed experts
+
+def every_layer(config: dict) -> list[int]:
+    return list(range(int(config["num_hidden_layers"])))
+
+
+def deepseek_moe_layers(config: dict) -> list[int]:
+    """DeepSeek layout: dense up to first_k_dense_replace, then MoE every moe_layer_freq layers."""
+    first = int(config.get("first_k_dense_replace", 0))
+    step = int(config.get("moe_layer_freq", 1))
+    return [i for i in every_layer(config) if i >= first and i % step == 0]
+
+
+def qwen_moe_layers(config: dict) -> list[int]:
+    """Qwen-MoE layout: MoE every decoder_sparse_step layers except those in mlp_only_layers."""
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    skip = set(config.get("mlp_only_layers") or [])
+    return [i for i in every_layer(config) if i not in skip and (i + 1) % step == 0]
+
+
+# ---------------------------------------------------------------- the cache of each layer
+
+def gqa_caches(config: dict) -> list[CacheKind]:
+    """Grouped-query attention over every position in every layer."""
+    heads = int(config["num_attention_heads"])
+    width = int(config.get("num_key_value_heads") or heads) * int(
+        config.get("head_dim") or config["hidden_size"] // heads)
+    return [FullKV(width, width)] * int(config["num_hidden_layers"])
+
+
+def _mla_widths(config: dict) -> tuple[int, int]:
+    """MLA's per-head keys (no-position + rotary part) and values, elements per position."""
+    heads = int(config["num_attention_heads"])
+    k = heads * (int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"]))
+    return k, heads * int(config["v_head_dim"])
+
+
+def mla_expanded_caches(config: dict) -> list[CacheKind]:
+    """MLA expanded per head (DeepSeek-V2): full keys and values."""
+    return [FullKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
+
+
+def mla_latent_caches(config: dict) -> list[CacheKind]:
+    """Absorbed MLA (DeepSeek-V3, Kimi-K2): the latent and the shared rotary key per position."""
+    return [LatentKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
+
+
+# ---------------------------------------------------------------- the registry
+
 @dataclass(frozen=True)
 class ArchInfo:
     model_type: str
+    model: str                 # "module.Class" of its forward pass in runtime/models
     block: str                 # module holding the experts: "mlp" or "block_sparse_moe"
     proj_names: dict           # checkpoint projection name -> canonical name
     experts_key: str           # config key with the routed expert count
+    moe_layers: Callable[[dict], list[int]]        # config -> the layers with routed experts
+    caches: Callable[[dict], list[CacheKind]]      # config -> each layer's cache kind
     top_k_key: str = "num_experts_per_tok"
+    aliases: tuple = ()        # other model_type names of the same architecture
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-ARCHS = {
-    "mixtral": ArchInfo("mixtral", "block_sparse_moe",
-                        {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}, "num_local_experts"),
-    "qwen2_moe": ArchInfo("qwen2_moe", "mlp", _STD, "num_experts"),
-    "qwen3_moe": ArchInfo("qwen3_moe", "mlp", _STD, "num_experts"),
-    "olmoe": ArchInfo("olmoe", "mlp", _STD, "num_experts"),
-    "deepseek_v2": ArchInfo("deepseek_v2", "mlp", _STD, "n_routed_experts"),
-    "deepseek_v3": ArchInfo("deepseek_v3", "mlp", _STD, "n_routed_experts"),
-}
-# Kimi-K2 ships as model_type "kimi_k2" in some configs; it is deepseek_v3 underneath.
-ALIASES = {"kimi_k2": "deepseek_v3"}
+ARCHS = {a.model_type: a for a in (
+    ArchInfo("mixtral", "mixtral.Mixtral", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+             "num_local_experts", every_layer, gqa_caches),
+    ArchInfo("qwen2_moe", "qwen2_moe.Qwen2Moe", "mlp", _STD, "num_experts", qwen_moe_layers, gqa_caches),
+    ArchInfo("qwen3_moe", "qwen3_moe.Qwen3Moe", "mlp", _STD, "num_experts", qwen_moe_layers, gqa_caches),
+    ArchInfo("olmoe", "olmoe.Olmoe", "mlp", _STD, "num_experts", every_layer, gqa_caches),
+    ArchInfo("deepseek_v2", "deepseek_v2.DeepseekV2", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
+             mla_expanded_caches),
+    # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type
+    ArchInfo("deepseek_v3", "deepseek_v3.DeepseekV3", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
+             mla_latent_caches, aliases=("kimi_k2",)),
+)}
+_BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
 
 def arch_for(config: dict) -> ArchInfo:
     mt = config.get("model_type")
-    mt = ALIASES.get(mt, mt)
-    if mt not in ARCHS:
+    if mt not in _BY_NAME:
         raise UnsupportedArchitecture(
-            f"unsupported architecture model_type={config.get('model_type')!r}; "
-            f"supported: {', '.join(sorted(ARCHS))}")
-    return ARCHS[mt]
+            f"unsupported architecture model_type={mt!r}; supported: {', '.join(sorted(_BY_NAME))}")
+    return _BY_NAME[mt]
 
 
 def n_experts(config: dict) -> int:
@@ -62,17 +121,12 @@ def top_k(config: dict) -> int:
 
 def moe_layers(config: dict) -> list[int]:
     """Indices of the layers with routed experts."""
-    info = arch_for(config)
-    n = int(config["num_hidden_layers"])
-    if info.model_type.startswith("deepseek"):
-        first = int(config.get("first_k_dense_replace", 0))
-        step = int(config.get("moe_layer_freq", 1))
-        return [i for i in range(n) if i >= first and i % step == 0]
-    if info.model_type in ("qwen2_moe", "qwen3_moe"):
-        step = int(config.get("decoder_sparse_step", 1) or 1)
-        skip = set(config.get("mlp_only_layers") or [])
-        return [i for i in range(n) if i not in skip and (i + 1) % step == 0]
-    return list(range(n))
+    return arch_for(config).moe_layers(config)
+
+
+def layer_caches(config: dict) -> list[CacheKind]:
+    """The cache kind of every layer, in layer order."""
+    return arch_for(config).caches(config)
 
 
 def expert_pattern(info: ArchInfo) -> re.Pattern:

@@ -13,15 +13,15 @@ from dataclasses import asdict, dataclass, field
 
 import psutil
 
-from deltafin.runtime import tiers
+from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.config import Config, format_size
+from deltafin.runtime.dtypes import FLOAT_DTYPES, itemsize as dtype_itemsize
 from deltafin.runtime.store import Store
-from deltafin.runtime.tensorfile import FLOAT_DTYPES, read_header
+from deltafin.runtime.tensorfile import read_header
 
 PROCESS_OVERHEAD_FLOOR = 64 << 20  # the smallest tree measured (no metrics threads, small MLX heap)
 PROCESS_OVERHEAD_ESTIMATE = 128 << 20  # 4 interpreters + MLX + metrics threads, before dense weights: measured 98-105 MiB PSS on Linux
 MARGIN = 32 << 20
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class BudgetError(RuntimeError):
@@ -29,16 +29,8 @@ class BudgetError(RuntimeError):
 
 
 def kv_bytes_per_token(config: dict, itemsize: int) -> int:
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    if config.get("kv_lora_rank"):  # MLA: bounded by full per-head keys and values
-        per = heads * (int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
-                       + int(config["v_head_dim"]))
-    else:
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-        per = 2 * kv_heads * head_dim
-    return layers * per * itemsize
+    """Bytes every layer's cache holds for one position (archinfo.layer_caches)."""
+    return sum(kind.nbytes(1, itemsize) for kind in archinfo.layer_caches(config))
 
 
 def kv_reserve_tokens(max_context: int, kv_tokens: int = 0) -> int:
@@ -47,10 +39,17 @@ def kv_reserve_tokens(max_context: int, kv_tokens: int = 0) -> int:
     return max(int(kv_tokens), int(max_context))
 
 
-def sequence_kv_tokens(n_tokens: int, step: int = 256) -> int:
-    """Positions a sequence of n_tokens may hold in its KV cache: the cache grows in steps
-    (KVCache.step), so admission charges whole steps."""
-    return -(-max(1, int(n_tokens)) // step) * step
+def kv_reserve_bytes(config: dict, itemsize: int, max_context: int, kv_tokens: int = 0) -> int:
+    """The KV reserve: what the layers' caches hold at kv_reserve_tokens positions, each layer's
+    as its kind says (a window or a recurrent state holds less than every position)."""
+    tokens = kv_reserve_tokens(max_context, kv_tokens)
+    return sum(kind.nbytes(tokens, itemsize) for kind in archinfo.layer_caches(config))
+
+
+def sequence_cache_bytes(config: dict, n_tokens: int, itemsize: int) -> int:
+    """What one sequence's caches may grow to holding n_tokens positions (admission charges it):
+    growing caches allocate whole steps, windows and recurrent states stay bounded."""
+    return sum(kind.grown_bytes(n_tokens, itemsize) for kind in archinfo.layer_caches(config))
 
 
 @dataclass
@@ -92,7 +91,7 @@ class BudgetPlan:
     def set_dtype(self, name: str) -> None:
         """The resident tier holds float tensors in compute's dtype (known once compute is up:
         "auto" is the checkpoint's); name as MLX prints it, e.g. "mlx.core.bfloat16"."""
-        itemsize = ITEMSIZE.get(name.rsplit(".", 1)[-1])
+        itemsize = dtype_itemsize(name)
         if itemsize:
             self.resident_bytes = {g: tiers.resident_bytes(self.layouts[g], itemsize) for g in self.layouts}
 
@@ -151,7 +150,7 @@ class BudgetPlan:
 
 def plan_budget(store: Store, config: Config) -> BudgetPlan:
     cc = config.compute
-    cast = ITEMSIZE.get(cc.dtype)
+    cast = dtype_itemsize(cc.dtype)
     dense = 0
     for name in store.manifest["dense_files"]:
         for ref in read_header(store.path / name).values():
@@ -166,7 +165,7 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     plan = BudgetPlan(
         budget=config.runtime.budget_bytes,
         dense=dense,
-        kv_cache=kv_bytes_per_token(store.config, itemsize) * kv_reserve_tokens(cc.max_context, cc.kv_tokens),
+        kv_cache=kv_reserve_bytes(store.config, itemsize, cc.max_context, cc.kv_tokens),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

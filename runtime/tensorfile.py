@@ -33,7 +33,6 @@ ST_DTYPES = {
 }
 NAME_TO_ST = {v[0]: k for k, v in ST_DTYPES.items()}
 NAME_TO_NP = {v[0]: v[1] for v in ST_DTYPES.values()}
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class TensorFileError(ValueError):

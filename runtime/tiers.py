@@ -18,9 +18,8 @@ the pool is handed to the workers, and every process derives the same layers fro
 """
 from __future__ import annotations
 
+from deltafin.runtime.dtypes import ITEMSIZE
 from deltafin.runtime.store import Store, StoreError
-
-FLOAT_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 WHOLE = "+whole"  # suffix of a group of whole layers
@@ -90,8 +89,8 @@ def resident_bytes(layout: dict, itemsize: int | None) -> int:
     tensors in the compute dtype (itemsize; None: as stored)."""
     total = 0
     for t in layout["tensors"]:
-        if t["dtype"] in FLOAT_ITEMSIZE and itemsize:
-            total += t["nbytes"] // FLOAT_ITEMSIZE[t["dtype"]] * itemsize
+        if t["dtype"] in ITEMSIZE and itemsize:
+            total += t["nbytes"] // ITEMSIZE[t["dtype"]] * itemsize
         else:
             total += t["nbytes"]
     return total

@@ -9,9 +9,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deltafin.runtime import shm
+from deltafin.runtime import archinfo, shm
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
+ARCHS = list(archinfo.ARCHS)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -18,7 +18,7 @@ from deltafin.runtime.tensorfile import index_checkpoint, read_header
 from deltafin.tools import convert
 from deltafin.tools.synth import tiny
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"]
+ARCHS = list(archinfo.ARCHS)
 
 
 def _to_mx(arr, dtype):

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.runtime import archinfo
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.store import TOKENIZER_FILES, Store, StoreError, StoreWriter
-from deltafin.runtime.tensorfile import FLOAT_DTYPES, TensorFileError, TensorRef, index_checkpoint
+from deltafin.runtime.tensorfile import TensorFileError, TensorRef, index_checkpoint
 
 EXTRA_TOKENIZER_FILES = ("vocab.json", "merges.txt", "added_tokens.json")
 

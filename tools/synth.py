@@ -25,7 +25,7 @@ from deltafin.runtime.tensorfile import SafetensorsSpool
 from deltafin.tools.convert import progress_bar
 from deltafin.tools.demo_model import add_demo_parser
 
-TINY_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+TINY_ARCHS = tuple(archinfo.ARCHS)
 INIT_STD = 0.02  # transformers' initializer_range, used for 1-D biases
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import StandInModel, bench_mode
-from deltafin.runtime.budget import ITEMSIZE, kv_bytes_per_token, kv_reserve_tokens, sequence_kv_tokens
+from deltafin.runtime import dtypes
+from deltafin.runtime.budget import kv_reserve_bytes, sequence_cache_bytes
 from deltafin.runtime.config import ComputeConfig, Config, as_config
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
@@ -99,8 +100,8 @@ class Compute:
         self.trace_path = config.runtime.record_trace or None
         self.recorder = TraceRecorder(store.n_experts) if self.trace_path else None
         # The KV reserve (runtime/budget.py) in the itemsize the budget assumed for it.
-        self.kv_token_bytes = kv_bytes_per_token(store.config, ITEMSIZE.get(str(cc.dtype)) or 4)
-        kv_pool = self.kv_token_bytes * kv_reserve_tokens(self.max_context, int(cc.kv_tokens))
+        self.kv_itemsize = dtypes.itemsize(cc.dtype) or 4  # the itemsize the budget assumed
+        kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens)
         self.scheduler = Scheduler(self, self._max_batch(int(cc.max_batch)), kv_pool)
 
     def _max_batch(self, configured: int) -> int:
@@ -213,7 +214,7 @@ class Compute:
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
         return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
                         emit=emit, t_request=t_request,
-                        kv_bytes=self.kv_token_bytes * sequence_kv_tokens(len(ids) + req.max_tokens))
+                        kv_bytes=sequence_cache_bytes(self.store.config, len(ids) + req.max_tokens, self.kv_itemsize))
 
     def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:
         """One request alone, to its end (in-process callers; the process decodes several

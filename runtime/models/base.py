@@ -9,12 +9,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from deltafin.runtime.archinfo import UnsupportedArchitecture  # noqa: F401  (one error type for all)
+from deltafin.runtime import dtypes
 
 # ---------------------------------------------------------------- config and dtype helpers
-
-_DTYPE_NAMES = {"float32": mx.float32, "fp32": mx.float32, "float16": mx.float16,
-                "fp16": mx.float16, "half": mx.float16, "bfloat16": mx.bfloat16, "bf16": mx.bfloat16}
 
 # mlx-lm keeps this tensor in float32 whatever the model dtype (its cast_predicate).
 _KEEP_DTYPE = ("e_score_correction_bias",)
@@ -35,9 +32,9 @@ def resolve_dtype(dtype, weights: dict):
     if isinstance(dtype, mx.Dtype):
         return dtype
     if dtype not in (None, "auto"):
-        if str(dtype) not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'")
-        return _DTYPE_NAMES[str(dtype)]
+        if str(dtype) not in dtypes.NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(dtypes.NAMES)} or 'auto'")
+        return getattr(mx, dtypes.canonical(dtype))
     emb = weights.get("model.embed_tokens.scales", weights.get("model.embed_tokens.weight"))
     if emb is not None and mx.issubdtype(emb.dtype, mx.floating):
         return emb.dtype
@@ -237,28 +234,3 @@ class StagedAttention:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-# ---------------------------------------------------------------- KV cache
-
-class KVCache:
-    """Per-layer key/value buffer grown in steps, shape [B, heads, positions, dim]."""
-
-    step = 256
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys, values):
-        n, start = keys.shape[2], self.offset
-        if self.keys is None or start + n > self.keys.shape[2]:
-            room = -(-n // self.step) * self.step
-
-            def grow(buf, new):
-                pad = mx.zeros((*new.shape[:2], room, new.shape[3]), new.dtype)
-                return pad if buf is None else mx.concatenate([buf[..., :start, :], pad], axis=2)
-
-            self.keys, self.values = grow(self.keys, keys), grow(self.values, values)
-        self.offset = start + n
-        self.keys[..., start:self.offset, :] = keys
-        self.values[..., start:self.offset, :] = values
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]

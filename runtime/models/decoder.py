@@ -5,8 +5,9 @@ import mlx.core as mx
 
 from deltafin.runtime import archinfo
 
-from .base import (Embedding, KVCache, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype,
-                   rms_norm, rope_settings)
+from .base import (Embedding, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype, rms_norm,
+                   rope_settings)
+from .caches import make_cache
 
 
 class Attention(StagedAttention):
@@ -39,48 +40,59 @@ class Attention(StagedAttention):
 
 
 class SparseMoE:
-    """Routed experts (through the provider) weighted by the router, plus optional shared experts."""
+    """Routed experts (through the provider) weighted by the router, plus optional shared experts.
 
-    def __init__(self, layer, gate: Linear, route, shared=None, shared_gate: Linear | None = None):
+    route: the family's routing function (routing.py). Experts in a latent space: `latent` =
+    (down, up) projections around them (the experts see down(x), the block returns up of their
+    weighted sum). `expert_bias` [E, D]: a per-expert output bias added to each chosen expert's
+    output before weighting (biases inside an expert's GLU belong to the expert math)."""
+
+    def __init__(self, layer, gate: Linear, route, shared=None, shared_gate: Linear | None = None,
+                 latent: tuple | None = None, expert_bias=None):
         self.layer, self.gate, self.route = layer, gate, route
         self.shared, self.shared_gate = shared, shared_gate
+        self.latent, self.expert_bias = latent, expert_bias
         self.next: SparseMoE | None = None  # the next MoE layer, for gate lookahead
 
     def __call__(self, x, experts):
-        # The gate and the shared experts see x as mlx-lm's do, [B, L, D]: a GPU picks its
-        # matmul kernel by shape, and a float gate on [N, D] rounds differently in bfloat16 on
-        # CUDA. The routed experts take them so too where the provider keeps shapes (as mlx-lm's
-        # SwitchGLU: no reshape per layer), else the rows flat, [N, D] with inds [N, k].
         inds, scores = self.route(self.gate(x))
-        k = inds.shape[-1]
         if self.next is not None and getattr(experts, "wants_lookahead", None) and experts.wants_lookahead(self.layer):
             # Gate lookahead: the next MoE layer's gate on this layer's input guesses its experts
             # early, so the router can read them while this layer and the next attention run.
-            experts.lookahead(self.next.layer, self.next.route(self.next.gate(x))[0].reshape(-1, k))
-        if getattr(experts, "keeps_shape", False):
-            y = experts(self.layer, x, inds)
-            y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        else:
-            y = experts(self.layer, x.reshape(-1, x.shape[-1]), inds.reshape(-1, k))
-            y = (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
+            experts.lookahead(self.next.layer, self.next.route(self.next.gate(x))[0].reshape(-1, inds.shape[-1]))
+        y = self.routed(x if self.latent is None else self.latent[0](x), inds, scores, experts)
+        if self.latent is not None:
+            y = self.latent[1](y)
         if self.shared is not None:
             s = self.shared(x)
             y = y + (s if self.shared_gate is None else mx.sigmoid(self.shared_gate(x)) * s)
         return y
 
-
-def softmax_topk(logits, k, norm=False):
-    """Softmax over all experts, keep the k best (optionally renormalised)."""
-    probs = mx.softmax(logits, axis=-1, precise=True)
-    inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
-    scores = mx.take_along_axis(probs, inds, axis=-1)
-    return inds, (scores / scores.sum(axis=-1, keepdims=True) if norm else scores)
+    def routed(self, x, inds, scores, experts):
+        """The chosen experts' outputs weighted by their scores. The gate and the shared experts see
+        x as mlx-lm's do, [B, L, D]: a GPU picks its matmul kernel by shape, and a float gate on
+        [N, D] rounds differently in bfloat16 on CUDA. The routed experts take them so too where
+        the provider keeps shapes (as mlx-lm's SwitchGLU: no reshape per layer), else the rows
+        flat, [N, D] with inds [N, k]."""
+        k = inds.shape[-1]
+        if getattr(experts, "keeps_shape", False):
+            y = experts(self.layer, x, inds)
+            if self.expert_bias is not None:
+                y = y + self.expert_bias[inds]
+            return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        flat = inds.reshape(-1, k)
+        y = experts(self.layer, x.reshape(-1, x.shape[-1]), flat)
+        if self.expert_bias is not None:
+            y = y + self.expert_bias[flat]
+        return (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
 
 
 class MoETransformer:
     """Embedding -> layers of (pre-norm attention, pre-norm MLP or MoE) -> norm -> LM head.
 
-    Subclasses set n_experts/top_k in `configure` and build per-layer blocks in
+    The family's registry entry (archinfo) gives each layer's cache kind (`layer_kinds`, which
+    also names the attention a layer runs) and the layers with routed experts (`sparse`).
+    Subclasses read their settings in `configure` and build per-layer blocks in
     `make_attention(i, prefix)` and `make_mlp(i, prefix)` (an MoE block or a dense GLU)."""
 
     default_rope_theta = 10000.0
@@ -95,6 +107,8 @@ class MoETransformer:
         self.rope_theta, self.rope_scaling = rope_settings(config, self.default_rope_theta)
         # one reading of the expert count and top-k (with every spelling) for converter and models
         self.n_experts, self.top_k = archinfo.n_experts(config), archinfo.top_k(config)
+        self.layer_kinds = archinfo.layer_caches(config)
+        self.sparse = set(archinfo.moe_layers(config))
         self.configure(config)
         self.embed = Embedding(self.w, "model.embed_tokens", self.qspec)
         tied = config.get("tie_word_embeddings", False) or "lm_head.weight" not in self.w
@@ -121,7 +135,8 @@ class MoETransformer:
         raise NotImplementedError
 
     def make_cache(self):
-        return [KVCache() for _ in range(self.n_layers)]
+        """One sequence's caches, one per layer of its kind (runtime/models/caches.py)."""
+        return [make_cache(kind) for kind in self.layer_kinds]
 
     def __call__(self, tokens, cache=None, experts=None, float32: bool = True):
         """tokens int32 [T] -> float32 logits [T, vocab]; `cache` (from make_cache) is advanced by T.
@@ -185,7 +200,7 @@ class GQAModel(MoETransformer):
         self.configure_moe(c)
 
     def configure_moe(self, c):
-        """Routing options beyond the expert count and top-k (set by MoETransformer)."""
+        """The family's routing function, `self.route` (routing.py), from the config."""
 
     def make_attention(self, i, prefix):
         return Attention(self.w, prefix, self.qspec, self.n_heads, self.n_kv_heads, self.head_dim,

@@ -3,6 +3,8 @@ layers, shared experts. The two differ only in routing (see deepseek_v2.py / dee
 
 import mlx.core as mx
 
+from deltafin.runtime.layerkinds import LatentKV
+
 from .base import GLU, Linear, QuantSpec, Rope, StagedAttention, rms_norm, yarn_attention_scale
 from .decoder import MoETransformer, SparseMoE
 
@@ -33,7 +35,7 @@ class MLAttention(StagedAttention):
     shared low-rank latent. "Absorbed" mode caches only the latent (what mlx-lm does for V3);
     "expanded" mode expands it per head through kv_b_proj (what mlx-lm does for V2)."""
 
-    def __init__(self, model, prefix):
+    def __init__(self, model, prefix, absorbed: bool):
         c, w, qs = model.config, model.w, model.qspec
         self.n_heads = c["num_attention_heads"]
         self.nope, self.rope_dim = c["qk_nope_head_dim"], c["qk_rope_head_dim"]
@@ -53,7 +55,7 @@ class MLAttention(StagedAttention):
         if f"{prefix}.embed_q.weight" in w:
             self.embed_q = Linear(w, f"{prefix}.embed_q", qs)
             self.unembed_out = Linear(w, f"{prefix}.unembed_out", qs)
-        elif model.absorb_mla:
+        elif absorbed:
             self.embed_q, self.unembed_out = split_kv_b(Linear(w, f"{prefix}.kv_b_proj", qs),
                                                         self.n_heads, self.nope)
         else:
@@ -108,26 +110,25 @@ class MLAttention(StagedAttention):
 
 
 class DeepseekModel(MoETransformer):
-    """MLA attention; the first `first_k_dense_replace` layers (and those off `moe_layer_freq`) are
-    dense GLUs, the others routed experts plus `n_shared_experts` always-on experts."""
-
-    absorb_mla = False  # split kv_b_proj into embed_q/unembed_out (latent KV cache)
+    """MLA attention, absorbed (kv_b_proj split into embed_q/unembed_out) where the layer's cache
+    kind is the latent (archinfo); the first `first_k_dense_replace` layers (and those off
+    `moe_layer_freq`) are dense GLUs, the others routed experts plus `n_shared_experts` always-on
+    experts."""
 
     def configure(self, c):
         self.routed_scale = c.get("routed_scaling_factor", 1.0)
         self.n_group, self.topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
 
     def make_attention(self, i, prefix):
-        return MLAttention(self, prefix)
+        return MLAttention(self, prefix, absorbed=isinstance(self.layer_kinds[i], LatentKV))
 
     def make_mlp(self, i, prefix):
         c = self.config
-        if not (self.n_experts and i >= c.get("first_k_dense_replace", 0)
-                and i % c.get("moe_layer_freq", 1) == 0):
+        if i not in self.sparse:
             return GLU(self.w, prefix, self.qspec)
         shared = GLU(self.w, f"{prefix}.shared_experts", self.qspec) if c.get("n_shared_experts") else None
         return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.router(prefix), shared=shared)
 
     def router(self, prefix):
-        """Callable logits [N, E] -> (inds [N, k], weights [N, k])."""
+        """The layer's routing function (routing.py): logits [N, E] -> (inds [N, k], weights [N, k])."""
         raise NotImplementedError
