@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,12 @@ import pytest
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Predictive, SlotTable, make_policy
-from deltafin.runtime.config import Config, ConfigError
+from deltafin.runtime.config import CacheConfig, Config, ConfigError
 from deltafin.runtime.predictor import RoutingPredictor
 from deltafin.runtime.traces import load_trace
 from deltafin.tools import replay as R
-from deltafin.workers.router import Router, RouterError, prefetch_setting
+from deltafin.workers.router import Router, RouterError
+from deltafin.workers.router_process import prefetch_setting
 
 SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
 ALWAYS = {"threshold": 0.0, "min_precision": 0.0}  # prefetch every non-resident key of the next layer
@@ -436,16 +438,16 @@ def test_prefetch_config_keys():
         Config.from_dict({"cache": {"prefetch": 1}})
     with pytest.raises(ConfigError, match="prefetch_threshold"):
         Config.from_dict({"cache": {"prefetch_threshold": 1.5}})
-    lru, pred = {"policy": "lru", "prefetch": "auto"}, {"policy": "predictive", "prefetch": "auto"}
+    lru, pred = CacheConfig(policy="lru", prefetch="auto"), CacheConfig(policy="predictive", prefetch="auto")
     assert prefetch_setting(lru, 10, 100) is False                      # auto: the predictive policy only
     assert prefetch_setting(pred, 100, 100) is False                    # ... and only when not all fit
-    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {
-        "threshold": 0.3, "depth": 3, "gate": True, "bandwidth": True}
-    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {
-        "threshold": 0.4, "depth": 1, "gate": True, "bandwidth": True}
+    assert prefetch_setting(replace(pred, prefetch_threshold=0.3, prefetch_depth=2), 10, 100) == {
+        "threshold": 0.3, "depth": 2, "gate": True, "bandwidth": True}
+    assert prefetch_setting(CacheConfig(policy="lru", prefetch=True), 100, 100) == {
+        "threshold": 0.4, "depth": 3, "gate": True, "bandwidth": True}
     # cache.prefetch_gate = false: the fixed setting, down to the router's prefetcher
     assert Config.from_dict({}).cache.prefetch_gate is True
-    off = prefetch_setting(Config.from_dict({"cache": {"prefetch": True, "prefetch_gate": False}}).to_dict()["cache"], 10, 100)
+    off = prefetch_setting(Config.from_dict({"cache": {"prefetch": True, "prefetch_gate": False}}).cache, 10, 100)
     assert off["gate"] is False
     fixed = Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=off)
     assert fixed.prefetcher.gate is False and fixed.read_gate is None
