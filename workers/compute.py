@@ -52,6 +52,7 @@ import numpy as np
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import Routing, bench_mode, precise_wait
 from deltafin.runtime.budget import ITEMSIZE, kv_bytes_per_token, kv_reserve_tokens, sequence_kv_tokens
+from deltafin.runtime.config import CacheConfig
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
 from deltafin.runtime.models.base import SORT_PAIRS, gather_glu, switch_glu
@@ -60,7 +61,7 @@ from deltafin.runtime.tiers import layer_groups
 from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.resident import ResidentTier, probe_zero_copy
-from deltafin.workers.router import prefetch_setting
+from deltafin.workers.router_process import prefetch_setting
 
 
 class RequestError(ValueError):
@@ -379,7 +380,7 @@ class SlotExperts(ExpertProvider):
         self.tier = ResidentTier(self.store, self.dtype, resident,
                                  host_writes=None if self.host_fills else False, on_host=on_host)
         self.hints = (self.routing.mode == "gate" and
-                      prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
+                      prefetch_setting(CacheConfig(**self.cache_config), sum(self.tier.n_slots.values()), n_keys) is not False)
 
     def wants_lookahead(self, layer: int) -> bool:
         """Whether the model should apply the next MoE layer's gate to this layer's input: only
@@ -1385,7 +1386,7 @@ def local_router(store: Store, config: dict, n_slots: int = 0):
     layouts in proportion to their experts. Returns (source, staging buffer, loader)."""
     from deltafin.runtime import tiers
     from deltafin.workers.loader import Loader
-    from deltafin.workers.router import router_for
+    from deltafin.workers.router_process import router_for
     cache = config.get("cache") or {}
     n_slots = n_slots or int(cache.get("max_slots") or 0) or len(store.records)
     sizes = tiers.group_sizes(store)
@@ -1395,7 +1396,7 @@ def local_router(store: Store, config: dict, n_slots: int = 0):
                                     int(cache.get("staging_slots") or 0))
     pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
     loader = Loader(store, memoryview(pool), store.max_record_bytes)
-    return LocalExpertSource(router_for(store, cache, resident, n_staging), loader), memoryview(pool), loader
+    return LocalExpertSource(router_for(store, CacheConfig(**cache), resident, n_staging), loader), memoryview(pool), loader
 
 
 def run_inprocess(store_path, config: dict, prompt_ids: list[int], max_tokens: int,
@@ -1538,18 +1539,18 @@ def run_compute_process(run_dir: str) -> None:
             mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
             self.store = Store(self.run["store"])
             self.data = self.connect_data_plane()
-            self.source = RouterClient(self.data, self.config["compute"]["expert_timeout_s"],
+            self.source = RouterClient(self.data, self.config.compute.expert_timeout_s,
                                        self.parent_alive)
             # [distributed]: join the group first; the provider then computes this rank's share
             from deltafin.workers.distributed import Lockstep
             self.dist = Lockstep.from_config(self.config, self.store)
             # Dense weights load before "ready", so the supervisor's measurement includes them.
-            self.compute = Compute(self.store, self.config, self.source, None, 0,
+            self.compute = Compute(self.store, self.config.to_dict(), self.source, None, 0,
                                    experts_cls=self.dist.experts_cls if self.dist else None,
                                    eos=self.run["eos_ids"])
             if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
                 self.compute.scheduler.max_batch = 1
-            self.queue = RequestQueue(int(self.config["compute"]["max_queue"]),
+            self.queue = RequestQueue(self.config.compute.max_queue,
                                       self.compute.scheduler.max_batch)
             self.in_request = False
             if mx.default_device().type == mx.DeviceType.gpu:
@@ -1565,7 +1566,7 @@ def run_compute_process(run_dir: str) -> None:
         def on_pool(self, msg):
             # the resident tier is allocated now, inside the budget the supervisor just split
             self.compute.experts.attach(self.pool.buf, msg.slot_bytes, msg.resident)
-            self.preloading = bool(self.config["cache"].get("preload", True))
+            self.preloading = self.config.cache.preload
 
         def busy(self):
             return getattr(self, "preloading", False)
