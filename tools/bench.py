@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from deltafin.runtime import metrics
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.store import Store
 
@@ -326,11 +327,11 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "ok": True, "wall_s": wall, "preload_s": preload_s,
         "generated_tokens": len(gen.token_ids), "token_ids": gen.token_ids,
         "decode_tok_s": g.get("decode_tok_s"), "prefill_tok_s": g.get("prefill_tok_s"), "ttft_s": g.get("ttft_s"),
-        "stage_latency": {k: _pcts(lat.get(k)) for k in ("read", "prepare", "compute")},
-        "stall_share": (dec.get("wait_s", 0.0) / dec["total_s"]) if dec.get("total_s") else g.get("stall_share"),
-        "hit_rate": (dec["hits"] / dec["uses"]) if dec.get("uses") else stats.get("hit_rate"),
+        "stage_latency": {k: metrics.stage_percentiles(lat.get(k)) for k in ("read", "prepare", "compute")},
+        "stall_share": metrics.stall_share(dec.get("wait_s", 0.0), dec.get("total_s")),
+        "hit_rate": metrics.hit_rate(dec["hits"], dec["uses"]) if dec.get("uses") else stats.get("hit_rate"),
         "hit_rate_all_tokens": stats.get("hit_rate"),
-        "bytes_read_per_token": (dec["miss_bytes"] / n_dec) if n_dec and "miss_bytes" in dec else None,
+        "bytes_read_per_token": metrics.bytes_per_token(dec["miss_bytes"], n_dec) if "miss_bytes" in dec else None,
         "bytes_read_per_token_all": stats.get("bytes_read_per_token"),
         "ssd_gbps": stats.get("ssd_gbps"),
         "ssd_share_of_probe": (stats["ssd_gbps"] / s.disk["gbps"]) if stats.get("ssd_gbps") and s.disk.get("gbps") else None,
@@ -353,15 +354,9 @@ def _loader_figures(stats: dict) -> dict:
     ld = (stats.get("workers") or {}).get("loader") or {}
     return {"demand_reads": ld.get("demand_reads"), "prefetch_reads": ld.get("prefetch_reads"),
             "chunk_bytes": ld.get("chunk_bytes"), "chunk_reads": ld.get("chunk_reads"),
-            "queue_wait": _pcts(ld.get("queue_wait")), "disk_busy_share": ld.get("disk_busy_share"),
+            "queue_wait": metrics.stage_percentiles(ld.get("queue_wait")), "disk_busy_share": ld.get("disk_busy_share"),
             "mean_in_flight": ld.get("mean_in_flight"), "bytes": ld.get("bytes"),
-            "need_stall": _pcts((stats.get("stage_latency") or {}).get("stall"))}
-
-
-def _pcts(summary: dict | None) -> dict | None:
-    if not summary or not summary.get("count"):
-        return None
-    return {"p50_ms": summary.get("p50_ms"), "p99_ms": summary.get("p99_ms"), "count": summary.get("count")}
+            "need_stall": metrics.stage_percentiles((stats.get("stage_latency") or {}).get("stall"))}
 
 
 def _run_json_process(cmd: list[str], s: Setup, name: str, cap) -> tuple[dict | None, str | None, dict]:
@@ -405,9 +400,9 @@ def run_mmap(s: Setup, regime: str, cap) -> dict:
     return {"ok": True, "generated_tokens": data.get("generated_tokens"), "token_ids": data.get("token_ids"),
             "decode_tok_s": data.get("decode_tok_s"), "prefill_tok_s": data.get("prefill_tok_s"),
             "ttft_s": data.get("ttft_s"),
-            "stage_latency": {k: _pcts((data.get("stage_latency") or {}).get(k)) for k in ("read", "prepare", "compute")},
+            "stage_latency": {k: metrics.stage_percentiles((data.get("stage_latency") or {}).get(k)) for k in ("read", "prepare", "compute")},
             "stall_share": None, "hit_rate": None,
-            "bytes_read_per_token": (dec["disk_read_bytes"] / n_dec) if "disk_read_bytes" in dec else None,
+            "bytes_read_per_token": metrics.bytes_per_token(dec["disk_read_bytes"], n_dec) if "disk_read_bytes" in dec else None,
             "time_per_token_s": (1.0 / data["decode_tok_s"]) if data.get("decode_tok_s") else None,
             "split_per_token_s": {k: dec.get(f"{k}_s", 0.0) / n_dec for k in ("compute", "prepare")} if dec else {},
             "bench_mode": data.get("bench_mode"), **mem}
@@ -858,7 +853,7 @@ def main(argv=None) -> int:
             compute = resident_compute_s_per_token(s, preset["bound_tokens"])
             desc = f"real compute on this machine ({a.dtype} activations), every stage real"
         reads = belady_read_s_per_token(s, gbps) if trace_ids is not None else {"s_per_token": 0.0}
-        bound = max(compute["s_per_token"], reads["s_per_token"])
+        bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])
         rr = {"description": desc, "max_tokens": s.max_tokens,
               "bound": {"s_per_token": bound, "tok_s": 1.0 / bound,
                         "limited_by": "compute" if compute["s_per_token"] >= reads["s_per_token"] else "reads",
@@ -883,7 +878,7 @@ def main(argv=None) -> int:
                 if runs[name]:
                     r = summarize_rounds(runs[name])
                     if r.get("ok") and r.get("decode_tok_s"):
-                        r["share_of_bound"] = r["decode_tok_s"] * bound
+                        r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
                     rr["contenders"][name] = r
             rr["rounds"] = i + 1
             rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])

@@ -24,6 +24,7 @@ import zmq
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.directio import BLOCK, DirectFile, round_up
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.sockets import make_socket, recv
 from deltafin.runtime.store import Store, StoreError, checksum_error, crc32, truncated_error
@@ -190,7 +191,7 @@ class Loader:
                 "chunk_bytes": self.chunk_bytes,
                 "direct_io": all(f.direct for f in self._files.values()) if self._files else None,
                 # bytes over the time some read was in flight: the disk's rate while it was used
-                "ssd_gbps": (c.get("bytes", 0) / self.busy_s / 1e9) if self.busy_s else None,
+                "ssd_gbps": metrics.ssd_gbps(c.get("bytes", 0), self.busy_s),
                 "disk_busy_s": self.busy_s,
                 "disk_busy_share": (self.busy_s / wall) if wall else None,
                 "mean_in_flight": (self.depth_s / self.busy_s) if self.busy_s else None}

@@ -35,6 +35,7 @@ from collections import deque
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredictor
 
@@ -513,7 +514,7 @@ class Router:
             c.update(self.lease_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
-                "hit_rate": (c.get("hits", 0) / uses) if uses else None,
+                "hit_rate": metrics.hit_rate(c.get("hits", 0), uses),
                 "distinct_experts_used": len(self.uses),
                 "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)],
                 "stall": self.stall.summary(), "resident_experts": self.residency()}
@@ -531,8 +532,8 @@ class Router:
         misses = self.counters.get("uses") - self.counters.get("hits")
         return {"prefetch_reads": issued, "prefetch_used": used, "prefetch_hits": avoided,
                 "prefetch_wasted": sum(t.prefetch_wasted for t in tables),
-                "prefetch_precision": used / issued if issued else None,
-                "prefetch_recall": avoided / (avoided + misses) if avoided + misses else None,
+                "prefetch_precision": metrics.prefetch_precision(used, issued),
+                "prefetch_recall": metrics.prefetch_recall(avoided, misses),
                 "prefetch_gate": self.prefetcher.stats(),
                 "hint_precision": self.predictor.hint_precision() if self.counters.get("hinted") else None}
 
