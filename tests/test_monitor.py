@@ -136,8 +136,9 @@ def check_screen_against(app, collector):
     uses = new["totals"]["uses"] - old["totals"]["uses"]
     hits = new["totals"]["hits"] - old["totals"]["hits"]
     assert through.get_cell("hit rate", "value") == (f"{hits / uses:.1%}" if uses else "–")
-    stalled = (new["stage_latency"]["stall"].get("total_s", 0) - old["stage_latency"]["stall"].get("total_s", 0))
-    assert through.get_cell("stall share", "value") == f"{stalled / dt:.1%}"
+    waited = new["totals"]["wait_s"] - old["totals"]["wait_s"]
+    busy = new["totals"]["token_s"] - old["totals"]["token_s"]
+    assert through.get_cell("stall share", "value") == (f"{waited / busy:.1%}" if busy else "–")
     assert through.get_cell("requests", "value") == \
         f"{snap['active_requests']} active, {snap['totals']['requests']} done"
     memory = app.query_one("#memory", DataTable)
