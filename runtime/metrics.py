@@ -111,10 +111,6 @@ class Metric:
     kind: str = "gauge"  # its Prometheus type
     help: str = ""     # its Prometheus HELP line
 
-    @property
-    def doc(self) -> str:
-        return f"{self.counts} ({self.window})"
-
 
 def tok_s(tokens: float, seconds: float | None) -> float | None:
     """decode_tok_s and prefill_tok_s: tokens / the wall time that produced them; None without time."""
