@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -213,10 +214,32 @@ class HealthResult:
     restarts: int = 0       # worker restarts since the supervisor started
 
 
+class ErrorCode(StrEnum):
+    """Every `code` of an `error` the runtime sends (docs/PROTOCOL.md, "Errors"). Members are
+    strings, so the wire carries the plain name; the client maps each to its exception class
+    (deltafin.client.ERRORS)."""
+
+    BAD_MESSAGE = "bad_message"
+    VERSION_MISMATCH = "version_mismatch"
+    BAD_REQUEST = "bad_request"
+    QUEUE_FULL = "queue_full"
+    CANCELLED = "cancelled"
+    UNKNOWN_REQUEST = "unknown_request"
+    EXPERT_READ_FAILED = "expert_read_failed"
+    EXPERT_UNAVAILABLE = "expert_unavailable"
+    BUDGET_TOO_SMALL = "budget_too_small"
+    BAD_CONFIG = "bad_config"
+    WORKER_DIED = "worker_died"
+    RANK_LOST = "rank_lost"
+    NOT_LEADER = "not_leader"
+    RESTARTING = "restarting"
+    INTERNAL = "internal"
+
+
 @message("error")
 class Error:
     id: int | None
-    code: str
+    code: str  # an ErrorCode
     message: str
 
 

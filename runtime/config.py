@@ -79,16 +79,6 @@ class ComputeConfig:
     max_queue: int = 16
     max_batch: int = 8
     kv_tokens: int = 0
-    host_fills: bool = True  # on the CPU backend, fills write the pools' memory with numpy
-    hits_first: bool = True  # a layer's resident experts compute while its misses are read
-    stream_misses: bool = True  # with host fills, each miss computes as soon as its fill lands
-    pool_placement: str = "auto"  # MLX CUDA: resident pools in host memory where experts stream
-    # prefetch fills that landed are applied before a layer asks ("auto": where compute leaves the
-    # CPU to the reads: a GPU backend, or the stand-in)
-    early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
-    leases: bool = True  # gate lookahead also asked as a lease (read while the layer before computes)
-    # a resident layer launched at once where a read-back comes later in the pass ("auto": on a GPU)
-    eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
 
     @property
     def max_inflight(self) -> int:
@@ -107,7 +97,6 @@ class CacheConfig:
     prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch_threshold: float = 0.4
     prefetch_depth: int = 3  # layers ahead the prefetcher reads for
-    prefetch_gate: bool = True  # the prefetcher gates itself (false: every prediction is read)
     routing_history: str = ""  # a routing trace (.npz) the router's predictor learns from at start
     history_tokens: int = 4096  # of it, at most this many tokens (the last ones)
 
@@ -116,7 +105,6 @@ class CacheConfig:
 class LoaderConfig:
     threads: int = 4
     verify_checksums: bool = True
-    chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
 
 
 @dataclass
@@ -125,6 +113,12 @@ class BenchConfig:
     standin: bool = False
     standin_moe_ms: float = 0.31
     standin_dense_ms: float = 0.21
+    pipeline: str = "overlapped"  # or "sync": the reference design (workers/pipeline.py)
+    stream_misses: bool = True  # open questions, each a bench mode (docs/BENCHMARKS.md)
+    leases: bool = True
+    early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
 
 
 @dataclass
@@ -183,9 +177,12 @@ class Config:
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
         for name, value in (("cache.whole_layers", self.cache.whole_layers),
-                            ("compute.eager_layers", self.compute.eager_layers)):
+                            ("bench.early_fills", self.bench.early_fills),
+                            ("bench.eager_layers", self.bench.eager_layers)):
             if value not in (True, False, "auto"):
                 raise ConfigError(f"{name} {value!r}: use true, false or \"auto\"")
+        if self.bench.pipeline not in ("overlapped", "sync"):
+            raise ConfigError(f"bench.pipeline {self.bench.pipeline!r}: use \"overlapped\" or \"sync\"")
         if not 1 <= self.cache.prefetch_depth <= 16:
             raise ConfigError("cache.prefetch_depth must be within 1..16 (layers ahead)")
         if self.cache.history_tokens < 0:
@@ -198,8 +195,8 @@ class Config:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
-        if self.loader.chunk_bytes < 0:
-            raise ConfigError("loader.chunk_bytes must be >= 0 (0: each record in one read)")
+        if self.bench.chunk_bytes < 0:
+            raise ConfigError("bench.chunk_bytes must be >= 0 (0: each record in one read)")
         if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:
             raise ConfigError("runtime.restart_max must be >= 0 and runtime.restart_window_s > 0")
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES

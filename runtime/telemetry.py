@@ -11,7 +11,8 @@ difference of two snapshots, computed by `window_figures` for the supervisor and
   prompt inside MLX, so only a thread of its own publishes in the middle of one.
 - `MetricsHub` (supervisor): binds the inbound SUB the workers connect to and the outbound PUB,
   keeps the newest snapshot of each role, and which `worker_stats` request each has answered.
-- `merge`: the merged snapshot, in the key names of DESIGN-NOTES (docs/PROTOCOL.md, "metrics").
+- `merge`: the merged snapshot, in the key names of DESIGN-NOTES (docs/PROTOCOL.md, "metrics"),
+  each figure computed from the roles' counters by its definition in runtime/metrics.py.
 - `live_runs`: the supervisors running now, found through their run directories.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import psutil
 import zmq
 
 from deltafin.protocol import messages as M
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import histogram_percentiles
 from deltafin.runtime.shm import pid_alive, runs_root
 from deltafin.runtime.sockets import make_socket
@@ -37,6 +39,8 @@ PUBLISH_INTERVAL_S = 0.25   # workers and supervisor alike: a few snapshots a se
 WINDOW_S = 10.0             # the sliding window of `window` figures
 STALE_S = 2.0               # a role with no snapshot for this long is reported `missing`
 STAGES = ("read", "prepare", "compute", "stall")
+# The figures `window_figures` gives over an interval, by their names in runtime/metrics.py
+WINDOW_SERIES = ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps", "stall_share")
 ROLES = ("router", "loader", "compute")
 RUN_CONFIG = "run-config.json"
 
@@ -170,14 +174,15 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
     router_raw = {k: v for k, v in router.items() if k not in ("resident_experts", "stall")}
     stall = router.get("stall")
     return {
-        "decode_tok_s": compute.get("decode_tok_s"), "prefill_tok_s": compute.get("prefill_tok_s"),
-        "hit_rate": router.get("hit_rate", compute.get("hit_rate")),
-        "stall_share": compute.get("stall_share"),
+        "decode_tok_s": metrics.tok_s(compute.get("decode_tokens", 0), compute.get("decode_s")),
+        "prefill_tok_s": metrics.tok_s(compute.get("prompt_tokens", 0), compute.get("prefill_s")),
+        "hit_rate": metrics.hit_rate(router.get("hits", 0), router.get("uses", 0)),
+        "stall_share": metrics.stall_share(compute.get("wait_s", 0.0), _token_s(compute)),
         "stage_latency": {"read": loader.get("read"), "prepare": compute.get("prepare"),
                           "compute": compute.get("forward"), "stall": stall},
         "bytes_read": loader.get("bytes", 0),
-        "bytes_read_per_token": loader.get("bytes", 0) / max(1, tokens),
-        "ssd_gbps": loader.get("ssd_gbps"),
+        "bytes_read_per_token": metrics.bytes_per_token(loader.get("bytes", 0), tokens),
+        "ssd_gbps": metrics.ssd_gbps(loader.get("bytes", 0), loader.get("disk_busy_s")),
         "prefetch_precision": router.get("prefetch_precision"),  # nil until a prefetcher runs
         "prefetch_recall": router.get("prefetch_recall"),
         "memory": supervisor["memory"],
@@ -191,7 +196,8 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
                    "decode_tokens": compute.get("decode_forward_tokens", 0),
                    "requests": compute.get("requests", 0),
                    "uses": router.get("uses", 0), "hits": router.get("hits", 0),
-                   "reads": loader.get("reads", 0), "bytes_read": loader.get("bytes", 0)},
+                   "reads": loader.get("reads", 0), "bytes_read": loader.get("bytes", 0),
+                   "wait_s": compute.get("wait_s", 0.0), "token_s": _token_s(compute)},
         "model": supervisor["model"],
         "run_id": supervisor["run_id"], "supervisor_pid": os.getpid(),
         "bench_mode": compute.get("bench_mode"),
@@ -200,31 +206,35 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
     }
 
 
+def _token_s(compute: dict) -> float:
+    """Compute's token time: seconds inside forward passes (counted as each pass ends)."""
+    return (compute.get("forward") or {}).get("total_s") or 0.0
+
+
 def window_figures(new: dict, old: dict) -> dict | None:
-    """Figures over the interval between two merged snapshots (old earlier): tok/s, hit rate,
-    bytes per token, SSD GB/s (bytes read / wall time), stall share (time compute waited for
-    reads / wall time) and per-stage p50/p99 from the histograms."""
+    """Figures over the interval between two merged snapshots (old earlier), by the definitions
+    of runtime/metrics.py: tok/s (tokens / wall time), hit rate, bytes per token, SSD GB/s (bytes
+    read / wall time), stall share (compute's wait / its token time) and per-stage p50/p99 from
+    the histograms."""
     dt = new["clock"] - old["clock"]
     if dt <= 0:
         return None
     a, b = new["totals"], old["totals"]
     d = {k: a.get(k, 0) - b.get(k, 0) for k in a}
-    tokens = d["prefill_tokens"] + d["decode_tokens"]
-    stalled = (((new["stage_latency"].get("stall") or {}).get("total_s") or 0)
-               - ((old["stage_latency"].get("stall") or {}).get("total_s") or 0))
     stages = {}
     for s in STAGES:
         h_new = dict(map(tuple, ((new["stage_latency"].get(s) or {}).get("hist") or [])))
         h_old = dict(map(tuple, ((old["stage_latency"].get(s) or {}).get("hist") or [])))
         stages[s] = histogram_percentiles({k: n - h_old.get(k, 0) for k, n in h_new.items()})
     return {"seconds": dt,
-            "decode_tok_s": d["decode_tokens"] / dt, "prefill_tok_s": d["prefill_tokens"] / dt,
-            "hit_rate": d["hits"] / d["uses"] if d["uses"] else None,
+            "decode_tok_s": metrics.tok_s(d["decode_tokens"], dt),
+            "prefill_tok_s": metrics.tok_s(d["prefill_tokens"], dt),
+            "hit_rate": metrics.hit_rate(d["hits"], d["uses"]),
             "bytes_read": d["bytes_read"],
-            "bytes_read_per_token": d["bytes_read"] / tokens if tokens else None,
-            "ssd_gbps": d["bytes_read"] / dt / 1e9,
+            "bytes_read_per_token": metrics.bytes_per_token(d["bytes_read"], d["prefill_tokens"] + d["decode_tokens"]),
+            "ssd_gbps": metrics.ssd_gbps(d["bytes_read"], dt),
             "requests": d["requests"],
-            "stall_share": stalled / dt,
+            "stall_share": metrics.stall_share(d.get("wait_s", 0.0), d.get("token_s", 0.0)),
             "stage_latency": stages}
 
 

@@ -99,12 +99,11 @@ def test_chart_and_table(bench_run):
 def test_prefetch_contenders_parse_into_cache_overrides():
     assert bench.prefetch_mode("deltafin-pf:t=0.6:d=1") == {
         "prefetch": True, "prefetch_threshold": 0.6, "prefetch_depth": 1}
-    assert bench.prefetch_mode("deltafin-pf:t=0.2:d=3:gate=off")["prefetch_gate"] is False
-    assert bench.mode_config("deltafin-pf:d=3:gate=on") == {"cache": {"prefetch": True, "prefetch_depth": 3,
-                                                                      "prefetch_gate": True}}
+    assert bench.mode_config("deltafin-pf:d=3") == {"cache": {"prefetch": True, "prefetch_depth": 3}}
     assert bench.bad_contender("deltafin-pf:t=0.6:d=1") is None and bench.bad_contender("mmap") is None
     for bad, why in [("deltafin-pf:t=1.5", "prefetch_threshold"), ("deltafin-pf:d=0", "prefetch_depth"),
-                     ("deltafin-pf:gate=maybe", "bad value"), ("deltafin-pf:x=1", "not t="),
+                     ("deltafin-pf:t=x", "bad value"), ("deltafin-pf:gate=off", "not t="),
+                     ("deltafin-pf:x=1", "not t="),
                      ("deltafin-pf:t=", "not t=")]:
         assert why in bench.bad_contender(bad)
     assert bench.bad_contender("deltafin-fast") == "deltafin-fast"
@@ -126,10 +125,9 @@ def test_rounds_summary_and_the_sweep_figure_are_medians_and_ratios():
     assert bench.summarize_rounds(runs[3:] * 2)["rounds_ok"] == 0
     c = {"deltafin-pf:t=0.2:d=1": {"ok": True, "decode_tok_s": 1.5},
          "deltafin-pf:t=0.6:d=1": {"ok": True, "decode_tok_s": 1.8},
-         "deltafin-pf:t=0.2:d=1:gate=off": {"ok": True, "decode_tok_s": 1.2},
          "deltafin-no-prefetch": {"ok": True, "decode_tok_s": 1.6},
          "deltafin-sync-lru": {"ok": True, "decode_tok_s": 9.0},
-         "deltafin-pf:t=0.8:d=1:gate=off": {"ok": False}}
+         "deltafin-pf:t=0.8:d=1": {"ok": False}}
     sw = bench.prefetch_sweep(c)
     assert (sw["min_gated"], sw["max_fixed"]) == ("deltafin-pf:t=0.2:d=1", "deltafin-no-prefetch")
     assert sw["ratio"] == pytest.approx(1.5 / 1.6)
@@ -137,11 +135,11 @@ def test_rounds_summary_and_the_sweep_figure_are_medians_and_ratios():
 
 
 def test_prefetch_settings_run_alternating_in_rounds(tiny_stores, tmp_path):
-    """A sweep for real: a self-gated and a fixed prefetch setting and prefetch off, two rounds
-    alternating; each round writes its own settings file, and the settings reach the router."""
+    """A sweep for real: two prefetch settings and prefetch off, two rounds alternating; each
+    round writes its own settings file, and the settings reach the router."""
     store = Store(tiny_stores("deepseek_v2"))
     trace = _trace(tmp_path / "trace.npz", store)
-    names = ["deltafin-pf:t=0.3:d=2", "deltafin-pf:t=0.3:d=2:gate=off", "deltafin-no-prefetch"]
+    names = ["deltafin-pf:t=0.3:d=2", "deltafin-pf:t=0.5:d=1", "deltafin-no-prefetch"]
     argv = ["--store", str(store.path), "--trace", str(trace), "--quick", "--prompt-tokens", "4",
             "--max-tokens", "3", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(tmp_path / "run"),
             "--standin-moe-ms", "2", "--standin-dense-ms", "1", "--regimes", "standin",
@@ -153,16 +151,16 @@ def test_prefetch_settings_run_alternating_in_rounds(tiny_stores, tmp_path):
         assert r["ok"] and r["rounds_ok"] == 2 and len(r["rounds"]) == 2, r.get("cause")
         assert r["decode_tok_s"] == pytest.approx(np.median([x["decode_tok_s"] for x in r["rounds"]]))
         if "pf:" in name:  # the router's prefetcher ran with the setting the name gives
-            assert r["prefetch_gate"]["gate"] is ("gate=off" not in name)
-            assert set(r["prefetch_gate"]) >= {"precision_d1", "precision_d2"}
+            assert r["prefetch_gate"]["gate"] is True
+            assert set(r["prefetch_gate"]) >= {"precision_d1"}
         else:
             assert r["prefetch_gate"] is None
     for i in (1, 2):
-        toml = (tmp_path / "run" / f"standin-deltafin-pf:t=0.3:d=2:gate=off-r{i}.toml").read_text()
-        assert "prefetch_threshold = 0.3" in toml and "prefetch_depth = 2" in toml and "prefetch_gate = false" in toml
+        toml = (tmp_path / "run" / f"standin-deltafin-pf:t=0.3:d=2-r{i}.toml").read_text()
+        assert "prefetch_threshold = 0.3" in toml and "prefetch_depth = 2" in toml
         assert (tmp_path / "run" / f"standin-deltafin-no-prefetch-r{i}.log").exists()
-    assert rr["prefetch_sweep"]["min_gated"] == names[0]
-    assert rr["prefetch_sweep"]["max_fixed"] in names[1:]
+    assert rr["prefetch_sweep"]["min_gated"] in names[:2]
+    assert rr["prefetch_sweep"]["max_fixed"] == names[2]
 
 
 @pytest.mark.parametrize("calibrate", ["run", "micro"])

@@ -136,8 +136,9 @@ def check_screen_against(app, collector):
     uses = new["totals"]["uses"] - old["totals"]["uses"]
     hits = new["totals"]["hits"] - old["totals"]["hits"]
     assert through.get_cell("hit rate", "value") == (f"{hits / uses:.1%}" if uses else "–")
-    stalled = (new["stage_latency"]["stall"].get("total_s", 0) - old["stage_latency"]["stall"].get("total_s", 0))
-    assert through.get_cell("stall share", "value") == f"{stalled / dt:.1%}"
+    waited = new["totals"]["wait_s"] - old["totals"]["wait_s"]
+    busy = new["totals"]["token_s"] - old["totals"]["token_s"]
+    assert through.get_cell("stall share", "value") == (f"{waited / busy:.1%}" if busy else "–")
     assert through.get_cell("requests", "value") == \
         f"{snap['active_requests']} active, {snap['totals']['requests']} done"
     memory = app.query_one("#memory", DataTable)
@@ -242,7 +243,7 @@ SCHEMA = {  # key -> accepted types; a script may rely on every one of these
     "seq": int, "time": float, "clock": float, "run_id": str, "supervisor_pid": int,
     "decode_tok_s": (float, type(None)), "prefill_tok_s": (float, type(None)),
     "hit_rate": (float, type(None)), "stall_share": (float, type(None)),
-    "stage_latency": dict, "bytes_read": int, "bytes_read_per_token": float,
+    "stage_latency": dict, "bytes_read": int, "bytes_read_per_token": (float, type(None)),
     "ssd_gbps": (float, type(None)), "prefetch_precision": type(None), "prefetch_recall": type(None),
     "memory": dict, "processes": dict, "active_requests": int, "slots": dict, "totals": dict,
     "model": dict, "window": (dict, type(None)), "workers": dict, "missing": list,
@@ -363,12 +364,13 @@ def test_window_percentiles_come_from_the_difference_of_two_histograms():
     for x in slow:
         lat.add(x)
     old = {"clock": 0.0, "totals": {"prefill_tokens": 0, "decode_tokens": 0, "uses": 10, "hits": 5,
-                                    "bytes_read": 0, "reads": 0, "requests": 0},
+                                    "bytes_read": 0, "reads": 0, "requests": 0, "wait_s": 0.5, "token_s": 1.0},
            "stage_latency": {"read": lat.summary(), "stall": {"count": 1, "total_s": 0.5}}}
     for x in fast:
         lat.add(x)
     new = {"clock": 2.0, "totals": {"prefill_tokens": 50, "decode_tokens": 20, "uses": 30, "hits": 20,
-                                    "bytes_read": 4_000_000_000, "reads": 3000, "requests": 1},
+                                    "bytes_read": 4_000_000_000, "reads": 3000, "requests": 1,
+                                    "wait_s": 1.0, "token_s": 2.0},
            "stage_latency": {"read": lat.summary(), "stall": {"count": 3, "total_s": 1.5}}}
     w = window_figures(new, old)
     read = w["stage_latency"]["read"]
@@ -455,3 +457,30 @@ def test_merge_keeps_the_stats_keys_tools_read():
     assert s["bytes_read_per_token"] == 20 and s["slots"]["per_layer"] == [[0, 2]]
     assert "resident_experts" not in s["workers"]["router"]  # carried once, in `slots`
     assert s["totals"]["decode_tokens"] == 1 and s["totals"]["hits"] == 3
+
+
+def test_merge_computes_each_figure_from_counters_by_its_definition():
+    from deltafin.runtime import metrics
+    parts = {"router": {"uses": 8, "hits": 6},
+             "loader": {"bytes": 3000, "disk_busy_s": 1e-6},
+             "compute": {"prompt_tokens": 10, "generated_tokens": 5, "decode_tokens": 4, "decode_s": 2.0,
+                         "prefill_s": 0.5, "wait_s": 0.25, "forward": {"count": 3, "total_s": 1.0},
+                         "hit_rate": 0.1}}  # compute's own figure is not the hit rate
+    sup = {"memory": {}, "processes": {}, "active_requests": 0, "model": {}, "run_id": "x"}
+    s = merge(parts, [], sup)
+    assert s["decode_tok_s"] == 2.0 and s["prefill_tok_s"] == 20.0
+    assert s["hit_rate"] == 0.75 == metrics.hit_rate(6, 8)
+    assert s["stall_share"] == 0.25  # compute's wait / its token time (forward passes)
+    assert s["bytes_read_per_token"] == 200 and s["ssd_gbps"] == pytest.approx(3.0)
+    assert merge({}, ["router", "loader", "compute"], sup)["hit_rate"] is None
+
+
+def test_one_definition_per_design_notes_metric():
+    from deltafin.runtime.metrics import METRICS, TOTALS
+    for key in ("decode_tok_s", "prefill_tok_s", "stage_latency", "stall_share", "hit_rate",
+                "prefetch_precision", "prefetch_recall", "bytes_read_per_token", "ssd_gbps", "bound",
+                "share_of_bound"):
+        assert METRICS[key].counts and METRICS[key].window
+    exported = [m.prom for m in (*METRICS.values(), *TOTALS.values()) if m.prom]
+    assert len(exported) == len(set(exported)) and all(p.startswith("deltafin_") for p in exported)
+    assert all(m.prom.endswith("_total") for m in TOTALS.values())

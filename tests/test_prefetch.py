@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,12 @@ import pytest
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Predictive, SlotTable, make_policy
-from deltafin.runtime.config import Config, ConfigError
+from deltafin.runtime.config import CacheConfig, Config, ConfigError
 from deltafin.runtime.predictor import RoutingPredictor
 from deltafin.runtime.traces import load_trace
 from deltafin.tools import replay as R
-from deltafin.workers.router import Router, RouterError, prefetch_setting
+from deltafin.workers.router import Router, RouterError
+from deltafin.workers.router_process import prefetch_setting
 
 SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
 ALWAYS = {"threshold": 0.0, "min_precision": 0.0}  # prefetch every non-resident key of the next layer
@@ -436,17 +438,15 @@ def test_prefetch_config_keys():
         Config.from_dict({"cache": {"prefetch": 1}})
     with pytest.raises(ConfigError, match="prefetch_threshold"):
         Config.from_dict({"cache": {"prefetch_threshold": 1.5}})
-    lru, pred = {"policy": "lru", "prefetch": "auto"}, {"policy": "predictive", "prefetch": "auto"}
+    lru, pred = CacheConfig(policy="lru", prefetch="auto"), CacheConfig(policy="predictive", prefetch="auto")
     assert prefetch_setting(lru, 10, 100) is False                      # auto: the predictive policy only
     assert prefetch_setting(pred, 100, 100) is False                    # ... and only when not all fit
-    assert prefetch_setting({**pred, "prefetch_threshold": 0.3, "prefetch_depth": 3}, 10, 100) == {
-        "threshold": 0.3, "depth": 3, "gate": True, "bandwidth": True}
-    assert prefetch_setting({"policy": "lru", "prefetch": True}, 100, 100) == {
-        "threshold": 0.4, "depth": 1, "gate": True, "bandwidth": True}
-    # cache.prefetch_gate = false: the fixed setting, down to the router's prefetcher
-    assert Config.from_dict({}).cache.prefetch_gate is True
-    off = prefetch_setting(Config.from_dict({"cache": {"prefetch": True, "prefetch_gate": False}}).to_dict()["cache"], 10, 100)
-    assert off["gate"] is False
+    assert prefetch_setting(replace(pred, prefetch_threshold=0.3, prefetch_depth=2), 10, 100) == {
+        "threshold": 0.3, "depth": 2, "gate": True, "bandwidth": True}
+    assert prefetch_setting(CacheConfig(policy="lru", prefetch=True), 100, 100) == {
+        "threshold": 0.4, "depth": 3, "gate": True, "bandwidth": True}
+    # the prefetcher's fixed (ungated) setting stays for replays and tests, not the configuration
+    off = {**prefetch_setting(CacheConfig(prefetch=True), 10, 100), "gate": False}
     fixed = Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=off)
     assert fixed.prefetcher.gate is False and fixed.read_gate is None
     gated = Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch={**off, "gate": True})
@@ -460,8 +460,8 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
     """Real supervisor, router, loader and compute on a small pool (2 of 6 layers' worth of
     slots, 6 staging slots): LRU and the predictive policy without prefetch, and both with every
     key of the next layer prefetched (threshold 0), with the prefetch fills that landed taken
-    before a layer asks (compute.early_fills) or only at its need, and with the gate lookahead
-    asked as a lease (compute.leases, the default) or only hinted, and with the first layer kept
+    before a layer asks (bench.early_fills) or only at its need, and with the gate lookahead
+    asked as a lease (bench.leases, the default) or only hinted, and with the first layer kept
     whole in a slot group of its own (cache.whole_layers), give the same greedy tokens and
     logits."""
     from deltafin.client import Client
@@ -484,7 +484,7 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
-                        + f"[compute]\nearly_fills = {json.dumps(not name.startswith('late'))}\n"  # on the CPU "auto" is off
+                        + f"[bench]\nearly_fills = {json.dumps(not name.startswith('late'))}\n"  # on the CPU "auto" is off
                         + f"leases = {json.dumps(not name.startswith('nolease'))}\n")
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:

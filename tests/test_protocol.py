@@ -225,3 +225,25 @@ def test_one_client_does_not_delay_another_ones_error(tiny_stores):
                 other._call(M.Generate(id=other._next(), prompt="a", token_ids=[1]))
             rest = list(stream)  # the long generation was still running all along
             assert len(rest) > 100 and busy.last.finish_reason == "length"
+
+
+def test_every_error_code_maps_to_an_exception_and_is_documented():
+    from pathlib import Path
+
+    from deltafin.client import ERRORS, DeltafinError
+    assert set(ERRORS) == set(M.ErrorCode)
+    for code in M.ErrorCode:
+        assert issubclass(ERRORS[code], DeltafinError)
+        with pytest.raises(ERRORS[code]) as got:
+            _raise_error(code)
+        assert got.value.code == code.value
+    assert M.decode(M.encode(M.Error(id=1, code=M.ErrorCode.QUEUE_FULL, message="x"))).code == "queue_full"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
+    table = doc[doc.index("| code | when |"):].split("\n\n")[0]
+    documented = [row.split("`")[1] for row in table.splitlines()[2:]]
+    assert documented == [c.value for c in M.ErrorCode]
+
+
+def _raise_error(code):
+    from deltafin.client import _raise
+    _raise(M.Error(id=1, code=code.value, message="why"))

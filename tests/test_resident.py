@@ -3,6 +3,7 @@ the zero-copy probe, and what a resident expert costs: no copy, no message, no s
 from __future__ import annotations
 
 import mmap
+from dataclasses import replace
 import time
 from collections import Counter
 
@@ -312,17 +313,16 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, 
 @pytest.mark.parametrize("hits_first,stream", [(True, False), (False, True), (True, True)])
 def test_a_layer_in_pieces_gives_the_same_logits_as_waiting_for_every_expert(tiny_stores, hits_first, stream):
     """A layer with misses computes in pieces while they are read: its hits first
-    (compute.hits_first), each miss as its fill lands (compute.stream_misses). The logits are
+    (Pipeline.hits_first), each miss as its fill lands (stream_misses). The logits are
     those of the layer waiting for all its experts, bit for bit, in prefill and in single-token
     passes; and the pieces did run (counted)."""
     store = Store(tiny_stores(ARCH))
     n_slots = len(store.records) // 2  # hits and misses in most layers
     out = {}
     for on in (True, False):
-        cfg = _config(policy="lru", prefetch=False)
-        cfg["compute"]["hits_first"] = hits_first and on
-        cfg["compute"]["stream_misses"] = stream and on
-        compute, router, source, loader = _compute(store, n_slots, config=cfg)
+        compute, router, source, loader = _compute(store, n_slots, config=_config(policy="lru", prefetch=False))
+        compute.experts.pipe = replace(compute.experts.pipe, hits_first=hits_first and on,
+                                       stream_misses=stream and on)
         got = [compute.logits(PROMPT)] + [compute.logits([t]) for t in PROMPT[:6]]
         c = compute.experts.counters
         out[on] = (got, c.get("hits_first"), c.get("streamed_misses"))
@@ -366,7 +366,7 @@ def _is_cuda() -> bool:
 
 
 def test_pools_are_placed_in_host_memory_only_where_mlx_cuda_streams_experts(tiny_stores):
-    """compute.pool_placement "auto": a tier with fewer slots than the model's experts asks for
+    """A tier with fewer slots than the model's experts asks for
     host placement (MLX CUDA: its managed pools advised to live in host memory); one holding
     every expert does not; elsewhere there is nothing to place and the tier says why."""
     store = Store(tiny_stores(ARCH))

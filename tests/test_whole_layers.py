@@ -3,7 +3,7 @@ first layers of a layout get a slot group of their own, read in whole and never 
 never read their routing back; the other layers share the rest. The split's arithmetic, the same
 layers derived from the slot counts everywhere, and in-process runs that give the all-resident
 logits bit for bit with read-backs only on the shared layers (the whole layers launched as soon
-as they are built, compute.eager_layers)."""
+as they are built, bench.eager_layers)."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -58,7 +58,7 @@ def _generate(store, whole, n_slots: int, steps: int = 12):
     cfg["cache"]["whole_layers"] = whole
     # whole layers launched as soon as built where a shared layer reads back later (on the CPU
     # "auto" leaves it off): the same logits either way
-    cfg["compute"]["eager_layers"] = bool(whole)
+    cfg["bench"]["eager_layers"] = bool(whole)
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
@@ -91,8 +91,8 @@ def test_whole_layers_give_the_all_resident_logits_and_read_back_only_the_shared
 
 def test_settings_take_true_false_or_auto(tmp_path):
     from deltafin.runtime.config import ConfigError, load_config
-    assert load_config().cache.whole_layers == "auto" and load_config().compute.eager_layers == "auto"
-    for section, key in (("cache", "whole_layers"), ("compute", "eager_layers")):
+    assert load_config().cache.whole_layers == "auto" and load_config().bench.eager_layers == "auto"
+    for section, key in (("cache", "whole_layers"), ("bench", "eager_layers")):
         for value in ("true", "false", '"auto"'):
             (tmp_path / "ok.toml").write_text(f"[{section}]\n{key} = {value}\n")
             load_config(tmp_path / "ok.toml")
@@ -118,7 +118,7 @@ def test_distributed_ranks_keep_no_whole_layers(store, tmp_path):
 
 
 def test_only_streaming_groups_are_placed_in_host_memory(store):
-    """compute.pool_placement "auto": the pools of a group that streams (fewer slots than its
+    """The pools of a group that streams (fewer slots than its
     experts) go to host memory on MLX CUDA; a group held whole (the whole tier, or whole layers)
     stays in device memory, where kernels read it faster. Elsewhere nothing is placed, but the
     tier still asks only for the streaming groups."""

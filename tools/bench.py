@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from deltafin.runtime import metrics
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.store import Store
 
-# deltafin's named modes. Each speed feature gets a mode with that feature off as it lands;
-# "sync-lru" is the behaviour before any of them (synchronous layers, LRU) and stays as is.
+# deltafin's named modes: the runtime, the reference design ("sync-lru": synchronous layers,
+# LRU, bench.pipeline "sync") and one mode per question still open (docs/BENCHMARKS.md).
 DELTAFIN_MODES = {
     "deltafin": [],
     "deltafin-sync-lru": ["--policy", "lru"],
@@ -35,43 +36,29 @@ DELTAFIN_MODES = {
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
-    "deltafin-mlx-fills": [],  # the default with fills copied through MLX (two copies on the CPU)
-    "deltafin-no-hits-first": [],  # the default with a layer waiting for all its experts before any compute
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
-    "deltafin-device-pools": [],  # the default with MLX CUDA's resident pools left in device memory
-    "deltafin-no-early-fills": [],  # the default with landed prefetch fills applied only at a need
     "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
-# sync-lru keeps one whole-record read per thread (as before chunked reads), a layer waiting for all
-# its experts (before hits first) and fills through MLX (before fills in place).
 DELTAFIN_MODE_CONFIG = {
-    "deltafin-sync-lru": {"loader": {"chunk_bytes": 0},
-                          "compute": {"hits_first": False, "host_fills": False, "stream_misses": False,
-                                      "pool_placement": "device", "early_fills": False,
-                                      "leases": False}},
-    "deltafin-chunked": {"loader": {"chunk_bytes": 1 << 20}},
+    "deltafin-sync-lru": {"bench": {"pipeline": "sync"}},
+    "deltafin-chunked": {"bench": {"chunk_bytes": 1 << 20}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
-    "deltafin-mlx-fills": {"compute": {"host_fills": False}},
-    "deltafin-no-hits-first": {"compute": {"hits_first": False}},
-    "deltafin-no-stream-misses": {"compute": {"stream_misses": False}},
-    "deltafin-device-pools": {"compute": {"pool_placement": "device"}},
-    "deltafin-no-early-fills": {"compute": {"early_fills": False}},
-    "deltafin-no-leases": {"compute": {"leases": False}},
+    "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
+    "deltafin-no-leases": {"bench": {"leases": False}},
 }
 CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
 # Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with
-# prefetch on at threshold 0.6, depth 1, self-gated; ":gate=off" makes it the fixed (ungated)
-# setting. Colons, not commas, so that --contenders still splits on commas.
+# prefetch on at threshold 0.6, depth 1. Colons, not commas, so that --contenders still splits on
+# commas.
 PF_PREFIX = "deltafin-pf:"
-PF_KEYS = {"t": ("prefetch_threshold", float), "d": ("prefetch_depth", int),
-           "gate": ("prefetch_gate", lambda v: {"on": True, "off": False}[v])}
+PF_KEYS = {"t": ("prefetch_threshold", float), "d": ("prefetch_depth", int)}
 REGIMES = ("standin", "real")
 PRESET_DEFAULT = "dsv2-lite"
 
 
 def prefetch_mode(name: str) -> dict:
-    """The [cache] overrides a "deltafin-pf:t=..:d=..[:gate=on|off]" contender names; ValueError
+    """The [cache] overrides a "deltafin-pf:t=..:d=.." contender names; ValueError
     for a malformed one."""
     if not name.startswith(PF_PREFIX):
         raise ValueError(f"{name}: not a {PF_PREFIX} contender")
@@ -79,7 +66,7 @@ def prefetch_mode(name: str) -> dict:
     for part in name[len(PF_PREFIX):].split(":"):
         key, _, value = part.partition("=")
         if key not in PF_KEYS or not value:
-            raise ValueError(f"{name}: {part!r} is not t=<threshold>, d=<depth> or gate=on|off")
+            raise ValueError(f"{name}: {part!r} is not t=<threshold> or d=<depth>")
         field_name, conv = PF_KEYS[key]
         try:
             cache[field_name] = conv(value)
@@ -326,11 +313,11 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "ok": True, "wall_s": wall, "preload_s": preload_s,
         "generated_tokens": len(gen.token_ids), "token_ids": gen.token_ids,
         "decode_tok_s": g.get("decode_tok_s"), "prefill_tok_s": g.get("prefill_tok_s"), "ttft_s": g.get("ttft_s"),
-        "stage_latency": {k: _pcts(lat.get(k)) for k in ("read", "prepare", "compute")},
-        "stall_share": (dec.get("wait_s", 0.0) / dec["total_s"]) if dec.get("total_s") else g.get("stall_share"),
-        "hit_rate": (dec["hits"] / dec["uses"]) if dec.get("uses") else stats.get("hit_rate"),
+        "stage_latency": {k: metrics.stage_percentiles(lat.get(k)) for k in ("read", "prepare", "compute")},
+        "stall_share": metrics.stall_share(dec.get("wait_s", 0.0), dec.get("total_s")),
+        "hit_rate": metrics.hit_rate(dec["hits"], dec["uses"]) if dec.get("uses") else stats.get("hit_rate"),
         "hit_rate_all_tokens": stats.get("hit_rate"),
-        "bytes_read_per_token": (dec["miss_bytes"] / n_dec) if n_dec and "miss_bytes" in dec else None,
+        "bytes_read_per_token": metrics.bytes_per_token(dec["miss_bytes"], n_dec) if "miss_bytes" in dec else None,
         "bytes_read_per_token_all": stats.get("bytes_read_per_token"),
         "ssd_gbps": stats.get("ssd_gbps"),
         "ssd_share_of_probe": (stats["ssd_gbps"] / s.disk["gbps"]) if stats.get("ssd_gbps") and s.disk.get("gbps") else None,
@@ -353,15 +340,9 @@ def _loader_figures(stats: dict) -> dict:
     ld = (stats.get("workers") or {}).get("loader") or {}
     return {"demand_reads": ld.get("demand_reads"), "prefetch_reads": ld.get("prefetch_reads"),
             "chunk_bytes": ld.get("chunk_bytes"), "chunk_reads": ld.get("chunk_reads"),
-            "queue_wait": _pcts(ld.get("queue_wait")), "disk_busy_share": ld.get("disk_busy_share"),
+            "queue_wait": metrics.stage_percentiles(ld.get("queue_wait")), "disk_busy_share": ld.get("disk_busy_share"),
             "mean_in_flight": ld.get("mean_in_flight"), "bytes": ld.get("bytes"),
-            "need_stall": _pcts((stats.get("stage_latency") or {}).get("stall"))}
-
-
-def _pcts(summary: dict | None) -> dict | None:
-    if not summary or not summary.get("count"):
-        return None
-    return {"p50_ms": summary.get("p50_ms"), "p99_ms": summary.get("p99_ms"), "count": summary.get("count")}
+            "need_stall": metrics.stage_percentiles((stats.get("stage_latency") or {}).get("stall"))}
 
 
 def _run_json_process(cmd: list[str], s: Setup, name: str, cap) -> tuple[dict | None, str | None, dict]:
@@ -405,9 +386,9 @@ def run_mmap(s: Setup, regime: str, cap) -> dict:
     return {"ok": True, "generated_tokens": data.get("generated_tokens"), "token_ids": data.get("token_ids"),
             "decode_tok_s": data.get("decode_tok_s"), "prefill_tok_s": data.get("prefill_tok_s"),
             "ttft_s": data.get("ttft_s"),
-            "stage_latency": {k: _pcts((data.get("stage_latency") or {}).get(k)) for k in ("read", "prepare", "compute")},
+            "stage_latency": {k: metrics.stage_percentiles((data.get("stage_latency") or {}).get(k)) for k in ("read", "prepare", "compute")},
             "stall_share": None, "hit_rate": None,
-            "bytes_read_per_token": (dec["disk_read_bytes"] / n_dec) if "disk_read_bytes" in dec else None,
+            "bytes_read_per_token": metrics.bytes_per_token(dec["disk_read_bytes"], n_dec) if "disk_read_bytes" in dec else None,
             "time_per_token_s": (1.0 / data["decode_tok_s"]) if data.get("decode_tok_s") else None,
             "split_per_token_s": {k: dec.get(f"{k}_s", 0.0) / n_dec for k in ("compute", "prepare")} if dec else {},
             "bench_mode": data.get("bench_mode"), **mem}
@@ -582,14 +563,14 @@ def summarize_rounds(runs: list[dict]) -> dict:
 
 
 def prefetch_sweep(contenders: dict) -> dict | None:
-    """Issue 8's figure over the deltafin-pf contenders: the slowest self-gated setting over the
-    fastest fixed one (ungated settings, and prefetch off where it ran), by decode tok/s."""
+    """Over the deltafin-pf contenders: the slowest prefetch setting against prefetch off
+    (deltafin-no-prefetch), by decode tok/s."""
     gated, fixed = {}, {}
     for name, r in contenders.items():
         if not (r.get("ok") and r.get("decode_tok_s")):
             continue
         if name.startswith(PF_PREFIX):
-            (gated if prefetch_mode(name).get("prefetch_gate", True) else fixed)[name] = r["decode_tok_s"]
+            gated[name] = r["decode_tok_s"]
         elif name == "deltafin-no-prefetch":
             fixed[name] = r["decode_tok_s"]
     if not gated or not fixed:
@@ -753,8 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-frac", type=float, default=0.25, help="expert slots as a share of all experts")
     p.add_argument("--regimes", default=",".join(REGIMES), help="standin,real")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=",".join(CONTENDERS) + f"; and prefetch settings as {PF_PREFIX}t=0.6:d=1 (self-gated) "
-                        f"or {PF_PREFIX}t=0.6:d=1:gate=off (fixed)")
+                   help=",".join(CONTENDERS) + f"; and prefetch settings as {PF_PREFIX}t=0.6:d=1")
     p.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, alternating "
                    "(round 1: every contender, then round 2, ...); the report gives medians and the spread")
     p.add_argument("--standin-moe-ms", type=float, help="stand-in wait per MoE layer (default: config)")
@@ -789,7 +769,7 @@ def main(argv=None) -> int:
     bad = [r for r in regimes if r not in REGIMES] + [why for why in map(bad_contender, contenders) if why]
     if bad or a.rounds < 1:
         log(f"unknown regime or contender: {', '.join(bad) or '-'} (regimes {REGIMES}, contenders {CONTENDERS}, "
-            f"or {PF_PREFIX}t=<threshold>:d=<depth>[:gate=on|off]); --rounds >= 1")
+            f"or {PF_PREFIX}t=<threshold>:d=<depth>); --rounds >= 1")
         return 2
     out = Path(a.out or f"deltafin-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -858,7 +838,7 @@ def main(argv=None) -> int:
             compute = resident_compute_s_per_token(s, preset["bound_tokens"])
             desc = f"real compute on this machine ({a.dtype} activations), every stage real"
         reads = belady_read_s_per_token(s, gbps) if trace_ids is not None else {"s_per_token": 0.0}
-        bound = max(compute["s_per_token"], reads["s_per_token"])
+        bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])
         rr = {"description": desc, "max_tokens": s.max_tokens,
               "bound": {"s_per_token": bound, "tok_s": 1.0 / bound,
                         "limited_by": "compute" if compute["s_per_token"] >= reads["s_per_token"] else "reads",
@@ -883,7 +863,7 @@ def main(argv=None) -> int:
                 if runs[name]:
                     r = summarize_rounds(runs[name])
                     if r.get("ok") and r.get("decode_tok_s"):
-                        r["share_of_bound"] = r["decode_tok_s"] * bound
+                        r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
                     rr["contenders"][name] = r
             rr["rounds"] = i + 1
             rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])

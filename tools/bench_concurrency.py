@@ -109,7 +109,7 @@ def run_level(ep: str, n: int, prompt_tokens: int, max_tokens: int, timeout: flo
             # per forward pass (decode steps and prefill chunks) of the level: layers that stopped
             # for a read (need), gate read-backs sent as lookahead hints (one per layer read back
             # but the last MoE layer, where the router prefetches), the same asked as leases
-            # (compute.leases), expert copies into the tier
+            # (bench.leases), expert copies into the tier
             "per_pass": ({k: (m1.get(k, 0) - m0.get(k, 0)) / passes for k in ("need", "hint", "lease", "filled")}
                          if (passes := steps + _prefill_passes(c0, c1)) else None),
             "ttft_s": statistics.median(f - t_send for f in first if f is not None)}
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", help="write the report here too")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="a config value for the runtime (TOML value), e.g. compute.hits_first=false")
+                   help="a config value for the runtime (TOML value), e.g. bench.leases=false")
     a = p.parse_args(argv)
     sets: dict[str, list[str]] = {}
     for item in a.set:

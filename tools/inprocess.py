@@ -2,7 +2,6 @@
 directly by compute's `LocalExpertSource`, over an anonymous staging pool."""
 from __future__ import annotations
 
-import dataclasses
 import mmap
 
 import mlx.core as mx
@@ -11,7 +10,7 @@ from deltafin.runtime import tiers
 from deltafin.runtime.config import Config, as_config
 from deltafin.runtime.store import Store
 from deltafin.workers.loader import Loader
-from deltafin.workers.router import router_for
+from deltafin.workers.router_process import router_for
 from deltafin.workers.sources import LocalExpertSource
 
 
@@ -28,5 +27,5 @@ def local_router(store: Store, config: Config | dict, n_slots: int = 0):
     n_staging = tiers.staging_slots(store, config.loader.threads, cache.staging_slots)
     pool = mmap.mmap(-1, n_staging * store.max_record_bytes)
     loader = Loader(store, memoryview(pool), store.max_record_bytes)
-    source = LocalExpertSource(router_for(store, dataclasses.asdict(cache), resident, n_staging), loader)
+    source = LocalExpertSource(router_for(store, cache, resident, n_staging), loader)
     return source, memoryview(pool), loader

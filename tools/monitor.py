@@ -30,7 +30,7 @@ import zmq
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.shm import pid_alive
-from deltafin.runtime.telemetry import STAGES, WINDOW_S, RunInfo, live_runs, window_figures
+from deltafin.runtime.telemetry import STAGES, WINDOW_S, WINDOW_SERIES, RunInfo, live_runs, window_figures
 
 LOST_AFTER_S = 2.0      # no snapshot for this long (8 publish intervals): the supervisor is gone
 RESCAN_S = 1.0          # how often the run directories are scanned while looking for a supervisor
@@ -132,8 +132,7 @@ class MonitorModel:
     """Snapshots -> figures over the window and sparkline history. `reset()` restarts the window
     and the history (key r). A snapshot of another run (a restarted supervisor) resets too."""
 
-    SERIES = ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps", "stall_share",
-              *(f"{s}_p50" for s in STAGES))
+    SERIES = (*WINDOW_SERIES, *(f"{s}_p50" for s in STAGES))
 
     def __init__(self, window_s: float = WINDOW_S, points: int = HISTORY_POINTS):
         self.window_s, self.points = window_s, points
@@ -166,8 +165,7 @@ class MonitorModel:
         ref = next((s for s in reversed(self.history) if snap["clock"] - s["clock"] >= STEP_S), first)
         step = window_figures(snap, ref) if ref is not snap else None
         if step is not None:
-            for k in ("decode_tok_s", "prefill_tok_s", "hit_rate", "bytes_read_per_token", "ssd_gbps",
-                      "stall_share"):
+            for k in WINDOW_SERIES:
                 self.series[k].append(step[k])
             for s in STAGES:
                 self.series[f"{s}_p50"].append(step["stage_latency"][s].get("p50_ms"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import zmq
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.config import as_config
 from deltafin.runtime.shm import Segment
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.telemetry import SnapshotPublisher
@@ -70,7 +71,7 @@ class WorkerProcess:
     def __init__(self, run_dir: str):
         self.run_dir = Path(run_dir)
         self.run = json.loads((self.run_dir / RUN_CONFIG).read_text())
-        self.config = self.run["config"]
+        self.config = as_config(self.run["config"])
         self.supervisor_pid = int(self.run["supervisor_pid"])
         die_with_parent(self.supervisor_pid)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
@@ -184,7 +185,7 @@ class WorkerProcess:
         sock = make_socket(self.ctx, zmq.DEALER, identity=self.role)
         sock.connect(self.run["endpoints"]["data"])
         send(sock, M.PeerHello(role=self.role))
-        wait_readable(sock, self.config["runtime"]["startup_timeout_s"], self.parent_alive,
+        wait_readable(sock, self.config.runtime.startup_timeout_s, self.parent_alive,
                       what="the router's hello")
         if not isinstance(recv(sock), M.PeerHello):
             raise RuntimeError("the router answered the hello with something else")

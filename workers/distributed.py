@@ -50,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.config import Config
 from deltafin.runtime.models.switch import run_pairs, sorts_pairs
 from deltafin.runtime.ranks import OUT_OF_STEP_EXIT, RANK_LOST_EXIT
 from deltafin.runtime.store import Store
@@ -61,7 +62,7 @@ IDLE, REQUEST, STOP = 0, 1, 2
 
 
 class NotLeader(RequestError):
-    code = "not_leader"
+    code = M.ErrorCode.NOT_LEADER
 
 
 # -- who owns which expert -----------------------------------------------------------------------------
@@ -306,13 +307,12 @@ class Lockstep:
         self.began = None  # group.count when the running request was announced
 
     @classmethod
-    def from_config(cls, config: dict, store: Store) -> "Lockstep | None":
-        dc = config.get("distributed") or {}
-        if not dc.get("enabled"):
+    def from_config(cls, config: Config, store: Store) -> "Lockstep | None":
+        dc = config.distributed
+        if not dc.enabled:
             return None
-        group = Group(float(dc.get("timeout_s", 20.0)), dc.get("backend", "ring"),
-                      float((config.get("runtime") or {}).get("startup_timeout_s", 180.0)))
-        trace = dc.get("balance_trace") or ""
+        group = Group(dc.timeout_s, dc.backend, config.runtime.startup_timeout_s)
+        trace = dc.balance_trace
         share = (ExpertShare.from_trace(store, group.rank, group.size, trace) if trace
                  else ExpertShare.modulo(store, group.rank, group.size))
         print(f"deltafin compute: rank {group.rank} of {group.size}, owns "

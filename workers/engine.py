@@ -26,7 +26,8 @@ from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import StandInModel, bench_mode
 from deltafin.runtime import dtypes
 from deltafin.runtime.budget import kv_reserve_bytes, sequence_cache_bytes
-from deltafin.runtime.config import ComputeConfig, Config, as_config
+from deltafin.runtime.config import Config, as_config
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
 from deltafin.runtime.models.switch import switch_glu
@@ -34,32 +35,9 @@ from deltafin.runtime.store import Store
 from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.scheduler import Scheduler, Sequence
+from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
-
-
-def _choice(name: str, value, allowed: tuple):
-    if value not in allowed:
-        shown = {True: "true", False: "false"}
-        raise ValueError(f"{name} = {value!r}: use {', '.join(shown.get(a, a) for a in allowed)}")
-    return value
-
-
-def configure_slots(experts: SlotExperts, cc: ComputeConfig, cache: dict, standin: bool) -> None:
-    """The provider's pipeline settings from [compute] (and [cache], for the router's prefetch),
-    set before it attaches its resident tier. "auto" settings follow the backend: on a GPU early
-    fills are taken (also in the stand-in) and resident layers launch eagerly."""
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    experts.cache_config = cache
-    experts.host_fills = bool(cc.host_fills)
-    experts.hits_first = bool(cc.hits_first)
-    experts.stream_misses = bool(cc.stream_misses)
-    early = _choice("compute.early_fills", cc.early_fills, (True, False, "auto"))
-    experts.take_early_fills = (gpu or standin) if early == "auto" else early
-    experts.leases = _choice("compute.leases", cc.leases, (True, False))
-    eager = _choice("compute.eager_layers", cc.eager_layers, (True, False, "auto"))
-    experts.eager_layers = gpu if eager == "auto" else eager
-    experts.pool_placement = _choice("compute.pool_placement", str(cc.pool_placement), ("auto", "host", "device"))
 
 
 class Compute:
@@ -88,9 +66,10 @@ class Compute:
         if self.standin:
             self.model = StandInModel(self.model.n_layers, store.moe_layers, self.vocab,
                                       self.standin["moe_ms"], self.standin["dense_ms"])
-        self.experts = experts_cls(store, pool_buf, slot_bytes, source, self.dtype, routing=self.routing)
+        self.pipeline = Pipeline.resolve(config.bench, gpu=on_gpu(), standin=bool(self.standin))
+        extra = {"pipeline": self.pipeline, "cache": config.cache} if issubclass(experts_cls, SlotExperts) else {}
+        self.experts = experts_cls(store, pool_buf, slot_bytes, source, self.dtype, routing=self.routing, **extra)
         if isinstance(self.experts, SlotExperts):
-            configure_slots(self.experts, cc, dataclasses.asdict(config.cache), bool(self.standin))
             resident = source.resident_slots(store)
             if resident is not None:  # the process: told at attach_pool
                 self.experts.attach(pool_buf, slot_bytes, resident)
@@ -247,8 +226,8 @@ class Compute:
         split2 = self._split()
         stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
                  "prefill_s": t_prefill, "decode_s": t_decode,
-                 "prefill_tok_s": len(ids) / t_prefill if t_prefill else None,
-                 "decode_tok_s": n_decode / t_decode if n_decode and t_decode else None,
+                 "prefill_tok_s": metrics.tok_s(len(ids), t_prefill),
+                 "decode_tok_s": metrics.tok_s(n_decode, t_decode) if n_decode else None,
                  "ttft_s": seq.ttft_s,
                  **{f"{k}_s": v - split0[k] for k, v in split2.items() if k in ("ipc", "wait", "prepare")},
                  "bench_mode": self.bench_mode}
@@ -283,19 +262,18 @@ class Compute:
     def stats(self) -> dict:
         c = self.counters.snapshot()
         e = self.experts
-        uses = e.counters.get("uses")
-        busy = c.get("prefill_s", 0) + c.get("decode_s", 0)
         tier = e.tier
-        return {**c, "forward": self.forward_latency.summary(), "prepare": e.prepare.summary(),
-                "hit_rate": e.counters.get("hits") / uses if uses else None,
+        forward = self.forward_latency.summary()
+        return {**c, "forward": forward, "prepare": e.prepare.summary(),
                 "ipc_s": e.t_ipc, "wait_s": e.t_wait, "prepare_s": e.t_prepare, "sync_s": e.t_sync,
-                "stall_share": e.t_wait / busy if busy else None,
-                "decode_tok_s": c.get("decode_tokens", 0) / c["decode_s"] if c.get("decode_s") else None,
-                "prefill_tok_s": c.get("prompt_tokens", 0) / c["prefill_s"] if c.get("prefill_s") else None,
+                "stall_share": metrics.stall_share(e.t_wait, forward.get("total_s")),
+                "decode_tok_s": metrics.tok_s(c.get("decode_tokens", 0), c.get("decode_s")),
+                "prefill_tok_s": metrics.tok_s(c.get("prompt_tokens", 0), c.get("prefill_s")),
                 "prepare_bytes": int(e.counters.get("bytes")),
-                # layers computed in pieces (hits first, misses as they land) and prefetch fills
-                # taken before a layer asked (take_fills)
-                "pipeline": {k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases")},
+                # layers computed in pieces (hits first, misses as they land), prefetch fills taken
+                # before a layer asked, leases asked; and the settings resolved at start
+                "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases")},
+                             "resolved": self.pipeline.report() if self.pipeline else None},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
                                  "fills": tier.fills, "placement": tier.placement} if tier else {}),

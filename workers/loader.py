@@ -3,10 +3,10 @@
 Demand reads go before prefetch reads: `ReadQueue` hands out every queued demand read before any
 prefetch read (`Read.prefetch`), first come first served within each class.
 
-With `chunk_bytes` > 0 a record is split into block-aligned pieces that all `threads` read at
+With `chunk_bytes` > 0 (bench.chunk_bytes) a record is split into block-aligned pieces that all `threads` read at
 once, and its CRC-32 advances chunk by chunk as they land (in file order, by whichever thread
 finished the next one), so a record is done shortly after its last byte arrives. Measured on the
-development machine (docs/BENCHMARKS.md, Speed II second pass): its ~1 GB/s virtual disk gives
+development machine (docs/benchmarks-history.md, Speed II second pass): its ~1 GB/s virtual disk gives
 the same bandwidth at queue depth 1 as at 8; 1 MiB chunks halve a record's read time but slow
 compute's copies out of staging more, so whole records (chunk_bytes 0) are the default.
 
@@ -20,10 +20,15 @@ import threading
 import time
 from collections import deque
 
+import zmq
+
 from deltafin.protocol import messages as M
 from deltafin.runtime.directio import BLOCK, DirectFile, round_up
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
+from deltafin.runtime.sockets import make_socket, recv
 from deltafin.runtime.store import Store, StoreError, checksum_error, crc32, truncated_error
+from deltafin.workers.common import WorkerProcess
 
 
 class ReadJob:
@@ -186,7 +191,7 @@ class Loader:
                 "chunk_bytes": self.chunk_bytes,
                 "direct_io": all(f.direct for f in self._files.values()) if self._files else None,
                 # bytes over the time some read was in flight: the disk's rate while it was used
-                "ssd_gbps": (c.get("bytes", 0) / self.busy_s / 1e9) if self.busy_s else None,
+                "ssd_gbps": metrics.ssd_gbps(c.get("bytes", 0), self.busy_s),
                 "disk_busy_s": self.busy_s,
                 "disk_busy_share": (self.busy_s / wall) if wall else None,
                 "mean_in_flight": (self.depth_s / self.busy_s) if self.busy_s else None}
@@ -237,75 +242,77 @@ class ReadQueue:
             return len(self._demand) + len(self._prefetch)
 
 
-def run_loader_process(run_dir: str) -> None:
-    import zmq
+class LoaderProcess(WorkerProcess):
+    """The loader's worker: read orders from the data plane go to `loader.threads` reader threads
+    (`ReadQueue`); their answers come back through an inproc socket, so only this thread sends.
+    One handler per socket (`on_socket`)."""
 
-    from deltafin.runtime.sockets import make_socket, recv
-    from deltafin.workers.common import WorkerProcess
+    role = "loader"
 
-    class LoaderProcess(WorkerProcess):
-        role = "loader"
+    def setup(self):
+        self.store = Store(self.run["store"])
+        self.data = self.connect_data_plane()
+        self.poller.register(self.data, zmq.POLLIN)
+        self.done_pull = make_socket(self.ctx, zmq.PULL)
+        self.done_pull.bind("inproc://loader-done")
+        self.poller.register(self.done_pull, zmq.POLLIN)
+        self.orders = ReadQueue()
+        self.loader: Loader | None = None
+        self.threads: list[threading.Thread] = []
+        self.handlers = {self.data: self.on_order, self.done_pull: self.on_done}
 
-        def setup(self):
-            self.store = Store(self.run["store"])
-            self.data = self.connect_data_plane()
-            self.poller.register(self.data, zmq.POLLIN)
-            # Finished reads come back through an inproc socket so only this thread sends.
-            self.done_pull = make_socket(self.ctx, zmq.PULL)
-            self.done_pull.bind("inproc://loader-done")
-            self.poller.register(self.done_pull, zmq.POLLIN)
-            self.orders = ReadQueue()
-            self.loader: Loader | None = None
-            self.threads: list[threading.Thread] = []
+    def on_pool(self, msg):
+        cfg = self.config.loader
+        self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg.verify_checksums,
+                             chunk_bytes=int(self.config.bench.chunk_bytes))
+        for _ in range(cfg.threads):
+            t = threading.Thread(target=self.read_loop, daemon=True)
+            t.start()
+            self.threads.append(t)
 
-        def on_pool(self, msg):
-            cfg = self.config["loader"]
-            self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg["verify_checksums"],
-                                 chunk_bytes=int(cfg.get("chunk_bytes", 0)))
-            for _ in range(cfg["threads"]):
-                t = threading.Thread(target=self.read_loop, daemon=True)
-                t.start()
-                self.threads.append(t)
+    def read_loop(self):
+        push = make_socket(self.ctx, zmq.PUSH)
+        push.connect("inproc://loader-done")
+        try:
+            while not self.orders.closed:
+                got = self.orders.get(timeout=1.0)
+                if got is None:
+                    continue
+                answer = self.loader.read_chunk(*got)
+                if answer is not None:
+                    push.send(M.encode(answer))
+        finally:
+            push.close(0)
 
-        def read_loop(self):
-            push = make_socket(self.ctx, zmq.PUSH)
-            push.connect("inproc://loader-done")
-            try:
-                while not self.orders.closed:
-                    got = self.orders.get(timeout=1.0)
-                    if got is None:
-                        continue
-                    answer = self.loader.read_chunk(*got)
-                    if answer is not None:
-                        push.send(M.encode(answer))
-            finally:
-                push.close(0)
+    def on_socket(self, sock):
+        self.handlers[sock]()
 
-        def on_socket(self, sock):
-            if sock is self.data:
-                msg = recv(self.data)
-                if isinstance(msg, M.Read):
-                    job = self.loader.job(msg)
-                    if isinstance(job, M.LoadFailed):
-                        self.data.send(M.encode(job))
-                    else:
-                        self.orders.put(job)
-            else:
-                self.data.send(self.done_pull.recv())
+    def on_order(self):
+        """A read order from the router: queued for the readers (or refused at once)."""
+        msg = recv(self.data)
+        if not isinstance(msg, M.Read):
+            return
+        job = self.loader.job(msg)
+        if isinstance(job, M.LoadFailed):
+            self.data.send(M.encode(job))
+        else:
+            self.orders.put(job)
 
-        def stats(self):
-            return {**(self.loader.stats() if self.loader else {}), "queued": len(self.orders)}
+    def on_done(self):
+        """A reader's answer (loaded, load_failed), passed on to the router as it is."""
+        self.data.send(self.done_pull.recv())
 
-        def teardown(self):
-            self.orders.close()
-            for t in self.threads:
-                t.join(timeout=5)
-            if self.loader:
-                self.loader.close()
+    def stats(self):
+        return {**(self.loader.stats() if self.loader else {}), "queued": len(self.orders)}
 
-    LoaderProcess(run_dir).serve()
+    def teardown(self):
+        self.orders.close()
+        for t in self.threads:
+            t.join(timeout=5)
+        if self.loader:
+            self.loader.close()
 
 
 if __name__ == "__main__":
     import sys
-    run_loader_process(sys.argv[1])
+    LoaderProcess(sys.argv[1]).serve()

@@ -18,14 +18,14 @@ queued (only issued into a free staging slot, and only while no demand read wait
 most half of the staging ring holds prefetch reads, and none is ordered before the need's own
 reads are in. A prefetched expert's `fill` reaches compute like any other; compute applies it the
 next time it waits on a need, which also frees its staging slot, so prefetch cannot starve a need.
-Self-gating (config cache.prefetch_gate) has two halves, both in the prefetcher: per layer
+Self-gating has two halves, both in the prefetcher: per layer
 distance on measured precision, and per read on bandwidth (`ReadGate`, fed here with every read
 sent and done and every demand need asked and answered): a prefetch read goes only while it can
 finish before its layer comes and pays for the disk time it takes from the next need's reads.
 
 `Router` is plain logic with no sockets: its methods return the messages to send as
 [(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
-(`drive_need`); `run_router_process` wraps it with the data-plane socket.
+(`drive_need`); `RouterProcess` (workers/router_process.py) wraps it with the data-plane socket.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from collections import deque
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredictor
 
@@ -42,13 +43,13 @@ from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredic
 # (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
 # ahead; min_precision: a layer distance whose measured precision falls under it only probes;
 # gate: False reads every prediction over the threshold (a fixed setting). The config's routers
-# (prefetch_setting) add bandwidth=True, the per-read half of the gate, which needs a real clock;
+# (workers/router_process.py, prefetch_setting) add bandwidth=True, the per-read half of the gate, which needs a real clock;
 # in-process routers (replay, tests) go without it unless told.
 PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5, "gate": True}
 
 
 class RouterError(RuntimeError):
-    def __init__(self, message: str, code: str = "budget_too_small"):
+    def __init__(self, message: str, code: M.ErrorCode = M.ErrorCode.BUDGET_TOO_SMALL):
         super().__init__(message)
         self.code = code  # what the client's error says
 
@@ -287,7 +288,7 @@ class Router:
         ids = load_trace(path).ids
         if ids.shape[1] != len(self.row_layer) or ids.max(initial=0) >= self.predictor.n_experts:
             raise RouterError(f"routing history {path}: {ids.shape[1]} layers x top-{ids.shape[2]} "
-                              f"does not fit this model ({len(self.row_layer)} MoE layers)", code="bad_config")
+                              f"does not fit this model ({len(self.row_layer)} MoE layers)", code=M.ErrorCode.BAD_CONFIG)
         ids = ids[-max_tokens:] if max_tokens else ids[:0]
         for row in ids:
             for j, experts in enumerate(row):
@@ -513,7 +514,7 @@ class Router:
             c.update(self.lease_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
-                "hit_rate": (c.get("hits", 0) / uses) if uses else None,
+                "hit_rate": metrics.hit_rate(c.get("hits", 0), uses),
                 "distinct_experts_used": len(self.uses),
                 "most_used": [[layer, e, n] for (layer, e), n in self.uses.most_common(8)],
                 "stall": self.stall.summary(), "resident_experts": self.residency()}
@@ -531,8 +532,8 @@ class Router:
         misses = self.counters.get("uses") - self.counters.get("hits")
         return {"prefetch_reads": issued, "prefetch_used": used, "prefetch_hits": avoided,
                 "prefetch_wasted": sum(t.prefetch_wasted for t in tables),
-                "prefetch_precision": used / issued if issued else None,
-                "prefetch_recall": avoided / (avoided + misses) if avoided + misses else None,
+                "prefetch_precision": metrics.prefetch_precision(used, issued),
+                "prefetch_recall": metrics.prefetch_recall(avoided, misses),
                 "prefetch_gate": self.prefetcher.stats(),
                 "hint_precision": self.predictor.hint_precision() if self.counters.get("hinted") else None}
 
@@ -577,100 +578,14 @@ def drive_need(router: Router, req: int, layer: int, experts: list[int], read, f
         elif isinstance(msg, M.Slots) and msg.req == req:
             reply = msg
     if failure is not None:
-        raise RouterError(failure.error, code="expert_read_failed")
+        raise RouterError(failure.error, code=M.ErrorCode.EXPERT_READ_FAILED)
     if reply is None:
         raise RouterError(f"need {req} of layer {layer} ended without an answer")
     return reply
 
 
-def prefetch_setting(cache: dict, n_slots: int, n_keys: int) -> bool | dict:
-    """The router's `prefetch` from the config's cache section: cache.prefetch true, false or
-    "auto" (on with the predictive policy when the resident slots cannot hold every expert: with
-    room for all, preload reads them and there is nothing to predict), cache.prefetch_threshold,
-    prefetch_depth and prefetch_gate."""
-    on = cache.get("prefetch", False)
-    if on == "auto":
-        on = cache.get("policy") == "predictive" and n_slots < n_keys
-    if not on:
-        return False
-    return {"threshold": cache.get("prefetch_threshold", PREFETCH_DEFAULTS["threshold"]),
-            "depth": int(cache.get("prefetch_depth", PREFETCH_DEFAULTS["depth"])),
-            "gate": bool(cache.get("prefetch_gate", PREFETCH_DEFAULTS["gate"])),
-            "bandwidth": True}  # the runtime's router has a clock (in-process replay has none)
-
-
-def router_for(store, cache: dict, resident: dict, n_staging: int) -> Router:
-    """The router of a store from the config's [cache] section, resident slots per record-layout
-    group and staging slots: what the router process and in-process tools both build."""
-    from deltafin.runtime.tiers import layer_groups
-    policy = cache.get("policy", "lru")
-    if sum(resident.values()) >= len(store.moe_layers) * store.n_experts:
-        # Every expert fits: nothing is ever evicted or prefetched, so no policy needs the
-        # predictor's bookkeeping on every use; LRU's is the cheapest.
-        policy = "lru"
-    router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store, resident),
-                    moe_layers=store.moe_layers, n_experts=store.n_experts,
-                    prefetch=prefetch_setting(cache, sum(resident.values()), len(store.moe_layers) * store.n_experts))
-    if cache.get("routing_history") and router.predictor is not None:
-        router.learn_history(cache["routing_history"], int(cache.get("history_tokens", 4096)))
-    return router
-
-
-def run_router_process(run_dir: str) -> None:
-    import zmq
-
-    from deltafin.runtime.sockets import make_socket, recv, send
-    from deltafin.workers.common import WorkerProcess
-
-    class RouterProcess(WorkerProcess):
-        role = "router"
-
-        def setup(self):
-            self.data = make_socket(self.ctx, zmq.ROUTER)
-            self.data.bind(self.run["endpoints"]["data"])
-            self.poller.register(self.data, zmq.POLLIN)
-            self.router: Router | None = None
-
-        def on_pool(self, msg: M.AttachPool):
-            from deltafin.runtime.store import Store
-            self.router = router_for(Store(self.run["store"]), self.config["cache"], msg.resident, msg.n_slots)
-
-        def on_socket(self, sock):
-            sender, msg = recv(self.data, routed=True)
-            out: list[tuple[str, object]] = []
-            try:
-                if isinstance(msg, M.PeerHello):
-                    send(self.data, M.PeerHello(role="router"), to=sender)
-                elif isinstance(msg, M.Need):
-                    out = self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
-                elif isinstance(msg, M.Used):
-                    self.router.used(msg.uses)
-                    if msg.ahead:
-                        out = self.router.prefetch_ahead()
-                elif isinstance(msg, M.Hint):
-                    self.router.hint((int(layer), int(e)) for layer, experts in msg.hints for e in experts)
-                elif isinstance(msg, M.Release):
-                    self.router.end_pass()
-                elif isinstance(msg, M.Filled):
-                    out = self.router.filled(msg)
-                elif isinstance(msg, M.Loaded):
-                    out = self.router.loaded(msg)
-                elif isinstance(msg, M.LoadFailed):
-                    out = self.router.load_failed(msg)
-                else:
-                    send(self.data, M.Error(id=None, code="bad_message",
-                                            message=f"router does not take {msg.TYPE}"), to=sender)
-            except RouterError as e:
-                out = [("compute", M.Error(id=getattr(msg, "req", None), code=e.code, message=str(e)))]
-            for to, m in out:
-                send(self.data, m, to=to.encode())
-
-        def stats(self):
-            return self.router.stats() if self.router else {}
-
-    RouterProcess(run_dir).serve()
-
-
 if __name__ == "__main__":
     import sys
-    run_router_process(sys.argv[1])
+
+    from deltafin.workers.router_process import RouterProcess
+    RouterProcess(sys.argv[1]).serve()

@@ -27,11 +27,13 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import Routing
+from deltafin.runtime.config import BenchConfig, CacheConfig
 from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, sorts_pairs, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.workers.passes import ExpertProvider
+from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.resident import ResidentTier
-from deltafin.workers.router import prefetch_setting
+from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.sources import ExpertSource, ExpertUnavailable
 
 
@@ -40,20 +42,17 @@ class SlotExperts(ExpertProvider):
     shared-memory staging slots the router has the loader read into."""
 
     def __init__(self, store: Store, staging_buf, slot_bytes: int, source: ExpertSource, dtype,
-                 routing: Routing | None = None):
+                 routing: Routing | None = None, pipeline: Pipeline | None = None,
+                 cache: CacheConfig | None = None):
+        """pipeline: how reads overlap compute (workers/pipeline.py; None: the runtime's on this
+        backend); cache: the [cache] section (whether the router prefetches)."""
         super().__init__(store, source, dtype, routing)
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         self.tier: ResidentTier | None = None
         self.force_sync = False  # measurement only: read every layer's ids back, resident or not
-        self.cache_config: dict = {}  # the config's [cache] as a dict, set by Compute before attach
+        self.cache_config = cache or CacheConfig()
+        self.pipe = pipeline or Pipeline.resolve(BenchConfig(), gpu=on_gpu(), standin=False)
         self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
-        self.host_fills = True  # compute.host_fills, set by Compute before attach
-        self.hits_first = True  # compute.hits_first, set by Compute
-        self.stream_misses = True  # compute.stream_misses, set by Compute
-        self.pool_placement = "auto"  # compute.pool_placement, set by Compute before attach
-        self.take_early_fills = True  # compute.early_fills, set by Compute
-        self.leases = True  # compute.leases, set by Compute: the lookahead also asked as a lease
-        self.eager_layers = False  # compute.eager_layers, set by Compute
         self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
@@ -65,9 +64,9 @@ class SlotExperts(ExpertProvider):
         # Pools in host memory where experts stream (a group with fewer slots than experts) and
         # unless told otherwise: a group holding every expert of its layers (the whole tier, or
         # whole layers) is read faster from device memory.
-        on_host = {"host": True, "device": False}.get(self.pool_placement, "streaming")
         self.tier = ResidentTier(self.store, self.dtype, resident,
-                                 host_writes=None if self.host_fills else False, on_host=on_host)
+                                 host_writes=None if self.pipe.host_fills else False,
+                                 on_host="streaming" if self.pipe.host_pools else False)
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
 
@@ -91,7 +90,7 @@ class SlotExperts(ExpertProvider):
         # The same experts asked as a lease, sent right behind this layer's need (or alone where
         # it has none): the router reads them while this layer waits and computes. At most half
         # of the layer's pool, so a lease never leaves the next need short of slots.
-        if self.leases and self.source.takes_leases and \
+        if self.pipe.leases and self.source.takes_leases and \
                 len(experts) <= self.tier.n_slots[self.tier.group_of[look[0]]] // 2:
             self._lease = (look[0], experts)
 
@@ -108,7 +107,7 @@ class SlotExperts(ExpertProvider):
         fly = self._flight(layer, x, flat, experts)
         ids1 = fly["ids1"]
         hit = self.tier.slot_of[layer][ids1] >= 0
-        hits_run = self.hits_first and hit.any()
+        hits_run = self.pipe.hits_first and hit.any()
         self._inflight = fly
         if hits_run:
             self._launch(fly, pairs_of(ids1, hit))
@@ -135,7 +134,7 @@ class SlotExperts(ExpertProvider):
                 "waiting": set(tier.missing(layer, experts)), "x2": x.reshape(-1, x.shape[-1]),
                 "k": flat.shape[-1], "ids1": ids1,
                 "sorted": sorts_pairs(ids1.size),  # decided for the whole layer, as mlx-lm does
-                "stream": self.stream_misses and bool(tier.host[g])}
+                "stream": self.pipe.stream_misses and bool(tier.host[g])}
 
     def _launch(self, fly: dict, pairs: np.ndarray, run: bool = True) -> None:
         """One piece of a layer in pieces: the pairs' SwiGLU on their slots, launched at once
@@ -210,7 +209,7 @@ class SlotExperts(ExpertProvider):
         it). Without this they waited in the socket for the layer's need. Called where the
         layer's input is evaluated (after its gate read-back), so writing the pools in place
         costs no extra sync. True where a fill taken was one of the layer's experts."""
-        if not self.take_early_fills:
+        if not self.pipe.early_fills:
             return False
         t0, prep0 = time.perf_counter(), self.t_prepare
         mine = []
@@ -313,8 +312,8 @@ class SlotExperts(ExpertProvider):
         if len(experts) > tier.n_slots[g]:
             return self._in_chunks(layer, x, inds, flat, experts)
         missing = len(tier.missing(layer, experts))
-        if missing and ((self.hits_first and missing < len(experts)) or
-                        (self.stream_misses and tier.host[g])):
+        if missing and ((self.pipe.hits_first and missing < len(experts)) or
+                        (self.pipe.stream_misses and tier.host[g])):
             return self._in_pieces(layer, x, inds, flat, experts)
         return self._one_need(layer, x, inds, flat, experts, flush_ahead=early and not missing)
 
@@ -330,7 +329,7 @@ class SlotExperts(ExpertProvider):
             host = np.asarray(ids).reshape(inds.shape)
             slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
         y = switch_glu(x, slots, ordered or tier.weights(layer), tier.quant(layer))
-        if self.eager_layers and not tier.all_full():
+        if self.pipe.eager_layers and not tier.all_full():
             # A later layer of this pass reads its routing back, which waits for everything
             # before it: launched now, this layer computes while the next ones are built.
             mx.async_eval(y)

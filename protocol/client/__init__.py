@@ -76,16 +76,29 @@ class RequestCancelled(DeltafinError):
     "cancelled" instead)."""
 
 
-_ERRORS = {"bad_request": RequestError, "worker_died": RuntimeDeadError, "rank_lost": RuntimeDeadError,
-           "not_leader": RequestError,
-           "expert_unavailable": ExpertUnavailableError, "expert_read_failed": ExpertUnavailableError,
-           "budget_too_small": ExpertUnavailableError, "version_mismatch": ProtocolMismatch,
-           "bad_message": ProtocolMismatch, "restarting": RuntimeRestarting, "queue_full": RuntimeBusy,
-           "busy": RuntimeBusy, "cancelled": RequestCancelled, "unknown_request": RequestError}
+# Each code the runtime sends -> the exception the client raises for it.
+ERRORS: dict[M.ErrorCode, type[DeltafinError]] = {
+    M.ErrorCode.BAD_MESSAGE: ProtocolMismatch,
+    M.ErrorCode.VERSION_MISMATCH: ProtocolMismatch,
+    M.ErrorCode.BAD_REQUEST: RequestError,
+    M.ErrorCode.UNKNOWN_REQUEST: RequestError,
+    M.ErrorCode.NOT_LEADER: RequestError,
+    M.ErrorCode.QUEUE_FULL: RuntimeBusy,
+    M.ErrorCode.CANCELLED: RequestCancelled,
+    M.ErrorCode.EXPERT_READ_FAILED: ExpertUnavailableError,
+    M.ErrorCode.EXPERT_UNAVAILABLE: ExpertUnavailableError,
+    M.ErrorCode.BUDGET_TOO_SMALL: ExpertUnavailableError,
+    M.ErrorCode.BAD_CONFIG: DeltafinError,
+    M.ErrorCode.WORKER_DIED: RuntimeDeadError,
+    M.ErrorCode.RANK_LOST: RuntimeDeadError,
+    M.ErrorCode.RESTARTING: RuntimeRestarting,
+    M.ErrorCode.INTERNAL: DeltafinError,
+}
 
 
 def _raise(err: M.Error):
-    raise _ERRORS.get(err.code, DeltafinError)(err.message, err.code)
+    """The exception of an `error` reply; a code this client does not know raises DeltafinError."""
+    raise ERRORS.get(err.code, DeltafinError)(err.message, err.code)
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""How compute overlaps its expert reads with its own work: one object, resolved once at start
+from the backend and the [bench] section, handed to `SlotExperts` and reported in compute's stats
+(`pipeline`). Nothing else on the hot path reads a setting.
+
+"overlapped" is the runtime: each of its parts was measured faster where it is on
+(docs/BENCHMARKS.md, settled questions); "sync" is the reference design deltafin-bench compares
+with (deltafin-sync-lru): a layer waits for all its experts, fills go through MLX, the pools stay
+where MLX puts them. The [bench] keys that remain are open or thin questions, each a bench mode.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from deltafin.runtime.config import BenchConfig
+
+
+def on_gpu() -> bool:
+    import mlx.core as mx
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    hits_first: bool      # a layer's resident experts compute while its misses are read
+    stream_misses: bool   # each miss computes as soon as its fill lands (fills in place only)
+    host_fills: bool      # fills write the pools' memory with numpy where the backend allows it
+    host_pools: bool      # MLX CUDA: the pools of slot groups that stream live in host memory
+    early_fills: bool     # prefetch fills that landed are applied before a layer asks
+    leases: bool          # the gate lookahead is also asked as a lease
+    eager_layers: bool    # resident layers launched at once where a later layer reads back
+
+    @classmethod
+    def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
+        """"auto" early fills and eager layers where compute leaves the CPU to the reads (a GPU
+        backend; early fills also in the stand-in); on the CPU backend they took cycles from
+        compute (demo 0.97-0.98x)."""
+        eager = gpu if bench.eager_layers == "auto" else bench.eager_layers
+        if bench.pipeline == "sync":
+            return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
+                       early_fills=False, leases=False, eager_layers=eager)
+        early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
+        return cls(hits_first=True, stream_misses=bench.stream_misses, host_fills=True, host_pools=True,
+                   early_fills=early, leases=bench.leases, eager_layers=eager)
+
+    def report(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,112 @@
+"""The router role as a process: the `Router` of a store built from the typed configuration
+(`prefetch_setting`, `router_for`, also what in-process tools build) and `RouterProcess`, which
+serves it on the data-plane ROUTER socket, one handler per message type (`HANDLERS`).
+"""
+from __future__ import annotations
+
+import zmq
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.config import CacheConfig
+from deltafin.runtime.sockets import make_socket, recv, send
+from deltafin.workers.common import WorkerProcess
+from deltafin.workers.router import Router, RouterError
+
+
+def prefetch_setting(cache: CacheConfig, n_slots: int, n_keys: int) -> bool | dict:
+    """The router's `prefetch` from the config's cache section: cache.prefetch true, false or
+    "auto" (on with the predictive policy when the resident slots cannot hold every expert: with
+    room for all, preload reads them and there is nothing to predict), cache.prefetch_threshold,
+    prefetch_depth. The prefetcher always gates itself (docs/BENCHMARKS.md, settled questions)."""
+    on = cache.prefetch
+    if on == "auto":
+        on = cache.policy == "predictive" and n_slots < n_keys
+    if not on:
+        return False
+    return {"threshold": cache.prefetch_threshold, "depth": int(cache.prefetch_depth),
+            "gate": True,
+            "bandwidth": True}  # the runtime's router has a clock (in-process replay has none)
+
+
+def router_for(store, cache: CacheConfig, resident: dict, n_staging: int) -> Router:
+    """The router of a store from the config's [cache] section, resident slots per record-layout
+    group and staging slots: what the router process and in-process tools both build."""
+    from deltafin.runtime.tiers import layer_groups
+    policy = cache.policy
+    n_keys = len(store.moe_layers) * store.n_experts
+    if sum(resident.values()) >= n_keys:
+        # Every expert fits: nothing is ever evicted or prefetched, so no policy needs the
+        # predictor's bookkeeping on every use; LRU's is the cheapest.
+        policy = "lru"
+    router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store, resident),
+                    moe_layers=store.moe_layers, n_experts=store.n_experts,
+                    prefetch=prefetch_setting(cache, sum(resident.values()), n_keys))
+    if cache.routing_history and router.predictor is not None:
+        router.learn_history(cache.routing_history, int(cache.history_tokens))
+    return router
+
+
+class RouterProcess(WorkerProcess):
+    """The router's worker: answers compute's and the loader's messages on the data plane. Each
+    handler returns what to send, [(destination, message)]."""
+
+    role = "router"
+
+    def setup(self):
+        self.data = make_socket(self.ctx, zmq.ROUTER)
+        self.data.bind(self.run["endpoints"]["data"])
+        self.poller.register(self.data, zmq.POLLIN)
+        self.router: Router | None = None
+
+    def on_pool(self, msg: M.AttachPool):
+        from deltafin.runtime.store import Store
+        self.router = router_for(Store(self.run["store"]), self.config.cache, msg.resident, msg.n_slots)
+
+    def on_socket(self, sock):
+        sender, msg = recv(self.data, routed=True)
+        handler = self.HANDLERS.get(type(msg))
+        if handler is None:
+            send(self.data, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE,
+                                    message=f"router does not take {msg.TYPE}"), to=sender)
+            return
+        try:
+            out = handler(self, sender, msg)
+        except RouterError as e:
+            out = [("compute", M.Error(id=getattr(msg, "req", None), code=e.code, message=str(e)))]
+        for to, m in out:
+            send(self.data, m, to=to.encode())
+
+    def on_hello(self, sender: bytes, msg: M.PeerHello) -> list:
+        send(self.data, M.PeerHello(role="router"), to=sender)
+        return []
+
+    def on_need(self, sender: bytes, msg: M.Need) -> list:
+        return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
+
+    def on_used(self, sender: bytes, msg: M.Used) -> list:
+        self.router.used(msg.uses)
+        return self.router.prefetch_ahead() if msg.ahead else []
+
+    def on_hint(self, sender: bytes, msg: M.Hint) -> list:
+        self.router.hint((int(layer), int(e)) for layer, experts in msg.hints for e in experts)
+        return []
+
+    def on_release(self, sender: bytes, msg: M.Release) -> list:
+        self.router.end_pass()
+        return []
+
+    def on_filled(self, sender: bytes, msg: M.Filled) -> list:
+        return self.router.filled(msg)
+
+    def on_loaded(self, sender: bytes, msg: M.Loaded) -> list:
+        return self.router.loaded(msg)
+
+    def on_load_failed(self, sender: bytes, msg: M.LoadFailed) -> list:
+        return self.router.load_failed(msg)
+
+    HANDLERS = {M.PeerHello: on_hello, M.Need: on_need, M.Used: on_used, M.Hint: on_hint,
+                M.Release: on_release, M.Filled: on_filled, M.Loaded: on_loaded,
+                M.LoadFailed: on_load_failed}
+
+    def stats(self):
+        return self.router.stats() if self.router else {}
