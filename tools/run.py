@@ -25,7 +25,7 @@ def running_supervisor(model: str, memory_budget: str | None = None, extra: list
                        timeout: float = 300.0, stderr=None, preexec_fn=None):
     """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after.
     preexec_fn runs in the child before exec (the benchmark puts it into a memory cgroup there)."""
-    cmd = [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(model)]
+    cmd = [sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(model)]
     if memory_budget:
         cmd += ["--memory-budget", str(memory_budget)]
     cmd += extra or []

@@ -1,19 +1,13 @@
 """deltafin-supervisor: launches router, loader and compute, owns endpoints and shared memory.
 
 Start-up: sweep stale runs, check the store's files and the budget estimate, start the three
-workers as separate OS processes, wait for each one's ready message while watching that none
-died, measure the tree, size and create the slot pool, hand it to the workers, bind the client
-endpoint, print `READY <endpoint>`. Serving: check each client request against the limits and
-answer what is wrong at once (a full queue too: at most 1 + compute.max_queue in flight), relay
-the rest to compute, which runs them in arrival order, and its replies back; relay a client's
-`cancel`, and send one for a client whose connection closed mid-stream; answer hello/health/stats
-itself, and merge the workers' metrics snapshots into one that it republishes
-on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
-
-Text stays here, out of the MLX process (runtime/textside.py): a prompt text is tokenized on a
-thread of its own (requests still reach compute in arrival order), compute gets token ids, and
-each of compute's tokens (an id) becomes the client's text piece here; a stop string ends the
-request for the client at once and cancels it in compute, whose later messages for it are dropped.
+workers as separate OS processes (workers/workerset.py), wait for each one's ready message while
+watching that none died, measure the tree, size and create the slot pool, hand it to the workers,
+bind the client endpoint (workers/endpoint.py), print `READY <endpoint>`. Serving: generate and
+logits requests go to the request manager (workers/requests.py: the in-flight bound, all text,
+stop strings and cancels), which relays them to compute and compute's replies back; hello,
+health and stats are answered here, and the workers' metrics snapshots are merged into one that
+is republished on the run's metrics endpoint (runtime/telemetry.py, docs/PROTOCOL.md).
 
 Worker deaths: one thread per worker waits for its exit, so a death wakes the serving loop at
 once and the first role to die is the one named. Every request in flight then fails with
@@ -32,12 +26,9 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -47,180 +38,20 @@ from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size, load_config
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
-                                       default_keys_dir, file_identity, ipc_path, remove_socket_file)
+                                       default_keys_dir, ipc_path)
 from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
 from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
-from deltafin.runtime.textside import TextSide, as_token_ids, prompt_ids
-from deltafin.runtime.tokenizer import PromptTooLong, Tokenizer, TokenizerError
+from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
+from deltafin.workers.endpoint import ClientEndpoint
+from deltafin.workers.requests import RequestManager
+from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
-ROLES = ("router", "loader", "compute")
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
 STATS_SYNC_S = 5.0  # longest a stats reply waits for the snapshots that include the last request
-LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor.limits)
-
-
-class SupervisorError(RuntimeError):
-    pass
-
-
-class WorkerDied(SupervisorError):
-    def __init__(self, role: str, pid: int, code: int | None, at: float = 0.0):
-        self.role, self.pid, self.code, self.at = role, pid, code, at
-        if code is None:
-            how = "is unreachable on the control channel"
-        elif code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name} (exit code {code})"
-            except ValueError:
-                how = f"was killed by signal {-code} (exit code {code})"
-        else:
-            how = f"exited with code {code}"
-        super().__init__(f"worker {role} (pid {pid}) {how}")
-
-
-class Workers:
-    """One generation of the three worker processes: started together, stopped together, and
-    watched by one thread each, which records each exit the moment the OS reports it (so the
-    first role to die is the one named, not one that died of its loss) and wakes the serving
-    loop through a pipe (its read end is polled with the sockets)."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.deaths: list[WorkerDied] = []
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
-
-    def start(self) -> None:
-        """Router first: it binds the data endpoint the others connect to."""
-        deaths: list[WorkerDied] = []
-        self.procs, self.deaths, self._threads = {}, deaths, []
-        for role in ROLES:
-            p = subprocess.Popen([sys.executable, "-m", f"deltafin.workers.{role}", str(self.run_dir)],
-                                 stdin=subprocess.DEVNULL, stdout=sys.stderr)
-            self.procs[role] = p
-            t = threading.Thread(target=self._watch, args=(role, p, deaths), name=f"watch-{role}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _watch(self, role: str, p: subprocess.Popen, deaths: list) -> None:
-        code = p.wait()
-        with self._lock:
-            deaths.append(WorkerDied(role, p.pid, code, time.monotonic()))
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # closed at shutdown, or full: the loop is awake anyway
-            pass
-
-    def drain_wake(self) -> None:
-        _drain(self.wake_fd)
-
-    def first_death(self) -> WorkerDied | None:
-        with self._lock:
-            return min(self.deaths, key=lambda d: d.at) if self.deaths else None
-
-    def alive(self, role: str) -> bool:
-        p = self.procs.get(role)
-        return p is not None and p.returncode is None and p.poll() is None
-
-    def pids(self) -> dict[str, int]:
-        return {r: p.pid for r, p in self.procs.items()}
-
-    def stop(self, grace_s: float) -> None:
-        """Waits up to grace_s for the workers to exit by themselves (after a polite message
-        from the caller), then SIGTERM, then SIGKILL: one shared, short deadline."""
-        deadline = time.monotonic() + grace_s
-        for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        for sig, wait_s in ([(signal.SIGTERM, 1.0)] if grace_s else []) + [(signal.SIGKILL, 5.0)]:
-            left = [p for p in self.procs.values() if p.returncode is None and p.poll() is None]
-            if not left:
-                break
-            for p in left:
-                try:
-                    p.send_signal(sig)
-                except OSError:
-                    pass
-            deadline = time.monotonic() + wait_s
-            for t in self._threads:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
-
-    def close(self) -> None:
-        for fd in (self.wake_fd, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-class ClientEndpoint:
-    """The client-facing ROUTER socket. A request is one frame; a DEALER sends it alone, a REQ
-    after an empty delimiter frame, and each gets its replies in the same envelope (a REQ peer
-    takes exactly one reply per request, so it gets no `token` messages). Frames over
-    runtime.max_request_bytes are refused by ZeroMQ itself (the peer is disconnected)."""
-
-    REQ_PEERS_KEPT = 4096
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, max_bytes: int, curve: CurveServer | None):
-        self.sock = make_socket(ctx, zmq.ROUTER, max_bytes=max_bytes)
-        self.max_bytes = max_bytes
-        self.req_peers: OrderedDict[bytes, None] = OrderedDict()
-        self.socket_file: Path | None = None
-        self._identity = None
-        if curve is not None:
-            curve.apply(self.sock)
-        try:
-            self.sock.bind(endpoint)
-        except zmq.ZMQError as e:
-            self.sock.close(0)
-            raise SupervisorError(f"cannot bind {endpoint}: {e}") from None
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if endpoint.startswith("ipc://"):
-            self.socket_file = ipc_path(endpoint)
-            self._identity = file_identity(self.socket_file)
-
-    def receive(self) -> tuple[bytes, bytes | None, str | None]:
-        """(peer, request frame or None, why it cannot be read)."""
-        frames = self.sock.recv_multipart()
-        ident, body = frames[0], frames[1:]
-        if len(body) > 1 and body[0] == b"":  # a REQ envelope (a lone empty frame is a message)
-            self.req_peers[ident] = None
-            self.req_peers.move_to_end(ident)
-            while len(self.req_peers) > self.REQ_PEERS_KEPT:
-                self.req_peers.popitem(last=False)
-            body = body[1:]
-        else:
-            self.req_peers.pop(ident, None)
-        if len(body) != 1:
-            return ident, None, (f"a request is one frame (after an empty delimiter frame for REQ "
-                                 f"sockets); got {len(body)}")
-        return ident, body[0], None
-
-    def reply(self, ident: bytes, msg) -> bool:
-        """False when the peer is gone: ROUTER_MANDATORY makes a send to an identity whose
-        connection closed fail at once (EHOSTUNREACH). A peer that has left the socket's high-water
-        mark of replies unread (10,000) counts as gone too (EAGAIN): never sending blocking keeps
-        one client from stalling the others."""
-        req = ident in self.req_peers
-        if req and isinstance(msg, M.Token):
-            return True
-        frames = [ident, b"", M.encode(msg)] if req else [ident, M.encode(msg)]
-        try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
-
-    def close(self) -> None:
-        self.sock.close(0)
-        if self.socket_file is not None:  # ZeroMQ leaves the ipc socket file behind
-            remove_socket_file(self.socket_file, self._identity)
+LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor._size_pool)
 
 
 class Supervisor:
@@ -241,18 +72,14 @@ class Supervisor:
             self.log(f"removed {len(swept)} shared-memory segment(s) left by dead runs")
         if self.endpoint_arg:
             check_endpoint(self.endpoint_arg, rc.allow_remote)
-        # The text side (runtime/textside.py) runs here: compute never loads a tokenizer.
-        self.tokenizer = Tokenizer(self.store.tokenizer_dir, self.store.config)
+        # The text side runs here (workers/requests.py): compute never loads a tokenizer.
+        tokenizer = Tokenizer(self.store.tokenizer_dir, self.store.config)
         # max_result_bytes is admitted against the budget once the pool is sized (_size_pool)
-        self.limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
-                                      max_context=config.compute.max_context,
-                                      max_prompt_bytes=self.tokenizer.prompt_bytes_bound(config.compute.max_context))
-        # Prompt texts are tokenized on one thread (tokenizers releases the GIL), so a long one
-        # never stalls the tokens of others; its end wakes the serving loop through a pipe.
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.tokenized_fd, self._tokenized_w = os.pipe()
-        os.set_blocking(self.tokenized_fd, False)
-        os.set_blocking(self._tokenized_w, False)
+        limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
+                                 max_context=config.compute.max_context,
+                                 max_prompt_bytes=tokenizer.prompt_bytes_bound(config.compute.max_context))
+        self.requests = RequestManager(tokenizer, config.compute, limits, self._reply, self._forward,
+                                       self._finished, self.log)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
@@ -265,17 +92,6 @@ class Supervisor:
         self.generation = 0
         self.restart_times: deque = deque()
         self.last_death: WorkerDied | None = None
-        self.inflight: dict[tuple, float] = {}   # (client identity, request id) -> start time
-        self.cancelling: set[tuple] = set()       # in flight, cancel sent to compute (or due once forwarded)
-        # Requests taken, in arrival order, not yet forwarded to compute: (key, request, its
-        # frame, the tokenization of its prompt text or None). The head goes once it is ready.
-        self.admitting: deque[tuple] = deque()
-        self.sides: dict[tuple, TextSide] = {}    # generate requests forwarded: their text
-        # Ended for the client by a stop string, still in compute until its final message:
-        # they hold their place in the in-flight bound, and their ids stay taken.
-        self.stopping: dict[tuple, float] = {}
-        # cancels sent: asked by the client, its peer vanished, or a stop string ended the request
-        self.cancels = {"client": 0, "client_gone": 0, "stop": 0}
         # Stats answers wait (briefly) until every worker's snapshot is newer than the last
         # finished request: [(client identity, request id, sync id needed, deadline)]
         self.pending_stats: list[tuple] = []
@@ -300,7 +116,7 @@ class Supervisor:
         self.hub = MetricsHub(self.ctx, self.rundir.endpoint("metrics-in"), self.rundir.endpoint("metrics"))
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
-               "eos_ids": sorted(self.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
+               "eos_ids": sorted(self.requests.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
                "endpoints": {"control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),
@@ -309,7 +125,7 @@ class Supervisor:
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
         self.workers = Workers(self.rundir.path)
         self.poller = zmq.Poller()
-        for sock in (self.control, self.hub.sub, self.workers.wake_fd, self.tokenized_fd):
+        for sock in (self.control, self.hub.sub, self.workers.wake_fd, self.requests.tokenized_fd):
             self.poller.register(sock, zmq.POLLIN)
         self._start_workers()
         self._bind_client()
@@ -360,7 +176,7 @@ class Supervisor:
         # once (compute's array and encodings, the socket queues, the supervisor's decode and
         # re-encode), all after the forward pass, in the memory reserved for its activations
         # plus what the plan leaves unused.
-        self.limits = dataclasses.replace(self.limits, max_result_bytes=min(
+        self.requests.limits = dataclasses.replace(self.requests.limits, max_result_bytes=min(
             M.MAX_RESULT_BYTES, (self.plan.activations + self.plan.unplanned()) // LOGITS_COPIES))
         if min(self.plan.resident.values()) < self.plan.min_slots:
             raise BudgetError(f"{min(self.plan.resident.values())} resident expert slots cannot hold one "
@@ -433,9 +249,8 @@ class Supervisor:
                     self.hub.drain()
                 if self.client.sock in events:
                     self._on_client()
-                if self.tokenized_fd in events:
-                    _drain(self.tokenized_fd)
-                    self._admit()
+                if self.requests.tokenized_fd in events:
+                    self.requests.on_tokenized()
                 if self.control in events:
                     self._on_control()
                 self._answer_stats()
@@ -467,13 +282,7 @@ class Supervisor:
             code, why = "worker_died", str(death)
             if death.role == "compute" and death.code == RANK_LOST_EXIT:  # [distributed]: a peer rank
                 code, why = "rank_lost", f"{peer_note(*(launch_rank() or (None, 0)))} ({death})"
-            for (ident, rid) in list(self.inflight):
-                self._reply(ident, M.Error(id=rid, code=code, message=f"{why}; {then}"))
-            self.inflight.clear()
-            self.cancelling.clear()
-            self.admitting.clear()  # a tokenization still running ends unseen
-            self.sides.clear()
-            self.stopping.clear()
+            self.requests.fail_all(code, f"{why}; {then}")
             for ident, rid, *_ in self.pending_stats:
                 self._finish_stats(ident, rid)
             self.pending_stats = []
@@ -546,10 +355,10 @@ class Supervisor:
                                                           f"client {msg.version}"))
             return self._reply(ident, M.Welcome(id=msg.id, version=M.PROTOCOL_VERSION,
                                                 model=str(self.store.path), architecture=self.store.manifest["architecture"],
-                                                vocab_size=self.limits.vocab_size,
-                                                max_context=self.limits.max_context,
+                                                vocab_size=self.requests.limits.vocab_size,
+                                                max_context=self.requests.limits.max_context,
                                                 max_request_bytes=self.client.max_bytes,
-                                                max_prompt_bytes=self.limits.max_prompt_bytes))
+                                                max_prompt_bytes=self.requests.limits.max_prompt_bytes))
         if isinstance(msg, M.Health):
             workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": self.workers.alive(r)}
                        for r, p in self.workers.procs.items()}
@@ -562,7 +371,7 @@ class Supervisor:
             wait = STATS_SYNC_S if self.state == "serving" else 0.0
             # requests a stop string ended count as finished: the answer waits for their end in compute
             self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait,
-                                       frozenset(self.stopping)))
+                                       frozenset(self.requests.stopping)))
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
             # Everything refused here is answered at once, whatever compute is busy with.
@@ -571,80 +380,11 @@ class Supervisor:
                 return self._reply(ident, M.Error(id=msg.id, code="restarting",
                                                   message=f"the runtime is restarting its workers{why}; "
                                                           f"retry in a few seconds"))
-            try:
-                M.check_request(msg, self.limits)
-            except M.BadRequest as e:
-                return self._reply(ident, M.Error(id=msg.id, code="bad_request", message=str(e)))
-            key = (ident, msg.id)
-            if key in self.inflight or key in self.stopping:
-                return self._reply(ident, M.Error(id=msg.id, code="bad_request",
-                                                  message=f"request id {msg.id} is already in flight"))
-            cc = self.config.compute
-            n = len(self.inflight) + len(self.stopping)
-            if n >= cc.max_inflight:  # max_batch running + compute's queue, all full
-                running = "one" if cc.max_batch == 1 else f"compute.max_batch={cc.max_batch}"
-                return self._reply(ident, M.Error(id=msg.id, code="queue_full",
-                                                  message=f"{n} requests are in flight: {running} "
-                                                          f"running and compute.max_queue={cc.max_queue} "
-                                                          f"waiting; retry later"))
-            self.inflight[key] = time.monotonic()
-            tokenized = None
-            if isinstance(msg, M.Generate) and msg.prompt is not None:
-                tokenized = self.tokenize_pool.submit(prompt_ids, self.tokenizer, msg, cc.max_context)
-                tokenized.add_done_callback(self._wake_tokenized)
-            self.admitting.append((key, msg, raw, tokenized))
-            return self._admit()
+            return self.requests.submit(ident, raw, msg)
         if isinstance(msg, M.Cancel):
-            if (ident, msg.id) not in self.inflight:
-                return self._reply(ident, M.Error(id=msg.id, code="unknown_request",
-                                                  message=f"no request {msg.id} of this client is in flight"))
-            return self._cancel(ident, msg.id, "client")
+            return self.requests.cancel(ident, msg.id)
         self._reply(ident, M.Error(id=getattr(msg, "id", None), code="bad_message",
                                    message=f"{msg.TYPE} is not a request"))
-
-    def _cancel(self, ident: bytes, rid: int, why: str) -> None:
-        """Asks compute to stop request (ident, rid), once: it answers with the request's final
-        message (done "cancelled", or error "cancelled" for logits), which ends it here. A
-        request still being tokenized gets its cancel right after it is forwarded (`_admit`)."""
-        if (ident, rid) in self.cancelling:
-            return
-        self.cancelling.add((ident, rid))
-        self.cancels[why] += 1
-        if why == "client_gone":
-            self.log(f"a client vanished with request {rid} in flight: cancelled")
-        if not any(key == (ident, rid) for key, *_ in self.admitting):
-            self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=rid))))
-
-    def _wake_tokenized(self, _future: Future) -> None:
-        """On the tokenize thread: a prompt is ready (or refused); the serving loop forwards it."""
-        try:
-            os.write(self._tokenized_w, b"t")
-        except OSError:  # closed at shutdown, or full: the loop is awake anyway
-            pass
-
-    def _admit(self) -> None:
-        """Forwards the requests taken to compute in arrival order, each once its prompt text
-        is tokenized; a prompt that cannot be tokenized is answered here, as compute used to."""
-        while self.admitting:
-            key, msg, raw, tokenized = self.admitting[0]
-            if tokenized is not None and not tokenized.done():
-                return  # the next ones wait behind it: compute serves in arrival order
-            self.admitting.popleft()
-            ident = key[0]
-            if isinstance(msg, M.Generate):
-                try:
-                    ids = tokenized.result() if tokenized is not None else list(msg.token_ids)
-                except Exception as e:
-                    self.inflight.pop(key, None)
-                    self.cancelling.discard(key)
-                    self._reply(ident, _tokenize_error(msg.id, e))
-                    continue
-                self.sides[key] = TextSide(self.tokenizer, msg, len(ids))
-                if tokenized is not None:
-                    raw = M.encode(as_token_ids(msg, ids))
-            self._to_worker("compute", M.Forward(client=ident, payload=raw))
-            if key in self.cancelling:  # cancelled while it waited here
-                self._to_worker("compute", M.Forward(client=ident, payload=M.encode(M.Cancel(id=msg.id))))
 
     @property
     def restart_count(self) -> int:
@@ -658,53 +398,21 @@ class Supervisor:
             self.log(f"dropped a bad message from a worker: {e}")
             return
         if reply is not None:
-            key = (msg.client, getattr(reply, "id", None))
-            final = isinstance(reply, (M.Done, M.LogitsResult, M.Error))
-            if final:
-                self.cancelling.discard(key)
-            if key in self.stopping:  # answered already at its stop string: the rest is dropped
-                if final:
-                    self._stopped(key)
-                return
-            side = self.sides.get(key)
-            if side is not None and isinstance(reply, M.Token):
-                reply = side.accept(reply)
-                if side.stopped:
-                    return self._end_at_stop(key, side, reply)
-                if reply is None:
-                    return
-            elif side is not None and final:
-                del self.sides[key]
-                if isinstance(reply, M.Done):
-                    reply = side.done(reply)
-            if final and self.inflight.pop(key, None) is not None:
-                self._synchronize()
-            if not self._reply(msg.client, reply) and key in self.inflight:
-                # The client vanished mid-stream (or stopped reading): its request goes, and the
-                # next one in the queue starts within a token.
-                self._cancel(*key, "client_gone")
+            self.requests.on_reply(msg.client, reply)
         elif isinstance(msg, M.Metrics):
             self.hub.offer(msg)
 
-    def _end_at_stop(self, key: tuple, side: TextSide, last: M.Token | None) -> None:
-        """A stop string completed: the client gets the text up to it and its `done` now, and
-        compute a cancel; the request keeps its place until compute's final message for it."""
-        ident, rid = key
-        del self.sides[key]
-        self.inflight.pop(key, None)
-        self.stopping[key] = time.monotonic()
-        if last is not None:
-            self._reply(ident, last)
-        self._reply(ident, side.done())
-        self._cancel(ident, rid, "stop")
+    def _forward(self, ident: bytes, raw: bytes) -> None:
+        """A client's message to compute (the request manager's `forward`)."""
+        self._to_worker("compute", M.Forward(client=ident, payload=raw))
 
-    def _stopped(self, key: tuple) -> None:
-        """Compute ended a request a stop string had ended: a stats request made since then now
-        waits for the snapshots that include it."""
-        del self.stopping[key]
+    def _finished(self, key: tuple, stopped: bool) -> None:
+        """Compute ended a request: a stats request from now on waits for the snapshots that
+        include it; one made since a stop string ended it for the client waits for it too."""
         self._synchronize()
-        self.pending_stats = [(i, r, self.sync if key in w else s, d, w)
-                              for i, r, s, d, w in self.pending_stats]
+        if stopped:
+            self.pending_stats = [(i, r, self.sync if key in w else s, d, w)
+                                  for i, r, s, d, w in self.pending_stats]
 
     def _synchronize(self) -> None:
         """A request finished: each worker answers with a snapshot on the control channel, queued
@@ -720,7 +428,7 @@ class Supervisor:
         now = time.monotonic()
         waiting = []
         for ident, rid, sync, deadline, stops in self.pending_stats:
-            if (self.hub.synced_all(sync) and not stops & self.stopping.keys()) or now > deadline:
+            if (self.hub.synced_all(sync) and not stops & self.requests.stopping.keys()) or now > deadline:
                 self._finish_stats(ident, rid)
             else:
                 waiting.append((ident, rid, sync, deadline, stops))
@@ -743,9 +451,9 @@ class Supervisor:
                  "moe_layers": self.store.moe_layers, "n_experts": self.store.n_experts,
                  "top_k": self.store.top_k}
         snap = merge(parts, missing, {
-            "memory": memory, "processes": procs, "active_requests": len(self.inflight),
+            "memory": memory, "processes": procs, "active_requests": len(self.requests.inflight),
             "model": model, "run_id": self.rundir.run_id, "ages": ages})
-        snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.cancels))
+        snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.requests.cancels))
         return self.hub.stamp(snap)
 
     def _finish_stats(self, ident: bytes, rid: int) -> None:
@@ -770,13 +478,7 @@ class Supervisor:
             self.workers.close()
         if self.client is not None:
             self.client.close()
-        # a tokenization still running finishes on its own (bounded by max_prompt_bytes)
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        for fd in (self.tokenized_fd, self._tokenized_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.requests.close()
         if self.curve is not None:
             self.curve.stop()
         self.ctx.destroy(linger=0)
@@ -786,24 +488,7 @@ class Supervisor:
             self.rundir.cleanup()
 
 
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass
-
-
-def _tokenize_error(rid: int, e: Exception) -> M.Error:
-    """The answer to a prompt text that cannot be tokenized: too long, no chat template, a
-    template that refused the messages (`bad_request`); anything else is a bug (`internal`)."""
-    from jinja2.exceptions import TemplateError
-    if isinstance(e, (PromptTooLong, TokenizerError, TemplateError)):
-        return M.Error(id=rid, code="bad_request", message=str(e))
-    return M.Error(id=rid, code="internal", message=f"{type(e).__name__}: {e}")
-
-
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafin-supervisor",
                                 description="Run a deltafin model: router, loader and compute workers "
                                             "over shared memory, serving clients on a ZeroMQ endpoint.")
@@ -841,9 +526,53 @@ def main(argv=None) -> int:
                        help="replace each layer's math by a wait; reads and messages stay real")
     bench.add_argument("--standin-moe-ms", type=float, metavar="MS", help="stand-in wait per MoE layer")
     bench.add_argument("--standin-dense-ms", type=float, metavar="MS", help="stand-in wait per dense layer")
-    a = p.parse_args(argv)
-    # The run record gets absolute paths: they mean the same to every process that reads it.
+    return p
+
+
+def _config(a: argparse.Namespace):
+    """The run's configuration: the TOML file over the defaults, the flags over both; the run
+    record gets absolute paths, which mean the same to every process that reads it."""
     absolute = lambda path: os.path.abspath(path) if path else None
+    return load_config(a.config, {"runtime.memory_budget": a.memory_budget,
+                                  "runtime.allow_remote": True if a.allow_remote else None,
+                                  "compute.max_context": a.max_context, "compute.dtype": a.dtype,
+                                  "cache.max_slots": a.max_slots, "cache.policy": a.policy,
+                                  "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
+                                  "cache.routing_history": absolute(a.routing_history),
+                                  "distributed.enabled": True if a.distributed else None,
+                                  "distributed.balance_trace": absolute(a.balance_trace),
+                                  "runtime.record_trace": absolute(a.record_trace),
+                                  "bench.routing_trace": absolute(a.routing_trace),
+                                  "bench.standin": True if a.standin else None,
+                                  "bench.standin_moe_ms": a.standin_moe_ms,
+                                  "bench.standin_dense_ms": a.standin_dense_ms})
+
+
+def _check_http(a: argparse.Namespace) -> None:
+    """A bad --http is refused before anything starts."""
+    if a.http:
+        from deltafin.workers.frontend import parse_listen
+        try:
+            parse_listen(a.http, a.allow_remote)
+        except ValueError as e:
+            raise SecurityError(str(e)) from None
+
+
+def _start_http(a: argparse.Namespace, config, sup: Supervisor, endpoint: str):
+    """deltafin-http as a child process, a client of the endpoint; it prints `HTTP <url>` once
+    it serves. None without --http."""
+    if not a.http:
+        return None
+    from deltafin.workers.frontend import FrontendProcess
+    keys = (str(Path(config.runtime.keys_dir).expanduser() if config.runtime.keys_dir
+                else default_keys_dir()) if sup.curve is not None else None)
+    http = FrontendProcess(endpoint, a.http, a.allow_remote, keys)
+    http.start()
+    return http
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
     stop = {"flag": False}
 
@@ -853,25 +582,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     sup = http = None
     try:
-        if a.http:  # a bad --http is refused before anything starts
-            from deltafin.workers.frontend import parse_listen
-            try:
-                parse_listen(a.http, a.allow_remote)
-            except ValueError as e:
-                raise SecurityError(str(e)) from None
-        config = load_config(a.config, {"runtime.memory_budget": a.memory_budget,
-                                        "runtime.allow_remote": True if a.allow_remote else None,
-                                        "compute.max_context": a.max_context, "compute.dtype": a.dtype,
-                                        "cache.max_slots": a.max_slots, "cache.policy": a.policy,
-                                        "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
-                                        "cache.routing_history": absolute(a.routing_history),
-                                        "distributed.enabled": True if a.distributed else None,
-                                        "distributed.balance_trace": absolute(a.balance_trace),
-                                        "runtime.record_trace": absolute(a.record_trace),
-                                        "bench.routing_trace": absolute(a.routing_trace),
-                                        "bench.standin": True if a.standin else None,
-                                        "bench.standin_moe_ms": a.standin_moe_ms,
-                                        "bench.standin_dense_ms": a.standin_dense_ms})
+        _check_http(a)
+        config = _config(a)
         rank = launch_rank() if config.distributed.enabled else None
         if rank is not None and rank[0] != 0 and a.endpoint:
             # one command line for every rank (mlx.launch): rank 0 serves it, the followers take
@@ -886,12 +598,7 @@ def main(argv=None) -> int:
         if stop["flag"]:
             return 0
         print(f"READY {endpoint}", flush=True)
-        if a.http:  # its own process, a client of the endpoint; it prints `HTTP <url>` once it serves
-            from deltafin.workers.frontend import FrontendProcess
-            keys = (str(Path(config.runtime.keys_dir).expanduser() if config.runtime.keys_dir
-                        else default_keys_dir()) if sup.curve is not None else None)
-            http = FrontendProcess(endpoint, a.http, a.allow_remote, keys)
-            http.start()
+        http = _start_http(a, config, sup, endpoint)
         sup.serve_forever(lambda: stop["flag"])
         log("shutting down")
         return 0
