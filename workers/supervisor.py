@@ -551,7 +551,7 @@ def _config(a: argparse.Namespace):
 def _check_http(a: argparse.Namespace) -> None:
     """A bad --http is refused before anything starts."""
     if a.http:
-        from deltafin.workers.frontend import parse_listen
+        from deltafin.workers.frontend_process import parse_listen
         try:
             parse_listen(a.http, a.allow_remote)
         except ValueError as e:
@@ -563,7 +563,7 @@ def _start_http(a: argparse.Namespace, config, sup: Supervisor, endpoint: str):
     it serves. None without --http."""
     if not a.http:
         return None
-    from deltafin.workers.frontend import FrontendProcess
+    from deltafin.workers.frontend_process import FrontendProcess
     keys = (str(Path(config.runtime.keys_dir).expanduser() if config.runtime.keys_dir
                 else default_keys_dir()) if sup.curve is not None else None)
     http = FrontendProcess(endpoint, a.http, a.allow_remote, keys)
