@@ -137,16 +137,19 @@ class Welcome:
 
 @message("generate")
 class Generate:
+    """One of prompt, token_ids and messages ({role, content} maps, rendered with the chat
+    template). max_tokens nil: the rest of the context (max_context - prompt tokens)."""
     id: int
     prompt: str | None = None
     token_ids: list | None = None
-    max_tokens: int = 128
+    max_tokens: int | None = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list | None = None
     chat: bool = False
     stream: bool = True
+    messages: list | None = None
 
 
 @message("cancel")
@@ -267,6 +270,15 @@ def prompt_too_long(prompt: str, max_bytes: int) -> str | None:
             f"{max_bytes} bytes that max_context tokens can hold (welcome: max_prompt_bytes)")
 
 
+def _messages_text(messages: list) -> str:
+    """The contents of a generate's chat messages together (what bounds their size); raises
+    BadRequest unless each is a map whose role and content are strings."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise BadRequest("messages must be a non-empty list of maps with string role and content")
+    return "".join(m["content"] for m in messages)
+
+
 def _check_token_ids(ids: list, limits: RequestLimits, what: str) -> None:
     if not ids:
         raise BadRequest("empty prompt")
@@ -284,18 +296,19 @@ def check_request(msg, limits: RequestLimits) -> None:
     that are not finite numbers in range, a logits reply that would not fit in one message.
     (Prompt text within the byte bound is measured in tokens by the supervisor's tokenizer.)"""
     if isinstance(msg, Generate):
-        if (msg.prompt is None) == (msg.token_ids is None):
-            raise BadRequest("generate takes exactly one of prompt and token_ids")
+        if sum(x is not None for x in (msg.prompt, msg.token_ids, msg.messages)) != 1:
+            raise BadRequest("generate takes exactly one of prompt, token_ids and messages")
         if msg.prompt == "":
             raise BadRequest("empty prompt")
-        if msg.prompt is not None and (why := prompt_too_long(msg.prompt, limits.max_prompt_bytes)):
+        text = msg.prompt if msg.messages is None else _messages_text(msg.messages)
+        if text is not None and (why := prompt_too_long(text, limits.max_prompt_bytes)):
             raise BadRequest(why)
-        if not 0 <= msg.max_tokens < limits.max_context:
+        if msg.max_tokens is not None and not 0 <= msg.max_tokens < limits.max_context:
             raise BadRequest(f"max_tokens must be within [0, {limits.max_context}) "
                              f"(max_context={limits.max_context} holds the prompt too)")
         if msg.token_ids is not None:
             _check_token_ids(msg.token_ids, limits, "generate")
-            if len(msg.token_ids) + msg.max_tokens > limits.max_context:
+            if len(msg.token_ids) + (msg.max_tokens if msg.max_tokens is not None else 1) > limits.max_context:
                 raise BadRequest(f"prompt ({len(msg.token_ids)} tokens) + max_tokens ({msg.max_tokens}) "
                                  f"exceeds max_context={limits.max_context}")
         if not (math.isfinite(msg.temperature) and msg.temperature >= 0):

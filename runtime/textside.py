@@ -2,45 +2,66 @@
 
 Compute runs token ids only: it takes a generate request's `token_ids` and answers with `token`
 messages that carry ids (their text empty) and a `done` whose text is empty. The text around
-that lives here, one `TextSide` per generate request: the prompt text tokenized (chat template
-included) before compute sees the request, and compute's ids turned back into the client's text
-pieces (streaming detokenizer), cut at the first stop string exactly where compute used to cut.
-The supervisor keeps one per request in flight; `generate` wraps an in-process `Compute` the
-same way, so tools and tests see the same text as clients of the runtime.
+that lives here, one `TextSide` per generate request: the prompt text or chat messages tokenized
+(chat template included) before compute sees the request, and compute's ids turned back into the
+client's text pieces (streaming detokenizer), cut at the first stop string. The request manager
+(workers/requests.py) keeps one per request in flight; `generate` wraps an in-process `Compute`
+the same way, so tools and tests see the same text as clients of the runtime.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from deltafin.protocol import messages as M
-from deltafin.runtime.tokenizer import StreamDecoder, Tokenizer
+from deltafin.runtime.tokenizer import TOO_LONG, PromptTooLong, StreamDecoder, Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, req: M.Generate, max_context: int) -> list[int]:
-    """The ids compute runs for req: its token_ids, or its prompt tokenized (chat template where
-    asked). Raises PromptTooLong (more than max_context tokens), TokenizerError (no chat
-    template) or jinja2's TemplateError (the template refused the messages)."""
+    """The ids compute runs for req: its token_ids, its prompt tokenized (chat template where
+    asked), or its chat messages rendered with the chat template and tokenized. Raises
+    PromptTooLong (more than max_context tokens, or, with max_tokens nil, no room left for one
+    generated token), TokenizerError (no chat template) or jinja2's TemplateError (the template
+    refused the messages)."""
     if req.token_ids is not None:
-        return list(req.token_ids)
-    return tokenizer.encode(req.prompt, chat=req.chat, max_tokens=max_context)
+        ids = list(req.token_ids)
+    elif req.messages is not None:
+        ids = tokenizer.encode(req.messages, chat=True, max_tokens=max_context)
+    else:
+        ids = tokenizer.encode(req.prompt, chat=req.chat, max_tokens=max_context)
+    if req.max_tokens is None and len(ids) >= max_context:
+        raise PromptTooLong(f"{TOO_LONG}{len(ids)} tokens leaves no room in the context of "
+                            f"{max_context} tokens (max_context)")
+    return ids
 
 
-def as_token_ids(req: M.Generate, ids: list[int]) -> M.Generate:
-    """The request as compute takes it: ids in place of the prompt text."""
-    return dataclasses.replace(req, prompt=None, token_ids=list(ids), chat=False)
+def as_token_ids(req: M.Generate, ids: list[int], max_context: int) -> M.Generate:
+    """The request as compute takes it: ids in place of the prompt text or messages, and
+    max_tokens nil made the rest of the context."""
+    max_tokens = max_context - len(ids) if req.max_tokens is None else req.max_tokens
+    return dataclasses.replace(req, prompt=None, messages=None, token_ids=list(ids), chat=False,
+                               max_tokens=max_tokens)
 
 
 class TextSide:
     """One generate request's text: ids in, client text out. `accept` takes each of compute's
     tokens in order; `stopped` turns true at the token whose text completes a stop string, after
-    which the request is over for the client (`done`) and compute is to be stopped."""
+    which the request is over for the client (`done`) and compute is to be stopped.
+
+    Streamed text equals the final text: while the text ends with the start of a stop string,
+    the token's message waits (its text goes with a later token's message, or with `flush` at
+    the end). Stop strings are looked for only where they can end: in the new text and the
+    (longest stop - 1) characters before it, so the work per token does not grow with the
+    answer."""
 
     def __init__(self, tokenizer: Tokenizer, req: M.Generate, prompt_tokens: int):
         self.req = req
         self.prompt_tokens = prompt_tokens
         self.decoder = StreamDecoder(tokenizer)
         self.stops = [s for s in (req.stop or []) if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
+        self.sent = 0  # characters of text the client was sent in token messages
+        self.last: M.Token | None = None  # compute's latest token
         self.stopped = False
 
     @property
@@ -49,20 +70,47 @@ class TextSide:
 
     def accept(self, token: M.Token) -> M.Token | None:
         """compute's token as the client's (its text piece filled in), or None where there is
-        nothing to send: a piece still empty (half a character), a request not streamed, or
-        a token after the stop."""
+        nothing to send now: a piece still empty (half a character), text that may begin a stop
+        string, a request not streamed, or a token after the stop."""
         if self.stopped:
             return None
-        piece = self.decoder.add(token.token_id)
-        self.text += piece
-        hit = next((s for s in self.stops if s in self.text), None)
-        if hit:
-            cut = self.text.index(hit)
-            piece = piece[:max(0, len(piece) - (len(self.text) - cut))]
+        self.last = token
+        before = len(self.text)
+        self.text += self.decoder.add(token.token_id)
+        cut = self._stop_at(max(0, before - self.longest + 1))
+        if cut is not None:
             self.text, self.stopped = self.text[:cut], True
+        elif self._may_stop():
+            return None
+        return self._piece(token)
+
+    def flush(self) -> M.Token | None:
+        """At the end of an answer no stop string ended: the text still held back, as a message
+        of the last token (None when there is none to send)."""
+        return self._piece(self.last) if self.last is not None and not self.stopped else None
+
+    def _piece(self, token: M.Token) -> M.Token | None:
+        piece, self.sent = self.text[self.sent:], len(self.text)
         if not (piece and self.req.stream):
             return None
         return M.Token(id=self.req.id, index=token.index, token_id=token.token_id, text=piece)
+
+    def _stop_at(self, start: int) -> int | None:
+        """Where the first stop string (in the request's order) that occurs from `start` on
+        begins; the text before `start` was scanned at earlier tokens."""
+        for s in self.stops:
+            at = self.text.find(s, start)
+            if at >= 0:
+                return at
+        return None
+
+    def _may_stop(self) -> bool:
+        """True when the unsent text ends with the start of a stop string."""
+        for at in range(max(self.sent, len(self.text) - self.longest + 1), len(self.text)):
+            tail = self.text[at:]
+            if any(s.startswith(tail) for s in self.stops):
+                return True
+        return False
 
     def done(self, done: M.Done | None = None) -> M.Done:
         """The client's final message: compute's `done` (its ids and stats) with the text; after
@@ -78,14 +126,16 @@ class TextSide:
 
 def generate(compute, tokenizer: Tokenizer, req: M.Generate, emit=None) -> M.Done:
     """One request on an in-process `Compute` (workers/engine.py), text handled as the
-    supervisor handles it: emit gets the client's token messages (streamed requests), a stop
-    string ends the sequence after the token that completed it."""
+    request manager handles it: emit gets the client's token messages (streamed requests), a
+    stop string ends the sequence after the token that completed it."""
     ids = prompt_ids(tokenizer, req, compute.max_context)
     side = TextSide(tokenizer, req, len(ids))
 
-    def relay(token: M.Token) -> None:
-        out = side.accept(token)
+    def relay(token: M.Token | None) -> None:
+        out = side.accept(token) if token is not None else side.flush()
         if out is not None and emit is not None:
             emit(out)
-    done = compute.generate(as_token_ids(req, ids), emit=relay, between_tokens=lambda: side.stopped)
+    done = compute.generate(as_token_ids(req, ids, compute.max_context), emit=relay,
+                            between_tokens=lambda: side.stopped)
+    relay(None)
     return side.done(done)

@@ -1,16 +1,22 @@
 """Tokenizer from the store's tokenizer/ files: `tokenizers` for BPE, jinja2 for chat templates.
 
-The supervisor uses it (runtime/textside.py); compute reads only the EOS ids (`eos_ids`), which
-need no tokenizer library, so the MLX process never loads one."""
+The supervisor's request manager uses it (workers/requests.py, runtime/textside.py); compute
+reads only the EOS ids (`eos_ids`), which need no tokenizer library, so the MLX process never
+loads one, and the HTTP frontend sends text and leaves tokenizing to the runtime."""
 from __future__ import annotations
 
 import json
 from datetime import datetime
 from pathlib import Path
 
+from deltafin.protocol import messages as M
+
 
 class TokenizerError(RuntimeError):
     pass
+
+
+TOO_LONG = "prompt of "  # how every refusal of a prompt over the context begins
 
 
 # Texts longer than this many characters are counted piece by piece before they are tokenized
@@ -37,9 +43,11 @@ def pieces(text: str, size: int = PIECE_CHARS):
 
 
 class PromptTooLong(ValueError):
-    """A prompt that cannot fit max_context tokens (answered with `bad_request`)."""
+    """A prompt that cannot fit max_context tokens (answered with `bad_request`). Its message
+    starts with TOO_LONG, as protocol/messages.py's `prompt_too_long` does: the HTTP frontend
+    answers such an error with `context_length_exceeded`."""
 
-    code = "bad_request"
+    code = M.ErrorCode.BAD_REQUEST
 
 
 def _read_json(path: Path) -> dict:
@@ -125,24 +133,26 @@ class Tokenizer:
     def prompt_bytes_bound(self, max_tokens: int) -> int:
         return max_tokens * max(1, self.max_token_bytes)
 
-    def encode(self, text: str, chat: bool = False, max_tokens: int | None = None) -> list[int]:
-        """max_tokens: refuse (PromptTooLong) a text longer in bytes than that many tokens can
-        hold before tokenizing anything; then a long text's tokens are counted in pieces
-        (`pieces`), refusing as soon as they are surely more than max_tokens; only a text that
-        may fit is tokenized whole (the ids always come from the whole text, exactly as without
-        a bound), and refused when it has more than max_tokens tokens."""
+    def encode(self, text, chat: bool = False, max_tokens: int | None = None) -> list[int]:
+        """text: a string, or (chat) a list of {role, content} messages. max_tokens: refuse
+        (PromptTooLong) a text longer in bytes than that many tokens can hold before tokenizing
+        anything; then a long text's tokens are counted in pieces (`pieces`), refusing as soon
+        as they are surely more than max_tokens; only a text that may fit is tokenized whole
+        (the ids always come from the whole text, exactly as without a bound), and refused when
+        it has more than max_tokens tokens. Messages are bounded by their contents together."""
         if max_tokens is not None:
             from deltafin.protocol.messages import prompt_too_long
-            why = prompt_too_long(text, self.prompt_bytes_bound(max_tokens))
+            bounded = text if isinstance(text, str) else "".join(m["content"] for m in text)
+            why = prompt_too_long(bounded, self.prompt_bytes_bound(max_tokens))
             if why:
                 raise PromptTooLong(why)
-            if len(text) > PIECE_CHARS:
+            if len(bounded) > PIECE_CHARS:
                 counted, at = 0, 0
-                for piece in pieces(text):
+                for piece in pieces(bounded):
                     counted += max(0, len(self.tok.encode(piece, add_special_tokens=False).ids) - CUT_SLACK)
                     at += len(piece)
                     if counted > max_tokens:
-                        raise PromptTooLong(f"prompt of more than {max_tokens} tokens: its first {at} "
+                        raise PromptTooLong(f"{TOO_LONG}more than {max_tokens} tokens: its first {at} "
                                             f"characters hold more than max_context={max_tokens} "
                                             f"(counted in pieces)")
         if chat:
@@ -150,7 +160,7 @@ class Tokenizer:
         else:
             ids = self.tok.encode(text).ids
         if max_tokens is not None and len(ids) > max_tokens:
-            raise PromptTooLong(f"prompt of {len(ids)} tokens exceeds max_context={max_tokens}")
+            raise PromptTooLong(f"{TOO_LONG}{len(ids)} tokens exceeds max_context={max_tokens}")
         return ids
 
     def decode(self, ids) -> str:

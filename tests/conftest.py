@@ -44,7 +44,7 @@ def deltafin_processes() -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] == os.getpid() or not ("deltafin.workers." in cmd or "deltafin.runtime.supervisor" in cmd):
+        if p.info["pid"] == os.getpid() or not ("deltafin.workers." in cmd or "deltafin.workers.supervisor" in cmd):
             continue
         try:
             if p.environ().get("DELTAFIN_RUN_ROOT") == _root():

@@ -100,10 +100,10 @@ def test_a_trace_that_does_not_fit_is_refused_at_start(tiny_stores, tmp_path):
     with pytest.raises(ConfigError, match="expert id 8 is out of range"):
         _in_process(store, _config(routing_trace=str(tmp_path / "e.npz")), 4)
     # the supervisor refuses it before any worker starts, with the same words
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store.path),
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store.path),
                         "--routing-trace", str(tmp_path / "k.npz")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "routes 3 experts per token" in r.stderr and "top_k=2" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store.path),
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store.path),
                         "--record-trace", str(tmp_path / "no" / "such.npz")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "runtime.record_trace" in r.stderr and "directory does not exist" in r.stderr
 

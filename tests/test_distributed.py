@@ -88,7 +88,7 @@ def ranks(store, tmp: Path, n: int = 2, extra: list[str] | None = None, per_rank
             logs.append(log)
             env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
+                [sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store),
                  "--memory-budget", BUDGET, "--distributed", *(extra or []), *(per_rank or {}).get(r, [])],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=env))
         try:
@@ -314,7 +314,7 @@ def test_mlx_launch_two_ranks(tiny_stores, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen([str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(ring_port),
-                             "--", sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
+                             "--", sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store),
                              "--memory-budget", BUDGET, "--distributed", "--endpoint", f"tcp://127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

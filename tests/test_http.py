@@ -321,7 +321,7 @@ def test_disconnect_mid_stream_and_frontend_restart(tiny_stores):
 
 def test_http_is_loopback_unless_allowed(tmp_path):
     # refused before anything else is looked at (the store does not even exist)
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model",
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model",
                         str(tmp_path / "none"), "--http", "0.0.0.0:8000"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--allow-remote" in r.stderr

@@ -548,7 +548,7 @@ def test_routing_history_warms_the_predictor_before_the_first_token(tmp_path):
     from deltafin.tools import convert
     src = tiny("mixtral", tmp_path / "hf", layers=2, experts=8, top_k=2, seed=1)
     assert convert.main([str(src), str(tmp_path / "store"), "--no-progress"]) == 0
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "store"),
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tmp_path / "store"),
                         "--routing-history", str(tmp_path / "h.npz")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "routing_history" in r.stderr and "6 MoE layers" in r.stderr, r.stderr[-500:]
 

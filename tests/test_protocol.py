@@ -3,6 +3,7 @@
 frames and requests that must be refused at once, with exact answers before and after."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -60,7 +61,10 @@ def test_decoder_takes_any_msgpack_map(data):
                  prompt=st.one_of(st.none(), st.text(max_size=5)),
                  token_ids=st.one_of(st.none(), st.lists(st.one_of(st.integers(-3, 600), st.booleans(),
                                                                    st.floats(), st.text(max_size=2)), max_size=6)),
-                 max_tokens=st.integers(-3, 3000), temperature=st.floats(), top_p=st.floats(),
+                 messages=st.one_of(st.none(), st.lists(st.dictionaries(
+                     st.sampled_from(["role", "content", "name"]), st.one_of(st.text(max_size=3), st.integers(-9, 9))),
+                     max_size=3)),
+                 max_tokens=st.one_of(st.none(), st.integers(-3, 3000)), temperature=st.floats(), top_p=st.floats(),
                  seed=st.one_of(st.none(), st.integers(-2**63, 2**64 - 1)),
                  stop=st.one_of(st.none(), st.lists(st.one_of(st.text(max_size=3), st.integers(-9, 9)), max_size=3))))
 def test_requests_the_checks_pass_are_servable(fields):
@@ -73,13 +77,17 @@ def test_requests_the_checks_pass_are_servable(fields):
         M.check_request(msg, LIMITS)
     except M.BadRequest:
         return
-    assert (msg.prompt is None) != (msg.token_ids is None)
+    assert sum(x is not None for x in (msg.prompt, msg.token_ids, msg.messages)) == 1
+    room = 1 if msg.max_tokens is None else msg.max_tokens  # nil: the rest, at least one token
     if msg.token_ids is not None:
         assert msg.token_ids and all(type(i) is int and 0 <= i < 512 for i in msg.token_ids)
-        assert len(msg.token_ids) + msg.max_tokens <= LIMITS.max_context
+        assert len(msg.token_ids) + room <= LIMITS.max_context
+    elif msg.messages is not None:
+        assert msg.messages and all(isinstance(m["role"], str) and isinstance(m["content"], str)
+                                    for m in msg.messages)
     else:
         assert msg.prompt
-    assert 0 <= msg.max_tokens < LIMITS.max_context
+    assert msg.max_tokens is None or 0 <= msg.max_tokens < LIMITS.max_context
     assert math.isfinite(msg.temperature) and msg.temperature >= 0
     assert math.isfinite(msg.top_p) and 0 < msg.top_p <= 1
     assert msg.seed is None or msg.seed >= 0
@@ -101,10 +109,16 @@ def test_requests_the_checks_pass_are_servable(fields):
     ({"prompt": "a", "stop": ["x", 3]}, "stop"),
     ({"prompt": "a", "max_tokens": 2048}, "max_tokens"),
     ({"token_ids": [1] * 2000, "max_tokens": 100}, "max_context"),
+    ({"token_ids": [1] * 2048, "max_tokens": None}, "max_context"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "exactly one"),
+    ({"messages": []}, "messages must be"),
+    ({"messages": [{"role": "user"}]}, "messages must be"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages must be"),
+    ({"messages": [{"role": "user", "content": "x" * 100}]}, "max_prompt_bytes"),
 ])
 def test_generate_refusals(fields, why):
     with pytest.raises(M.BadRequest, match=why):
-        M.check_request(M.Generate(id=1, **fields), LIMITS)
+        M.check_request(M.Generate(id=1, **fields), dataclasses.replace(LIMITS, max_prompt_bytes=64))
 
 
 def test_logits_reply_bounded_by_the_message_limit():

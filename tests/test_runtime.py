@@ -105,7 +105,7 @@ def test_greedy_tokens_identical_across_budgets_many_layers(tmp_path):
 
 
 def test_budget_below_minimum_is_refused(tiny_stores):
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model",
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model",
                         str(tiny_stores("mixtral")), "--memory-budget", "64MiB"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
@@ -117,7 +117,7 @@ def test_the_printed_minimum_budget_starts(tiny_stores):
     """The refusal's minimum is rounded up, so passing the printed figure back is enough."""
     import re
     store = str(tiny_stores("mixtral"))
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", store,
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", store,
                         "--memory-budget", "64MiB"], capture_output=True, text=True, timeout=60)
     from deltafin.runtime.config import parse_size
     minimum = re.search(r"below the minimum ([0-9.]+ [KMG]iB)", r.stderr)[1]
@@ -128,7 +128,7 @@ def test_the_printed_minimum_budget_starts(tiny_stores):
 
 
 def test_unknown_store_and_bad_flags_are_refused(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not a deltafin store" in r.stderr
     with pytest.raises(StartError):
@@ -137,7 +137,7 @@ def test_unknown_store_and_bad_flags_are_refused(tmp_path):
 
 
 def test_remote_tcp_needs_allow_remote(tiny_stores):
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model",
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model",
                         str(tiny_stores("mixtral")), "--memory-budget", BIG, "--endpoint", "tcp://0.0.0.0:5999"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--allow-remote" in r.stderr
@@ -329,11 +329,11 @@ def test_sampling_stop_strings_and_streaming(tiny_stores):
 def test_config_file_errors_are_clear(tiny_stores, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[cache]\npolicy = \"mru\"\n")
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tiny_stores("mixtral")),
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tiny_stores("mixtral")),
                         "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cache.policy 'mru'" in r.stderr
     bad.write_text("[runtime]\nbudget = 5\n")
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tiny_stores("mixtral")),
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tiny_stores("mixtral")),
                         "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown key runtime.budget" in r.stderr
 
@@ -344,7 +344,7 @@ def test_unknown_architecture_is_refused_before_workers_start(tiny_stores, tmp_p
     m = json.loads((tmp_path / "s" / "manifest.json").read_text())
     m["config"]["model_type"] = "gpt_oss"
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
-    r = subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(tmp_path / "s")],
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unsupported architecture model_type='gpt_oss'" in r.stderr
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start(store, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
+    return subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store),
                            "--memory-budget", BIG, *args], capture_output=True, text=True, timeout=120)
 
 

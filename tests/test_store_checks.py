@@ -25,7 +25,7 @@ def store_copy(tiny_stores, tmp_path):
 
 
 def _start(store) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(store),
+    return subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store),
                            "--memory-budget", BIG], capture_output=True, text=True, timeout=120)
 
 

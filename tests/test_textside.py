@@ -172,3 +172,67 @@ def test_requests_reach_compute_in_arrival_order_while_a_prompt_is_tokenized(tin
         final = [(m.TYPE, m.id) for m in got if isinstance(m, (M.Done, M.Error))]
         assert final == [("error", 1), ("done", 2), ("done", 3)], final
         assert "exceeds max_context=262144" in got[0].message or "more than 262144" in got[0].message
+
+
+class _Pieces:
+    """A stand-in tokenizer: token id i decodes to pieces[i]; ids decode to their pieces joined."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _run_side(pieces, stop, stream=True):
+    """(streamed token messages, final done) of a TextSide fed token ids 0, 1, ... in order."""
+    from deltafin.runtime.textside import TextSide
+    side = TextSide(_Pieces(pieces), M.Generate(id=3, prompt="x", stop=stop, stream=stream), 5)
+    sent = []
+    for i in range(len(pieces)):
+        out = side.accept(M.Token(id=3, index=i, token_id=i, text=""))
+        sent += [out] if out is not None else []
+        if side.stopped:
+            return sent, side.done()
+    rest = side.flush()
+    sent += [rest] if rest is not None else []
+    done = M.Done(id=3, text="", token_ids=list(range(len(pieces))), finish_reason="length",
+                  stats={"prompt_tokens": 5})
+    return sent, side.done(done)
+
+
+def test_a_stream_never_shows_the_start_of_a_stop_string():
+    """The streamed pieces always join to the final text: text that may begin a stop string
+    waits until it completes the stop (cut) or cannot any more (sent with a later token, or
+    at the end); every message keeps its own token's index."""
+    sent, done = _run_side([" Paris", ".\n", "\n", "More"], ["\n\n"])
+    assert done.finish_reason == "stop" and done.text == " Paris."
+    assert "".join(m.text for m in sent) == done.text and [m.index for m in sent] == [0, 2]
+    sent, done = _run_side([" Paris", ".\n", "It", " is"], ["\n\n"])
+    assert done.finish_reason == "length" and done.text == " Paris.\nIt is"
+    assert "".join(m.text for m in sent) == done.text and [m.index for m in sent] == [0, 2, 3]
+    sent, done = _run_side(["a", "b", "\n"], ["\n\n", "zz"])  # the answer ends inside a stop's start
+    assert "".join(m.text for m in sent) == done.text == "ab\n" and sent[-1].index == 2
+    # the first stop string in the request's order wins, as before: cut where it begins
+    sent, done = _run_side(["xa", "bc"], ["c", "ab"])
+    assert done.text == "xab" and "".join(m.text for m in sent) == "xab"
+    # a request not streamed gets no token messages, the same final text
+    sent, done = _run_side([" Paris", ".\n", "\n"], ["\n\n"], stream=False)
+    assert sent == [] and done.text == " Paris."
+
+
+def test_stop_strings_are_looked_for_only_near_the_new_text():
+    """Each token scans the new text and (longest stop - 1) characters before it: the work per
+    token does not grow with the answer (a stop string never found stays cheap)."""
+    from deltafin.runtime.textside import TextSide
+
+    scanned = []
+
+    class Spy(TextSide):
+        def _stop_at(self, start):
+            scanned.append(len(self.text) - start)
+            return super()._stop_at(start)
+    side = Spy(_Pieces(["word "] * 4000), M.Generate(id=1, prompt="x", stop=["never seen"]), 1)
+    for i in range(4000):
+        side.accept(M.Token(id=1, index=i, token_id=i, text=""))
+    assert not side.stopped and max(scanned) <= len("word ") + len("never seen") - 1

@@ -25,6 +25,7 @@ import psutil
 
 from deltafin.runtime import metrics
 from deltafin.runtime.config import format_size, load_config, parse_size
+from deltafin.runtime.procs import stop_process
 from deltafin.runtime.store import Store
 
 # deltafin's named modes: the runtime, the reference design ("sync-lru": synchronous layers,
@@ -354,13 +355,10 @@ def _run_json_process(cmd: list[str], s: Setup, name: str, cap) -> tuple[dict | 
         proc = subprocess.Popen(cmd + ["--json", str(out_json)], stdout=err, stderr=err,
                                 preexec_fn=cap.enter if cap else None)
         sampler = TreeSampler(proc.pid).start()
-        try:
-            code = proc.wait(timeout=s.timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait(timeout=10)
+        if not stop_process(proc, s.timeout_s, None, kill_s=10):
             mem = sampler.stop()
             return None, f"did not finish within {s.timeout_s:.0f} s", mem
+        code = proc.returncode
         mem = sampler.stop()
     data = json.loads(out_json.read_text()) if out_json.exists() else None
     if code != 0 or not data or data.get("error"):

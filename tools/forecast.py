@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.runtime.config import format_size, load_config
+from deltafin.runtime.procs import stop_process
 
 
 def log(msg: str) -> None:
@@ -166,11 +167,7 @@ def measure_hop(top_k: int, n: int = 400) -> dict:
             send(sock, M.Release(req=n))  # tells the echo process to stop
         finally:
             ctx.destroy(linger=0)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(timeout=5)
+            stop_process(child, 10, None)
     return {"s": float(np.median(times[n // 10:])), "how": f"median Need->Slots round trip over ipc, {n} trips"}
 
 

@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 from deltafin.client import Client, DeltafinError
+from deltafin.runtime.procs import stop_process
 
 
 class StartError(RuntimeError):
@@ -25,7 +26,7 @@ def running_supervisor(model: str, memory_budget: str | None = None, extra: list
                        timeout: float = 300.0, stderr=None, preexec_fn=None):
     """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after.
     preexec_fn runs in the child before exec (the benchmark puts it into a memory cgroup there)."""
-    cmd = [sys.executable, "-m", "deltafin.runtime.supervisor", "--model", str(model)]
+    cmd = [sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(model)]
     if memory_budget:
         cmd += ["--memory-budget", str(memory_budget)]
     cmd += extra or []
@@ -34,18 +35,13 @@ def running_supervisor(model: str, memory_budget: str | None = None, extra: list
         endpoint = _await_ready(proc, timeout)
         yield endpoint, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        reap(proc, 15)
+        reap(proc, 15, signal.SIGINT)
 
 
-def reap(proc: subprocess.Popen, timeout: float) -> None:
-    """Waits for a supervisor told to stop (SIGINT), killing it after timeout; closes its pipe."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
+def reap(proc: subprocess.Popen, timeout: float, first: int | None = None) -> None:
+    """Stops a supervisor: sends `first` (None: it was told to stop already), waits up to
+    timeout, then kills it (runtime/procs.py); closes its pipe."""
+    stop_process(proc, timeout, first)
     if proc.stdout:
         proc.stdout.close()
 

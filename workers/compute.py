@@ -91,10 +91,10 @@ class ComputeProcess(WorkerProcess):
         try:
             req = M.decode(fwd.payload)
         except M.ProtocolError as e:
-            return self.reply(fwd.client, M.Error(id=None, code="bad_message", message=str(e)))
+            return self.reply(fwd.client, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE, message=str(e)))
         handler = self.handlers.get(type(req))
         if handler is None:
-            return self.reply(fwd.client, M.Error(id=getattr(req, "id", None), code="bad_message",
+            return self.reply(fwd.client, M.Error(id=getattr(req, "id", None), code=M.ErrorCode.BAD_MESSAGE,
                                                   message=f"compute does not take {req.TYPE}"))
         handler(fwd.client, req)
 

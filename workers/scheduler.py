@@ -297,7 +297,7 @@ class Scheduler:
 
 
 class QueueFull(RuntimeError):
-    code = "queue_full"
+    code = M.ErrorCode.QUEUE_FULL
 
 
 @dataclass
@@ -413,7 +413,7 @@ def error_reply(rid, e: Exception) -> M.Error:
     """A failed request's answer: the error's own code where it is one of ours, else internal."""
     if isinstance(e, (RequestError, ExpertUnavailable)) and getattr(e, "code", None):
         return M.Error(id=rid, code=e.code, message=str(e))
-    return M.Error(id=rid, code="internal", message=f"{type(e).__name__}: {e}")
+    return M.Error(id=rid, code=M.ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
 
 
 def finished(queue: RequestQueue, compute, seq: Sequence) -> M.Done | M.Error:
@@ -439,4 +439,4 @@ def cancelled_reply(item: Queued) -> M.Done | M.Error:
         return M.Done(id=req.id, text="", token_ids=[], finish_reason="cancelled",
                       stats={"prompt_tokens": 0, "generated_tokens": 0,
                              "queue_s": time.perf_counter() - item.arrived})
-    return M.Error(id=req.id, code="cancelled", message="cancelled before it started")
+    return M.Error(id=req.id, code=M.ErrorCode.CANCELLED, message="cancelled before it started")

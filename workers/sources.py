@@ -22,13 +22,13 @@ from deltafin.runtime.tiers import layer_groups
 class RequestError(ValueError):
     """The request itself is wrong (empty prompt, too long, bad token id)."""
 
-    code = "bad_request"
+    code = M.ErrorCode.BAD_REQUEST
 
 
 class ExpertUnavailable(RuntimeError):
     """A layer's experts could not be had (a read failed, the router refused, a wait timed out)."""
 
-    def __init__(self, message: str, code: str = "expert_unavailable"):
+    def __init__(self, message: str, code: str = M.ErrorCode.EXPERT_UNAVAILABLE):
         super().__init__(message)
         self.code = code
 
@@ -188,7 +188,7 @@ class RouterClient:
             elif isinstance(msg, M.FillFailed):
                 apply(msg)
                 if msg.req == req:
-                    raise ExpertUnavailable(msg.error, code="expert_read_failed")
+                    raise ExpertUnavailable(msg.error, code=M.ErrorCode.EXPERT_READ_FAILED)
             elif isinstance(msg, M.Error):  # the router's own code (budget_too_small)
                 raise ExpertUnavailable(msg.message, code=msg.code)
             elif isinstance(msg, M.Slots) and msg.req == req:

@@ -209,29 +209,38 @@ class Client:
         return self._recv(msg.id)
 
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
-        prompt, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, [int(i) for i in prompt_or_ids])
+        prompt, ids, messages = None, None, None
+        if isinstance(prompt_or_ids, str):
+            prompt = prompt_or_ids
+        elif prompt_or_ids and all(isinstance(m, dict) for m in prompt_or_ids):
+            messages = [dict(m) for m in prompt_or_ids]
+        else:
+            ids = [int(i) for i in prompt_or_ids]
+        text = prompt if messages is None else "".join(str(m.get("content", "")) for m in messages)
         # A prompt the runtime would refuse by its size is refused here, before it is encoded
         # and sent (100 MB take about a second each way): first a frame surely over the
         # endpoint's limit (which would drop the connection), then a text over max_prompt_bytes.
         limit = self.info.max_request_bytes if self.info else 0
-        if prompt and limit and len(prompt) >= limit:  # the frame holds more than the prompt
-            raise RequestError(f"a request of more than {len(prompt)} bytes exceeds the runtime's "
+        if text and limit and len(text) >= limit:  # the frame holds more than the prompt
+            raise RequestError(f"a request of more than {len(text)} bytes exceeds the runtime's "
                                f"{limit} byte limit (runtime.max_request_bytes)", "bad_request")
-        why = M.prompt_too_long(prompt, self.info.max_prompt_bytes) if prompt and self.info else None
+        why = M.prompt_too_long(text, self.info.max_prompt_bytes) if text and self.info else None
         if why:
             raise RequestError(why, "bad_request")
-        return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, max_tokens=max_tokens,
-                          temperature=float(temperature), top_p=float(top_p), seed=seed,
-                          stop=list(stop) if stop else None, chat=chat, stream=stream)
+        return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, messages=messages,
+                          max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream)
 
     # -- API ----------------------------------------------------------------------------------------
-    def generate(self, prompt_or_token_ids, max_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Generation:
+        """prompt_or_token_ids: a prompt text, token ids, or chat messages ({role, content} maps,
+        rendered with the model's chat template). max_tokens None: the rest of the context."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, False)
         done = self._call(msg)
         return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats)
 
-    def stream(self, prompt_or_token_ids, max_tokens: int = 128, temperature: float = 0.0,
+    def stream(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Stream:
         """Sends the request now and returns a Stream: iterating it yields text pieces as they
         are produced; `self.last` (and the stream's `result`) holds the final Generation;

@@ -1,0 +1,170 @@
+"""The OpenAI API's side of the HTTP frontend: request bodies checked and turned into the
+runtime's generate parameters, answers and errors in OpenAI's shapes (docs/HTTP.md).
+
+Prompts stay text: a completion's prompt string and a chat's messages go to the runtime as they
+are, and its request manager tokenizes them (chat template included); `usage` counts come back in
+the final message's stats."""
+from __future__ import annotations
+
+import math
+
+from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMismatch, RequestError,
+                             RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeUnavailable)
+from deltafin.runtime.tokenizer import TOO_LONG
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def api_error_from(e: Exception, param: str | None = None) -> ApiError:
+    """The client library's exceptions as HTTP statuses: the request's fault 400 (a prompt over
+    the context: `context_length_exceeded` naming param, the body's prompt field), the runtime
+    busy 429, the runtime restarting, unreachable or a worker dead 503 (all worth a retry)."""
+    code = getattr(e, "code", None)
+    if isinstance(e, RequestError) and str(e).startswith(TOO_LONG):
+        return ApiError(400, str(e), "invalid_request_error", param, "context_length_exceeded")
+    if isinstance(e, RequestError):
+        return ApiError(400, str(e), "invalid_request_error", code=code)
+    if isinstance(e, RuntimeBusy):
+        return ApiError(429, str(e), "rate_limit_error", code=code)
+    if isinstance(e, (RuntimeRestarting, RuntimeUnavailable, RuntimeDeadError)):
+        return ApiError(503, str(e), "service_unavailable", code=code or "unavailable")
+    if isinstance(e, (ExpertUnavailableError, ProtocolMismatch, DeltafinError)):
+        return ApiError(500, str(e), "server_error", code=code)
+    return ApiError(500, f"{type(e).__name__}: {e}", "server_error", code="internal")
+
+
+# -- request bodies ---------------------------------------------------------------------------------
+def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, integer=False):
+    v = body.get(key)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or (not integer and not math.isfinite(v)):
+        raise ApiError(400, f"'{key}' must be {'an integer' if integer else 'a number'}", param=key)
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise ApiError(400, f"'{key}' must be in {rng}; got {v}", param=key)
+    return v
+
+
+def sampling(body: dict, max_tokens_default: int | None) -> dict:
+    """The generate parameters shared by completions and chat; OpenAI options the runtime cannot
+    honour are refused, not ignored, unless they hold their neutral value."""
+    if _number(body, "n", 1, 1, integer=True) != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, 0, -2, 2) != 0:
+            raise ApiError(400, f"'{key}' is not supported (only 0)", param=key)
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
+    max_tokens = body.get("max_completion_tokens")
+    key = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, key = body.get("max_tokens"), "max_tokens"
+    max_tokens = _number({key: max_tokens}, key, max_tokens_default, 0, integer=True)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    seed = _number(body, "seed", None, 0, integer=True)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return {"max_tokens": max_tokens, "temperature": float(_number(body, "temperature", 1.0, 0)),
+            "top_p": float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)), "seed": seed,
+            "stop": ([s for s in stop if s] or None) if stop else None, "stream": stream,
+            "include_usage": bool(opts.get("include_usage")) and stream}
+
+
+def message_text(content, i: int) -> str:
+    """A message's content: a string, or a list of text parts (the newer OpenAI shape)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object with a role among "
+                                f"{', '.join(ROLES)}", param=f"messages[{i}].role")
+        content = m.get("content")
+        out.append({"role": ROLES[m["role"]],
+                    "content": "" if content is None and m["role"] == "assistant" else message_text(content, i)})
+    return out
+
+
+
+def completion_request(body: dict) -> tuple:
+    """(prompt text or token ids, generate parameters) of a /v1/completions body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+    elif not (isinstance(prompt, list) and prompt
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one "
+                            "of either (batches are not supported)", param="prompt")
+    for key in ("echo", "suffix", "logprobs"):
+        if body.get(key) not in (None, False, 0):
+            raise ApiError(400, f"'{key}' is not supported", param=key)
+    if _number(body, "best_of", 1, 1, integer=True) != 1:
+        raise ApiError(400, "only best_of = 1 is supported", param="best_of")
+    return (prompt if isinstance(prompt, str) else list(prompt)), sampling(body, 16)  # OpenAI's default
+
+
+def chat_request(body: dict) -> tuple[list[dict], dict]:
+    """(messages, generate parameters) of a /v1/chat/completions body; max_tokens defaults to
+    the rest of the context (None: the runtime counts it once the messages are tokenized)."""
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise ApiError(400, f"'{key}' is not supported", param=key)
+    if body.get("logprobs"):
+        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise ApiError(400, "only response_format {'type': 'text'} is supported",
+                       param="response_format")
+    return chat_messages(body), sampling(body, None)
+
+
+def generate_args(p: dict) -> dict:
+    """The Client.generate / Client.stream keywords of sampling's parameters."""
+    return {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+
+
+def usage(gen) -> dict:
+    """OpenAI's usage of a Generation: prompt tokens as the runtime counted them (after the chat
+    template), generated tokens (EOS, which ends a generation, is not among them)."""
+    n_prompt, n_out = int(gen.stats["prompt_tokens"]), len(gen.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+

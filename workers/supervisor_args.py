@@ -1,0 +1,67 @@
+"""deltafin-supervisor's command line: its flags, and the run's configuration they override."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from deltafin.runtime.config import load_config
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltafin-supervisor",
+                                description="Run a deltafin model: router, loader and compute workers "
+                                            "over shared memory, serving clients on a ZeroMQ endpoint.")
+    p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
+    p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config)")
+    p.add_argument("--endpoint", help="client endpoint, ipc://PATH (in a directory only you can open; "
+                                      "the path must not exist) or tcp://127.0.0.1:PORT "
+                                      "(default: ipc socket in a private run directory)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow tcp:// on non-loopback addresses; turns CURVE authentication on "
+                        "(keys in runtime.keys_dir, docs/SECURITY.md)")
+    p.add_argument("--config", help="TOML file overriding configs/default.toml")
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API (deltafin-http, docs/HTTP.md) "
+                        "as a child process, restarted if it dies; loopback unless --allow-remote")
+    p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
+    p.add_argument("--distributed", action="store_true",
+                   help="join an mx.distributed group as one rank (run under mlx.launch, or with "
+                        "MLX_RANK and MLX_HOSTFILE set): this tree reads, caches and computes only its "
+                        "share of the experts; rank 0 serves clients (docs/DISTRIBUTED.md)")
+    p.add_argument("--balance-trace", metavar="TRACE.npz",
+                   help="with --distributed: share the experts among ranks by their use in this trace")
+    p.add_argument("--policy", help="slot replacement policy (cache.policy)")
+    p.add_argument("--prefetch", choices=("on", "off", "auto"), help="prefetch reads from routing prediction (cache.prefetch)")
+    p.add_argument("--routing-history", metavar="TRACE.npz",
+                   help="routing trace the router's predictor learns from at start (cache.routing_history)")
+    bench = p.add_argument_group("benchmark modes (every stats report says which is on)")
+    bench.add_argument("--record-trace", metavar="OUT.npz",
+                       help="record the routing of every token processed (saved after each request)")
+    bench.add_argument("--routing-trace", metavar="TRACE.npz",
+                       help="route every MoE layer from this trace instead of the gate")
+    bench.add_argument("--standin", action="store_true",
+                       help="replace each layer's math by a wait; reads and messages stay real")
+    bench.add_argument("--standin-moe-ms", type=float, metavar="MS", help="stand-in wait per MoE layer")
+    bench.add_argument("--standin-dense-ms", type=float, metavar="MS", help="stand-in wait per dense layer")
+    return p
+
+
+def run_config(a: argparse.Namespace):
+    """The run's configuration: the TOML file over the defaults, the flags over both; the run
+    record gets absolute paths, which mean the same to every process that reads it."""
+    absolute = lambda path: os.path.abspath(path) if path else None
+    return load_config(a.config, {"runtime.memory_budget": a.memory_budget,
+                                  "runtime.allow_remote": True if a.allow_remote else None,
+                                  "compute.max_context": a.max_context, "compute.dtype": a.dtype,
+                                  "cache.max_slots": a.max_slots, "cache.policy": a.policy,
+                                  "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
+                                  "cache.routing_history": absolute(a.routing_history),
+                                  "distributed.enabled": True if a.distributed else None,
+                                  "distributed.balance_trace": absolute(a.balance_trace),
+                                  "runtime.record_trace": absolute(a.record_trace),
+                                  "bench.routing_trace": absolute(a.routing_trace),
+                                  "bench.standin": True if a.standin else None,
+                                  "bench.standin_moe_ms": a.standin_moe_ms,
+                                  "bench.standin_dense_ms": a.standin_dense_ms})

@@ -1,0 +1,112 @@
+"""The supervisor's worker processes: one generation of router, loader and compute, started
+together, stopped together, and watched by one thread each (`Workers`); a death is a
+`WorkerDied` naming the role, its pid and how it ended."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from deltafin.runtime.procs import stop_processes
+
+ROLES = ("router", "loader", "compute")
+TERM_WAIT_S = 1.0  # after a clean stop's grace: SIGTERM, then this long before SIGKILL
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class WorkerDied(SupervisorError):
+    def __init__(self, role: str, pid: int, code: int | None, at: float = 0.0):
+        self.role, self.pid, self.code, self.at = role, pid, code, at
+        if code is None:
+            how = "is unreachable on the control channel"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name} (exit code {code})"
+            except ValueError:
+                how = f"was killed by signal {-code} (exit code {code})"
+        else:
+            how = f"exited with code {code}"
+        super().__init__(f"worker {role} (pid {pid}) {how}")
+
+
+def drain(fd: int) -> None:
+    """Reads a non-blocking wake-up pipe empty."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+class Workers:
+    """One generation of the three worker processes: started together, stopped together, and
+    watched by one thread each, which records each exit the moment the OS reports it (so the
+    first role to die is the one named, not one that died of its loss) and wakes the serving
+    loop through a pipe (its read end is polled with the sockets)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.deaths: list[WorkerDied] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+
+    def start(self) -> None:
+        """Router first: it binds the data endpoint the others connect to."""
+        deaths: list[WorkerDied] = []
+        self.procs, self.deaths, self._threads = {}, deaths, []
+        for role in ROLES:
+            p = subprocess.Popen([sys.executable, "-m", f"deltafin.workers.{role}", str(self.run_dir)],
+                                 stdin=subprocess.DEVNULL, stdout=sys.stderr)
+            self.procs[role] = p
+            t = threading.Thread(target=self._watch, args=(role, p, deaths), name=f"watch-{role}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _watch(self, role: str, p: subprocess.Popen, deaths: list) -> None:
+        code = p.wait()
+        with self._lock:
+            deaths.append(WorkerDied(role, p.pid, code, time.monotonic()))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # closed at shutdown, or full: the loop is awake anyway
+            pass
+
+    def drain_wake(self) -> None:
+        drain(self.wake_fd)
+
+    def first_death(self) -> WorkerDied | None:
+        with self._lock:
+            return min(self.deaths, key=lambda d: d.at) if self.deaths else None
+
+    def alive(self, role: str) -> bool:
+        p = self.procs.get(role)
+        return p is not None and p.returncode is None and p.poll() is None
+
+    def pids(self) -> dict[str, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def stop(self, grace_s: float) -> None:
+        """Waits up to grace_s for the workers to exit by themselves (after a polite message
+        from the caller), then SIGTERM (only after a grace), then SIGKILL: one shared deadline
+        per step (runtime/procs.py). Each exit is recorded by its watcher before this returns."""
+        stop_processes(self.procs.values(), grace_s, term_s=TERM_WAIT_S if grace_s else 0.0)
+        for t in self._threads:
+            t.join(timeout=1.0)
+
+    def close(self) -> None:
+        for fd in (self.wake_fd, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
