@@ -36,16 +36,17 @@ import threading
 import time
 from pathlib import Path
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
+from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
 from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, completion_request,
                                          generate_args, usage)
-from deltafin.runtime.prometheus import prometheus_text
 
 RETRY_AFTER_S = 2              # Retry-After on 429 and 503
 
@@ -402,6 +403,22 @@ class _CountRequests:
 
 
 # -- the process -----------------------------------------------------------------------------------
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server that says `LISTENING <url>` on stdout once it serves (the supervisor
+    waits for that line), then sends stdout to stderr."""
+
+    def __init__(self, config, url: str, model_id: str):
+        super().__init__(config)
+        self.url, self.model_id = url, model_id
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(f"{LISTENING} {self.url}", flush=True)
+            os.dup2(2, 1)  # nothing else goes to stdout: the supervisor stops reading it
+            print(f"deltafin-http: serving {self.model_id} on {self.url}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deltafin-http", description=(
         "OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
@@ -426,7 +443,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"deltafin-http: error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
     # A client that disconnects mid-stream makes asyncio log each write already queued for it.
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:
@@ -447,18 +463,10 @@ def main(argv=None) -> int:
     shown = f"[{bound[0]}]" if info[0] == socket.AF_INET6 else bound[0]
     url = f"http://{shown}:{bound[1]}"
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            if self.started:
-                print(f"{LISTENING} {url}", flush=True)
-                os.dup2(2, 1)  # nothing else goes to stdout: the supervisor stops reading it
-                print(f"deltafin-http: serving {front.model_id} on {url}", file=sys.stderr, flush=True)
-
     config = uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2, server_header=False)
     try:
-        Server(config).run(sockets=[sock])
+        AnnouncingServer(config, url, front.model_id).run(sockets=[sock])
     finally:
         front.close()
         sock.close()
