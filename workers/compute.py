@@ -26,7 +26,7 @@ from deltafin.runtime.sockets import send
 from deltafin.runtime.store import Store
 from deltafin.workers.common import WorkerProcess
 from deltafin.workers.engine import Compute
-from deltafin.workers.scheduler import (Queued, QueueFull, RequestQueue, admit, cancelled_reply, error_reply,
+from deltafin.workers.scheduler import (Queued, RequestQueue, admit, cancelled_reply, error_reply,
                                         finished)
 from deltafin.workers.sources import ExpertUnavailable, RouterClient
 
@@ -49,7 +49,7 @@ class ComputeProcess(WorkerProcess):
                                eos=self.run["eos_ids"])
         if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
             self.compute.scheduler.max_batch = 1
-        self.queue = RequestQueue(int(self.cfg.compute.max_queue), self.compute.scheduler.max_batch)
+        self.queue = RequestQueue(self.compute.scheduler.max_batch)
         self.in_request = False
         self.preloading = False
         self.handlers = {M.Generate: self.on_request, M.Logits: self.on_request, M.Cancel: self.on_cancel}
@@ -106,10 +106,7 @@ class ComputeProcess(WorkerProcess):
 
     def on_request(self, client: bytes, req: M.Generate | M.Logits) -> None:
         """A request joins the queue; served at once unless a request is running."""
-        try:
-            self.queue.add(client, req)
-        except QueueFull as e:
-            return self.reply(client, M.Error(id=req.id, code=e.code, message=str(e)))
+        self.queue.add(client, req)
         if not self.in_request:
             self.serve_queue()
 

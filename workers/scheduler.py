@@ -8,7 +8,7 @@ for the union of the batch's experts once. The next pass is built and sampled on
 overlaps them, whenever the pass cannot stop on a miss (every expert resident).
 
 Requests (`RequestQueue`): up to compute.max_batch decode together, the others wait in arrival
-order in a bounded queue (compute.max_queue) and join between steps when a place and their KV
+order in a queue (bounded by the request manager) and join between steps when a place and their KV
 cache fit (`admit`: the budget's KV reserve, compute.kv_tokens). What a finished sequence is
 answered with is decided here (`finished`, `error_reply`); sending it is the process's.
 """
@@ -296,10 +296,6 @@ class Scheduler:
 
 
 
-class QueueFull(RuntimeError):
-    code = M.ErrorCode.QUEUE_FULL
-
-
 @dataclass
 class Queued:
     """A request compute took: who asked (the client's identity at the supervisor), when it
@@ -313,14 +309,12 @@ class Queued:
 
 
 class RequestQueue:
-    """compute's requests in arrival order: up to `max_batch` run (decoded together), at most
-    `max_waiting` more wait behind them, more are refused (QueueFull). The supervisor admits at
-    most max_batch + compute.max_queue requests in flight, so this bound is its second line (and
-    the one in-process callers meet). A request is named by (client, id): ids are each
-    client's own."""
+    """compute's requests in arrival order: up to `max_batch` run (decoded together), the others
+    wait behind them. How many are in flight is bounded once, by the request manager
+    (workers/requests.py). A request is named by (client, id): ids are each client's own."""
 
-    def __init__(self, max_waiting: int, max_batch: int = 1):
-        self.max_waiting, self.max_batch = max_waiting, max_batch
+    def __init__(self, max_batch: int = 1):
+        self.max_batch = max_batch
         self.waiting: deque[Queued] = deque()
         self.running: list[Queued] = []
         self.counters = Counter()
@@ -330,11 +324,6 @@ class RequestQueue:
         self.events = itertools.count(1)
 
     def add(self, client: bytes, req) -> Queued:
-        # Free batch places count as room: a request added then starts at the next step.
-        if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_batch:
-            self.counters.add("refused")
-            raise QueueFull(f"{len(self.waiting)} requests wait behind {len(self.running)} running "
-                            f"(compute.max_queue={self.max_waiting}, max_batch={self.max_batch}); retry later")
         item = Queued(client, req, time.perf_counter())
         self.waiting.append(item)
         self.counters.add("queued")
@@ -373,7 +362,7 @@ class RequestQueue:
         return None
 
     def stats(self) -> dict:
-        return {"waiting": len(self.waiting), "max_queue": self.max_waiting, "max_batch": self.max_batch,
+        return {"waiting": len(self.waiting), "max_batch": self.max_batch,
                 "running": len(self.running), **self.counters.snapshot(), "wait": self.wait.summary()}
 
 
