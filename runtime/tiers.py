@@ -12,7 +12,7 @@ resident slots are split among them in proportion to their expert counts.
 Whole layers (`whole_layers`, cache.whole_layers): a layout's slots may be split once more, into a
 group that holds the first layers of the layout whole (named LAYOUT+whole: read in at start, never
 evicted, so those layers never read their routing back) and the layout's own group, which the
-other layers share as before. The budget still counts slots per layout; the split is made where
+other layers share the rest. The budget still counts slots per layout; the split is made where
 the pool is handed to the workers, and every process derives the same layers from the slot counts
 (`layer_groups(store, resident)`).
 """

@@ -1,4 +1,4 @@
-"""Requests decoded together (issue 11, item 2): one forward pass per step over every running
+"""Requests decoded together: one forward pass per step over every running
 sequence, so each MoE layer asks for the union of their experts once. Stacking rows changes no
 row's result (checked bitwise in-process on several architectures); with real processes, requests
 run together give exactly the tokens each gives alone, a request joins while others decode, a

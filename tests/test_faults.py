@@ -168,7 +168,7 @@ def test_worker_killed_anywhere_restarts_with_the_same_answers(tiny_stores, role
 
 def test_loader_death_is_named_even_when_the_router_loses_it(tiny_stores, tmp_path):
     """The loader killed while the router has reads to send it: the router must not take the
-    blame (it used to die of "Host unreachable" first and be named)."""
+    blame (a dying peer can also see "Host unreachable" first)."""
     cfg = tmp_path / "c.toml"
     cfg.write_text("[runtime]\nrestart_max = 0\n")
     with _supervisor(tiny_stores("mixtral"), ["--max-slots", "2", "--config", str(cfg)],

@@ -1,4 +1,4 @@
-"""A resident decode token's graph (issue 7): no more primitives than mlx-lm's, counted by
+"""A resident decode token's graph: no more primitives than mlx-lm's, counted by
 tools/graph_count.py; the pieces that made it so (the resident tier's views in expert order, uses
 counted from shapes where no one needs the ids, sampling on [R, vocab] rows)."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_a_resident_decode_token_has_no_primitive_more_than_mlx_lm(mlx_lm_stores
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_a_step_of_four_rows_projects_and_ropes_once_per_layer(mlx_lm_stores, arch):
-    """Sequences decoded together (issue 11): a step of 4 rows runs every attention projection
+    """Sequences decoded together: a step of 4 rows runs every attention projection
     (and MLA's moves into and out of latent space) and every rope once per layer on the stacked
     rows, as a step of 1 row does; only the cache updates and the attention itself run per row."""
     from deltafin.tools import graph_count

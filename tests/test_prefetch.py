@@ -415,7 +415,7 @@ def test_prefetch_gates_itself_off_on_a_random_trace():
 @pytest.mark.skipif(not (SHARED_TRACES / "dsv2lite-dev.npz").exists(), reason="shared traces absent")
 def test_dev_trace_prefix_reaches_the_goal():
     """The first 2,000 tokens of the dev split at 25% of the experts, through the router: the goal
-    of issue 8 (hit rate >= 0.58 at <= 1.2x LRU's bytes), with the figures measured (the whole
+    of the prefetch work (hit rate >= 0.58 at <= 1.2x LRU's bytes), with the figures measured (the whole
     splits: docs/TRACES.md)."""
     ids = load_trace(SHARED_TRACES / "dsv2lite-dev.npz").ids[:2000]
     n_slots = R.n_slots_for(0.25, 26, 64)

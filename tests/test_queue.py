@@ -1,4 +1,4 @@
-"""Requests scheduled, never nested (issue 9, item 2), and prompts bounded before tokenizing
+"""Requests scheduled, never nested, and prompts bounded before tokenizing
 (item 1): real supervisor and workers. Requests run one at a time in arrival order from compute's
 bounded queue; a full queue is refused at once with `queue_full`; `cancel` removes a queued
 request or stops a running one within a token; a client that vanishes mid-stream has its request
@@ -151,7 +151,7 @@ def test_cancel_removes_a_queued_request_and_stops_a_running_one(tiny_stores, tm
             assert done.finish_reason == "cancelled" and 6 <= len(done.token_ids) < 1500
             n = min(len(before), len(done.token_ids))  # it may stop before 12 tokens
             assert done.token_ids[:n] == before[:n]    # what it produced was exact
-            # What it held is free: the next request runs, and gives the same tokens as before.
+            # What it held is free: the next request runs, and gives the same tokens as the first time.
             assert b.generate(LONG, max_tokens=12).token_ids == before
             with pytest.raises(RequestError, match="no request") as unknown:
                 b._call(M.Cancel(id=12345))

@@ -1,4 +1,4 @@
-"""Text outside the MLX process (issue 7): the supervisor tokenizes and detokenizes, compute runs
+"""Text outside the MLX process: the supervisor tokenizes and detokenizes, compute runs
 token ids only and never loads a tokenizer; a stop string ends a request for the client at once
 and cancels it in compute."""
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_compute_never_loads_a_tokenizer_and_a_stop_ends_the_request_at_once(tin
             assert done.finish_reason == "stop" and done.id == 7
             assert done.text == greedy.text[:greedy.text.index(stop)]
             assert all(isinstance(m, M.Token) and m.text for m in got[:-1]) and len(got) > 1
-            # the ids up to the token that completed the stop string, as compute used to answer
+            # the ids up to the token that completed the stop string
             n = len(done.token_ids)
             assert done.token_ids == greedy.token_ids[:n] and done.stats["generated_tokens"] == n
             assert [m for m in after if getattr(m, "id", None) == 7] == []  # exactly one done
@@ -213,7 +213,7 @@ def test_a_stream_never_shows_the_start_of_a_stop_string():
     assert "".join(m.text for m in sent) == done.text and [m.index for m in sent] == [0, 2, 3]
     sent, done = _run_side(["a", "b", "\n"], ["\n\n", "zz"])  # the answer ends inside a stop's start
     assert "".join(m.text for m in sent) == done.text == "ab\n" and sent[-1].index == 2
-    # the first stop string in the request's order wins, as before: cut where it begins
+    # the first stop string in the request's order wins: cut where it begins
     sent, done = _run_side(["xa", "bc"], ["c", "ab"])
     assert done.text == "xab" and "".join(m.text for m in sent) == "xab"
     # a request not streamed gets no token messages, the same final text

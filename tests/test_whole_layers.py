@@ -103,7 +103,7 @@ def test_settings_take_true_false_or_auto(tmp_path):
 
 def test_distributed_ranks_keep_no_whole_layers(store, tmp_path):
     """A rank holds only its share of each layer's experts, so whole layers stay off there even
-    where asked; the ranks serve as before."""
+    where asked; the ranks still serve."""
     from deltafin.client import Client
     from test_distributed import PROMPT, ranks  # noqa: E402
     cfg = tmp_path / "whole.toml"

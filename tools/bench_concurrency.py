@@ -1,4 +1,4 @@
-"""deltafin concurrency benchmark (issue 11's goals): requests decoded together on real processes.
+"""deltafin concurrency benchmark: requests decoded together on real processes.
 
 One supervisor on a store (default: the demo store, built once by `deltafin-synth demo`) under a
 budget that holds only a share of its experts (--slot-frac). For each concurrency n it sends n

@@ -16,7 +16,7 @@ evaluated arrays the graph reads (weights, caches, the input token).
 
 `--batch 1,4` counts instead one decode step of B sequences decoded together (the compute
 process's `Scheduler`, every expert resident), for each B: where a step of B rows does B times the
-work of one row, its count says which primitives grow with the rows (issue 11).
+work of one row, its count says which primitives grow with the rows.
 """
 from __future__ import annotations
 

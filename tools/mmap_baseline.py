@@ -66,7 +66,7 @@ class MmapSource:
 
 class MmapExperts(ExpertProvider):
     """The mmap baseline's provider: no cache of its own, so every use copies the chosen experts
-    out of the page cache and stacks them (the per-use prepare stage the runtime no longer has),
+    out of the page cache and stacks them (a per-use prepare stage the runtime does not have),
     at most top_k experts at a time, then runs the same gather_qmm kernels."""
 
     expert_source = "mmap"

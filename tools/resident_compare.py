@@ -9,7 +9,7 @@ read, fill or message happens while generating) take turns in the same process, 
 is the median of the per-round ratios of decode tok/s, plus the ratio of CPU time per token
 (all threads of the process), which the other processes' load disturbs less. CKPT is the mlx-lm
 checkpoint the store was converted from (or deltafin-export-mlx of it), same dtype.
---sync-every-layer reads the gate's choice back at every MoE layer, as before Speed I, to price
+--sync-every-layer reads the gate's choice back at every MoE layer even where all are resident, to price
 that sync.
 """
 from __future__ import annotations
