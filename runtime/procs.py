@@ -6,6 +6,7 @@ bounded time after each step; several processes go through each step together, u
 deadline per step."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -43,3 +44,33 @@ def stop_process(proc: subprocess.Popen, grace_s: float, first: int | None = sig
     """One process: sends `first` (default SIGTERM; None: nothing), waits up to grace_s, then
     SIGKILL and waits up to kill_s. True when it exited within grace_s."""
     return stop_processes([proc], grace_s, first, kill_s=kill_s)
+
+
+class WakePipe:
+    """A non-blocking pipe that wakes a poll loop from another thread: `fd` is polled with the
+    sockets, `wake` writes a byte (never blocks; a full pipe is awake anyway), `drain` empties it."""
+
+    def __init__(self):
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except OSError:  # closed at shutdown, or full: the loop is awake anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from deltafin.client import Client
-from deltafin.protocol import messages as M
 from deltafin.runtime import tiers
 from deltafin.runtime.config import parse_size
 from deltafin.runtime.store import Store

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import secrets
 import socket

@@ -17,15 +17,14 @@ messages, never token ids of its own making) are served alike.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.procs import WakePipe
 from deltafin.runtime.textside import TextSide, as_token_ids, prompt_ids
 from deltafin.runtime.tokenizer import PromptTooLong, Tokenizer, TokenizerError
-from deltafin.workers.workerset import drain
 
 
 def tokenize_error(rid: int, e: Exception) -> M.Error:
@@ -63,9 +62,8 @@ class RequestManager:
         # Prompts are tokenized on one thread (tokenizers releases the GIL); each end wakes the
         # serving loop through a pipe (`tokenized_fd`, polled with the sockets).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.tokenized_fd, self._tokenized_w = os.pipe()
-        os.set_blocking(self.tokenized_fd, False)
-        os.set_blocking(self._tokenized_w, False)
+        self.tokenized = WakePipe()
+        self.tokenized_fd = self.tokenized.fd
 
     # -- from clients -------------------------------------------------------------------------------
     def submit(self, ident: bytes, raw: bytes, msg) -> None:
@@ -117,14 +115,11 @@ class RequestManager:
 
     def _wake_tokenized(self, _future: Future) -> None:
         """On the tokenize thread: a prompt is ready (or refused); the serving loop forwards it."""
-        try:
-            os.write(self._tokenized_w, b"t")
-        except OSError:  # closed at shutdown, or full: the loop is awake anyway
-            pass
+        self.tokenized.wake()
 
     def on_tokenized(self) -> None:
         """The serving loop saw `tokenized_fd` readable."""
-        drain(self.tokenized_fd)
+        self.tokenized.drain()
         self.admit()
 
     def admit(self) -> None:
@@ -212,8 +207,4 @@ class RequestManager:
     def close(self) -> None:
         """A tokenization still running finishes on its own (bounded by max_prompt_bytes)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for fd in (self.tokenized_fd, self._tokenized_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.tokenized.close()

@@ -18,13 +18,16 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import mlx.core as mx
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.workers.sources import ExpertUnavailable, RequestError
+
+if TYPE_CHECKING:
+    from deltafin.workers.engine import Compute
 
 
 def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):

@@ -169,7 +169,7 @@ class Supervisor:
         measured = self.startup_tree_bytes = tree_memory([os.getpid(), *self.workers.pids().values()])
         self.plan.set_dtype(self.ready_info.get("compute", {}).get("dtype", ""))
         try:
-            n_slots = self.plan.size_pool(measured, cap=self.config.cache.max_slots)
+            self.plan.size_pool(measured, cap=self.config.cache.max_slots)
         except BudgetError as e:
             raise BudgetError(f"{e}; measured processes with dense weights loaded: "
                               f"{format_size(measured)}") from None

@@ -3,7 +3,6 @@ together, stopped together, and watched by one thread each (`Workers`); a death 
 `WorkerDied` naming the role, its pid and how it ended."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from deltafin.runtime.procs import stop_processes
+from deltafin.runtime.procs import WakePipe, stop_processes
 
 ROLES = ("router", "loader", "compute")
 TERM_WAIT_S = 1.0  # after a clean stop's grace: SIGTERM, then this long before SIGKILL
@@ -36,15 +35,6 @@ class WorkerDied(SupervisorError):
         super().__init__(f"worker {role} (pid {pid}) {how}")
 
 
-def drain(fd: int) -> None:
-    """Reads a non-blocking wake-up pipe empty."""
-    try:
-        while os.read(fd, 4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass
-
-
 class Workers:
     """One generation of the three worker processes: started together, stopped together, and
     watched by one thread each, which records each exit the moment the OS reports it (so the
@@ -57,9 +47,8 @@ class Workers:
         self.deaths: list[WorkerDied] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
+        self.wake = WakePipe()
+        self.wake_fd = self.wake.fd
 
     def start(self) -> None:
         """Router first: it binds the data endpoint the others connect to."""
@@ -77,13 +66,10 @@ class Workers:
         code = p.wait()
         with self._lock:
             deaths.append(WorkerDied(role, p.pid, code, time.monotonic()))
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # closed at shutdown, or full: the loop is awake anyway
-            pass
+        self.wake.wake()
 
     def drain_wake(self) -> None:
-        drain(self.wake_fd)
+        self.wake.drain()
 
     def first_death(self) -> WorkerDied | None:
         with self._lock:
@@ -105,8 +91,4 @@ class Workers:
             t.join(timeout=1.0)
 
     def close(self) -> None:
-        for fd in (self.wake_fd, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.wake.close()
