@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from deltafin.runtime.config import ConfigError
+from deltafin.runtime.config import BenchConfig, Config, ConfigError
 from deltafin.runtime.store import Store
 from deltafin.runtime.traces import TraceError, load_trace
 
@@ -138,26 +138,24 @@ class Routing:
         return rows
 
 
-def bench_mode(store: Store, config: dict, source: str = "slots") -> tuple[Routing, dict | None, dict]:
-    """(routing, stand-in waits or None, the `bench_mode` report) from the config dict's [bench]
-    section (absent: normal mode). source names where expert bytes come from: "slots" or "mmap".
-    Raises ConfigError for a trace that does not fit the store."""
-    bench = config.get("bench") or {}
+def bench_mode(store: Store, bench: BenchConfig, source: str = "slots") -> tuple[Routing, dict | None, dict]:
+    """(routing, stand-in waits or None, the `bench_mode` report) from the [bench] section.
+    source names where expert bytes come from: "slots" or "mmap". Raises ConfigError for a trace
+    that does not fit the store."""
     standin = None
-    if bench.get("standin"):
-        standin = {"moe_ms": float(bench.get("standin_moe_ms", 1.0)),
-                   "dense_ms": float(bench.get("standin_dense_ms", 0.3))}
-    routing = Routing(store, bench.get("routing_trace") or "", random=standin is not None)
+    if bench.standin:
+        standin = {"moe_ms": float(bench.standin_moe_ms), "dense_ms": float(bench.standin_dense_ms)}
+    routing = Routing(store, bench.routing_trace, random=standin is not None)
     return routing, standin, {"routing": routing.mode, "standin": standin, "expert_source": source}
 
 
-def check_bench_config(store: Store, config: dict) -> dict:
+def check_bench_config(store: Store, config: Config) -> dict:
     """What the supervisor checks before starting workers: the trace fits the store and a trace
     to record has a directory to go to. Returns the bench_mode report."""
-    out = (config.get("runtime") or {}).get("record_trace")
+    out = config.runtime.record_trace
     if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise ConfigError(f"runtime.record_trace {out}: its directory does not exist")
-    history = (config.get("cache") or {}).get("routing_history")
+    history = config.cache.routing_history
     if history:
         try:
             ids = load_trace(history).ids
@@ -167,4 +165,4 @@ def check_bench_config(store: Store, config: dict) -> dict:
             raise ConfigError(f"cache.routing_history {history}: {ids.shape[1]} MoE layers of ids below "
                               f"{int(ids.max(initial=0)) + 1}; the store has {len(store.moe_layers)} MoE layers "
                               f"of {store.n_experts} experts")
-    return bench_mode(store, config)[2]
+    return bench_mode(store, config.bench)[2]

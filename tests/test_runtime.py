@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import psutil
 import pytest
@@ -40,6 +41,12 @@ def test_generation_on_every_architecture(tiny_stores, arch):
             assert stats["missing"] == []
             assert stats["hit_rate"] is not None
             assert stats["stage_latency"]["read"]["count"] > 0
+            # each "auto" resolved once at start for this backend, and said so
+            res = stats["resolved"]
+            gpu = mx.default_device().type == mx.DeviceType.gpu
+            assert res["backend"] == ("gpu" if gpu else "cpu") and res["dtype"]
+            assert res["pipeline"]["early_fills"] is gpu and res["pipeline"]["eager_layers"] is gpu
+            assert res["pipeline"]["hits_first"] is True and isinstance(res["prefetch"], bool)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

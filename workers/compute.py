@@ -61,7 +61,7 @@ class ComputeProcess(WorkerProcess):
     def ready_info(self):
         return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
                 "gpu": mx.default_device().type == mx.DeviceType.gpu,
-                "bench_mode": self.compute.bench_mode}
+                "bench_mode": self.compute.bench_mode, "pipeline": self.compute.pipeline.report()}
 
     def on_pool(self, msg):
         # the resident tier is allocated now, inside the budget the supervisor just split

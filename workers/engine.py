@@ -15,7 +15,6 @@ real. `runtime.record_trace` records the ids every token used (`TraceRecorder`, 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -62,7 +61,7 @@ class Compute:
         self.vocab = int(store.config["vocab_size"])
         experts_cls = experts_cls or SlotExperts
         self.routing, self.standin, self.bench_mode = bench_mode(
-            store, {"bench": dataclasses.asdict(config.bench)}, experts_cls.expert_source)
+            store, config.bench, experts_cls.expert_source)
         if self.standin:
             self.model = StandInModel(self.model.n_layers, store.moe_layers, self.vocab,
                                       self.standin["moe_ms"], self.standin["dense_ms"])

@@ -47,6 +47,7 @@ from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSa
 from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.requests import RequestManager
+from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import parser, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
@@ -104,6 +105,7 @@ class Supervisor:
         self.peak_tree_bytes = 0
         self.startup_tree_bytes = 0
         self.ready_info: dict[str, dict] = {}
+        self.resolved: dict = {}  # each "auto" of the configuration as resolved at start
         atexit.register(self.shutdown)  # error paths and normal exit share one shutdown
 
     # -- start-up -----------------------------------------------------------------------------------
@@ -157,11 +159,22 @@ class Supervisor:
         whole = self.config.cache.whole_layers if not self.config.distributed.enabled else False
         self.resident = tiers.whole_layers(self.store, self.plan.resident, whole,
                                            gpu=bool(self.ready_info.get("compute", {}).get("gpu")))
+        self.resolved = self._resolve_auto()
         attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
                               slot_bytes=self.plan.slot_bytes, resident=self.resident)
         for role in ROLES:
             self._to_worker(role, attach)
         self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
+
+    def _resolve_auto(self) -> dict:
+        """What each "auto" of the configuration became on this backend at this budget, once per
+        start: reported in stats as `resolved`."""
+        compute = self.ready_info.get("compute", {})
+        n_keys = self.store.n_experts * len(self.store.moe_layers)
+        prefetch = prefetch_setting(self.config.cache, sum(self.resident.values()), n_keys)
+        return {"backend": "gpu" if compute.get("gpu") else "cpu", "dtype": compute.get("dtype"),
+                "whole_layers": any(g.endswith(tiers.WHOLE) for g in self.resident),
+                "prefetch": prefetch is not False, "pipeline": compute.get("pipeline")}
 
     def _size_pool(self) -> None:
         """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,
@@ -454,7 +467,8 @@ class Supervisor:
         snap = merge(parts, missing, {
             "memory": memory, "processes": procs, "active_requests": len(self.requests.inflight),
             "model": model, "run_id": self.rundir.run_id, "ages": ages})
-        snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.requests.cancels))
+        snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.requests.cancels),
+                    resolved=self.resolved)
         return self.hub.stamp(snap)
 
     def _finish_stats(self, ident: bytes, rid: int) -> None:
@@ -533,7 +547,7 @@ def main(argv=None) -> int:
             a.endpoint = None
         store = Store(a.model)
         store.check_files()
-        check_bench_config(store, config.to_dict())  # a trace that does not fit: refused now
+        check_bench_config(store, config)  # a trace that does not fit: refused now
         sup = Supervisor(a.model, config, a.endpoint, log=log)
         endpoint = sup.start()
         if stop["flag"]:
