@@ -17,7 +17,7 @@ import pytest
 
 from deltafin.runtime.store import Store
 from deltafin.runtime.traces import save_trace
-from deltafin.tools import bench, forecast
+from deltafin.tools import bench, bench_report, forecast
 from deltafin.tools.memcap import MemoryCap
 
 
@@ -91,7 +91,7 @@ def test_chart_and_table(bench_run):
     _, _, report, run = bench_run
     png = run / "chart.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = bench.table(report)
+    text = bench_report.table(report)
     for name in bench.CONTENDERS:
         assert name in text
 
@@ -114,24 +114,24 @@ def test_rounds_summary_and_the_sweep_figure_are_medians_and_ratios():
     runs = [{"ok": True, "decode_tok_s": v, "hit_rate": h, "loader": {"disk_busy_share": 0.5}, "tag": i}
             for i, (v, h) in enumerate([(1.0, 0.5), (1.5, 0.9), (1.2, 0.6)])]
     runs.append({"ok": False, "cause": "boom"})
-    r = bench.summarize_rounds(runs)
+    r = bench_report.summarize_rounds(runs)
     assert r["decode_tok_s"] == 1.2 and r["tag"] == 2  # the round nearest the median
     assert r["hit_rate"] == pytest.approx(0.6) and r["time_per_token_s"] == pytest.approx(1 / 1.2)
     assert r["decode_tok_s_spread"] == pytest.approx(1.5) and r["rounds_ok"] == 3
     assert [x["ok"] for x in r["rounds"]] == [True, True, True, False]
-    two = bench.summarize_rounds(runs[:2])
+    two = bench_report.summarize_rounds(runs[:2])
     assert two["decode_tok_s"] == pytest.approx(1.25) and two["hit_rate"] == pytest.approx(0.7)
-    assert bench.summarize_rounds(runs[:1]) is runs[0]
-    assert bench.summarize_rounds(runs[3:] * 2)["rounds_ok"] == 0
+    assert bench_report.summarize_rounds(runs[:1]) is runs[0]
+    assert bench_report.summarize_rounds(runs[3:] * 2)["rounds_ok"] == 0
     c = {"deltafin-pf:t=0.2:d=1": {"ok": True, "decode_tok_s": 1.5},
          "deltafin-pf:t=0.6:d=1": {"ok": True, "decode_tok_s": 1.8},
          "deltafin-no-prefetch": {"ok": True, "decode_tok_s": 1.6},
          "deltafin-sync-lru": {"ok": True, "decode_tok_s": 9.0},
          "deltafin-pf:t=0.8:d=1": {"ok": False}}
-    sw = bench.prefetch_sweep(c)
+    sw = bench_report.prefetch_sweep(c)
     assert (sw["min_gated"], sw["max_fixed"]) == ("deltafin-pf:t=0.2:d=1", "deltafin-no-prefetch")
     assert sw["ratio"] == pytest.approx(1.5 / 1.6)
-    assert bench.prefetch_sweep({"deltafin-no-prefetch": c["deltafin-no-prefetch"]}) is None
+    assert bench_report.prefetch_sweep({"deltafin-no-prefetch": c["deltafin-no-prefetch"]}) is None
 
 
 def test_prefetch_settings_run_alternating_in_rounds(tiny_stores, tmp_path):

@@ -201,7 +201,7 @@ def test_logits_replies_are_admitted_against_the_budget(store):
     import re
 
     from deltafin.client import Client, RequestError
-    from deltafin.tools.bench import TreeSampler
+    from deltafin.tools.treesampler import TreeSampler
     from deltafin.tools.run import running_supervisor
     budget = 400 * 2**20
     ids = [int(i) for i in np.random.default_rng(1).integers(10, 40000, 400)]

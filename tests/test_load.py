@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from deltafin.client import Client, RuntimeBusy
-from deltafin.tools.bench import TreeSampler
+from deltafin.tools.treesampler import TreeSampler
 from deltafin.tools.run import running_supervisor
 
 CLIENTS = 8

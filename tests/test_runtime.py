@@ -220,7 +220,7 @@ def test_sigterm_exits_zero(tiny_stores):
 def test_memory_budget_holds_for_the_tree(tiny_stores):
     """Peak PSS of the whole tree, sampled from outside every few milliseconds (not the
     supervisor's own once-a-second samples), over a 1,000-token generation."""
-    from deltafin.tools.bench import TreeSampler
+    from deltafin.tools.treesampler import TreeSampler
     budget = 600 * 2**20
     with running_supervisor(tiny_stores("deepseek_v2"), str(budget)) as (ep, proc):
         sampler = TreeSampler(proc.pid, interval=0.005).start()

@@ -15,18 +15,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from deltafin.runtime import metrics
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.procs import stop_process
 from deltafin.runtime.store import Store
+from deltafin.tools.treesampler import TreeSampler
 
 # deltafin's named modes: the runtime, the reference design ("sync-lru": synchronous layers,
 # LRU, bench.pipeline "sync") and one mode per question still open (docs/BENCHMARKS.md).
@@ -116,67 +115,6 @@ def find_default_trace() -> Path | None:
         if cand.exists():
             return cand
     return None
-
-
-# ------------------------------------------------------------------------------------ sampling
-
-class TreeSampler:
-    """Peak proportional set size of a process tree, sampled from outside every `interval` s."""
-
-    def __init__(self, root_pid: int, interval: float = 0.01):
-        self.root, self.interval = root_pid, interval
-        self.peak = 0
-        self.samples = 0
-        self.elapsed = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _pss(pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-
-    def _pids(self) -> list[int]:
-        try:
-            p = psutil.Process(self.root)
-            return [self.root] + [c.pid for c in p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        listed = -1.0
-        while not self._stop.is_set():
-            tick = time.perf_counter()
-            if tick - listed > 0.25:  # listing the tree scans every process: not on every sample
-                pids, listed = self._pids(), tick
-            if not pids:
-                break
-            if sys.platform.startswith("linux"):
-                total = sum(self._pss(p) for p in pids)
-            else:
-                from deltafin.runtime.budget import tree_memory
-                total = tree_memory(pids)
-            self.peak = max(self.peak, total)
-            self.samples += 1
-            self._stop.wait(max(0.0, self.interval - (time.perf_counter() - tick)))  # a period, not a gap
-        self.elapsed = time.perf_counter() - t0
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return {"peak_tree_pss_bytes": self.peak, "samples": self.samples,
-                "mean_interval_ms": (self.elapsed / self.samples * 1e3) if self.samples else None}
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -445,239 +383,6 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
             cap.remove()
 
 
-# ------------------------------------------------------------------------------------ the bound
-
-def resident_compute_s_per_token(s: Setup, tokens: int) -> dict:
-    """Compute-only decode time per token with every expert resident (stacked, no copies, no
-    messages), in this process, uncapped: the compute term of the bound in the real regime."""
-    import mlx.core as mx
-    from deltafin.runtime.models import build_model
-    from deltafin.runtime.models.switch import ResidentExperts
-    store = s.store
-    t0 = time.perf_counter()
-    model = build_model(store.config, store.dense_weights(), store.manifest.get("dense_quantization"), s.dtype)
-    layers = {}
-    for layer in store.moe_layers:
-        per = [store.read_expert(layer, e) for e in range(store.n_experts)]
-        stacked = {}
-        for name in per[0]:
-            a = mx.array(np.stack([p[name] for p in per]))
-            if per[0][name].dtype == np.uint16:  # bfloat16 bits
-                a = a.view(mx.bfloat16)
-            if mx.issubdtype(a.dtype, mx.floating) and a.dtype != model.dtype:
-                a = a.astype(model.dtype)
-            stacked[name] = a
-        mx.eval(stacked)
-        layers[layer] = stacked
-        del per
-    q = store.manifest["quantization"]
-    resident = ResidentExperts(layers, q["bits"], q["group_size"])
-    routed = _trace_provider(resident, s) if s.trace_ids is not None else resident
-    load_s = time.perf_counter() - t0
-    cache = model.make_cache()
-    mx.eval(model(mx.array(s.prompt_ids, dtype=mx.int32), cache, routed))
-    times = []
-    tok = 0
-    for _ in range(tokens):
-        t = time.perf_counter()
-        logits = model(mx.array([tok], dtype=mx.int32), cache, routed)
-        tok = int(mx.argmax(logits[-1]).item())
-        times.append(time.perf_counter() - t)
-    del layers, resident, model
-    mx.clear_cache()
-    return {"s_per_token": float(np.median(times)), "samples": len(times), "load_s": load_s,
-            "how": "this process, every expert stacked in MLX memory, gather_qmm, median decode step"}
-
-
-def _trace_provider(resident, s: Setup):
-    """Routes from the trace's rows, as the runtime does in trace mode (cursor over tokens)."""
-    import mlx.core as mx
-    ids, moe = s.trace_ids, s.store.moe_layers
-    state = {"cursor": 0, "seen": set()}
-
-    def provider(layer, x, inds):
-        n = inds.shape[0]
-        rows = np.take(ids, np.arange(state["cursor"], state["cursor"] + n) % len(ids), axis=0)
-        y = resident(layer, x, mx.array(rows[:, moe.index(layer), :].astype(np.int32)))
-        if layer == moe[-1]:
-            state["cursor"] += n
-        return y
-    return provider
-
-
-def belady_read_s_per_token(s: Setup, probe_gbps: float) -> dict:
-    """Belady (offline optimum) misses per decode token at deltafin's slot count over the tokens
-    the run processes, times the record size, over the probed direct-read bandwidth."""
-    from deltafin.tools.replay import replay
-    n_prompt, n_total = len(s.prompt_ids), len(s.prompt_ids) + s.max_tokens - 1
-    ids = _run_rows(s, n_total)
-    full = replay(ids, s.n_slots, "belady", record_bytes=s.record_bytes)
-    head = replay(ids[:n_prompt], s.n_slots, "belady", record_bytes=s.record_bytes)
-    n_dec = n_total - n_prompt
-    reads = max(0, full["reads"] - head["reads"]) / max(1, n_dec)
-    bytes_per_token = reads * s.record_bytes
-    return {"reads_per_token": reads, "bytes_per_token": bytes_per_token,
-            "s_per_token": bytes_per_token / (probe_gbps * 1e9), "gbps": probe_gbps,
-            "belady_hit_rate_run": full["hit_rate"]}
-
-
-def _run_rows(s: Setup, n: int) -> np.ndarray:
-    if s.trace_ids is None:
-        raise ValueError("the bound needs routing from a trace")
-    return np.take(s.trace_ids, np.arange(n) % len(s.trace_ids), axis=0)[:, :s.n_moe, :]
-
-
-# ------------------------------------------------------------------------------------ rounds
-
-# Figures a contender's summary over rounds gives as the median of its rounds.
-ROUND_KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "hit_rate", "bytes_read_per_token",
-              "bytes_read_per_token_all", "stall_share", "prefetch_precision", "prefetch_recall",
-              "ssd_gbps")
-
-
-def summarize_rounds(runs: list[dict]) -> dict:
-    """One contender over its rounds (run alternating with the others, so that a slow spell of
-    the shared machine falls on every contender): the round nearest the median decode rate, with
-    ROUND_KEYS replaced by their medians over the rounds that ran, each round's figures under
-    "rounds" and the decode rate's spread (max / min). A single round is returned as it is."""
-    if len(runs) == 1:
-        return runs[0]
-    ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
-    per_round = [{"ok": bool(r.get("ok")), "cause": r.get("cause"), "load_average": r.get("load_average"),
-                  "disk_busy_share": (r.get("loader") or {}).get("disk_busy_share"),
-                  **{k: r.get(k) for k in ROUND_KEYS}} for r in runs]
-    if not ok:
-        return {**runs[0], "rounds": per_round, "rounds_ok": 0}
-    rates = [r["decode_tok_s"] for r in ok]
-    mid = float(np.median(rates))
-    out = dict(min(ok, key=lambda r: abs(r["decode_tok_s"] - mid)))
-    for k in ROUND_KEYS:
-        vals = [r[k] for r in ok if r.get(k) is not None]
-        out[k] = float(np.median(vals)) if vals else None
-    out["time_per_token_s"] = 1.0 / out["decode_tok_s"]
-    out.update(rounds=per_round, rounds_ok=len(ok), decode_tok_s_spread=max(rates) / min(rates),
-               decode_tok_s_range=[min(rates), max(rates)])
-    return out
-
-
-def prefetch_sweep(contenders: dict) -> dict | None:
-    """Over the deltafin-pf contenders: the slowest prefetch setting against prefetch off
-    (deltafin-no-prefetch), by decode tok/s."""
-    gated, fixed = {}, {}
-    for name, r in contenders.items():
-        if not (r.get("ok") and r.get("decode_tok_s")):
-            continue
-        if name.startswith(PF_PREFIX):
-            gated[name] = r["decode_tok_s"]
-        elif name == "deltafin-no-prefetch":
-            fixed[name] = r["decode_tok_s"]
-    if not gated or not fixed:
-        return None
-    worst, best = min(gated, key=gated.get), max(fixed, key=fixed.get)
-    return {"min_gated": worst, "min_gated_tok_s": gated[worst], "max_fixed": best,
-            "max_fixed_tok_s": fixed[best], "ratio": gated[worst] / fixed[best], "goal": 0.97}
-
-
-# ------------------------------------------------------------------------------------ output
-
-def chart(report: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'deltafin[bench]'): no chart"
-    regimes = [r for r in REGIMES if r in report["regimes"]]
-    fig, axes = plt.subplots(2, len(regimes), figsize=(6.5 * len(regimes), 8), squeeze=False)
-    colors = {"compute": "#4c72b0", "wait": "#dd8452", "prepare": "#55a868", "ipc": "#c44e52", "other": "#8c8c8c"}
-    for col, regime in enumerate(regimes):
-        rr = report["regimes"][regime]
-        names = [n for n, r in rr["contenders"].items() if r.get("ok")]
-        ax = axes[0][col]
-        for i, n in enumerate(names):
-            r = rr["contenders"][n]
-            total = (r.get("time_per_token_s") or 0) * 1e3
-            bottom = 0.0
-            parts = list((r.get("split_per_token_s") or {}).items())
-            parts.append(("other", max(0.0, total / 1e3 - sum(v for _, v in parts))))
-            for k, v in parts:
-                ax.bar(i, v * 1e3, bottom=bottom, color=colors.get(k, "#999"), label=k)
-                bottom += v * 1e3
-        ax.axhline(rr["bound"]["s_per_token"] * 1e3, color="k", ls="--", lw=1, label="bound")
-        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("ms per decode token")
-        ax.set_title(f"{regime}: time per token by stage")
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=7)
-        ax = axes[1][col]
-        all_names = list(rr["contenders"])
-        vals = [rr["contenders"][n].get("decode_tok_s") or 0 for n in all_names]
-        ax.bar(range(len(all_names)), vals, color="#4c72b0")
-        ax.axhline(1.0 / rr["bound"]["s_per_token"], color="k", ls="--", lw=1, label="1 / bound")
-        for i, n in enumerate(all_names):
-            r = rr["contenders"][n]
-            txt = f"{r['share_of_bound']:.0%}" if r.get("share_of_bound") is not None else (
-                "skipped" if r.get("skipped") else "failed")
-            ax.text(i, vals[i], txt, ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(all_names)), all_names, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("decode tok/s")
-        ax.set_title(f"{regime}: decode tok/s against the bound")
-        ax.legend(fontsize=7)
-    s = report["setup"]
-    fig.suptitle(f"{s['store_name']}: {s['n_slots']} of {s['n_experts_total']} expert slots "
-                 f"({s['cache_frac']:.0%}), budget {format_size(s['budget_bytes'])}, routing {s['routing']}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
-def table(report: dict) -> str:
-    lines = []
-    for regime, rr in report["regimes"].items():
-        b = rr["bound"]
-        lines.append(f"\n[{regime}] {rr['description']}")
-        lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
-                     f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
-        w = max(20, *(len(n) + 1 for n in rr["contenders"]))
-        lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
-                     f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
-                     f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}")
-        for name, r in rr["contenders"].items():
-            if not r.get("ok"):
-                lines.append(f"{name:<{w}}  {r.get('cause', 'failed')}")
-                continue
-            rd = (r.get("stage_latency") or {}).get("read")
-            fmt = lambda v, f: (f.format(v) if v is not None else "-")
-            lines.append(
-                f"{name:<{w}}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('decode_tok_s_spread'), '{:.2f}x'):>7}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
-                f"{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
-                f"{fmt(r.get('hit_rate'), '{:.2f}'):>6}{fmt((r.get('bytes_read_per_token') or 0) / 1e6 if r.get('bytes_read_per_token') is not None else None, '{:.1f}'):>8}"
-                f"{fmt((r['bytes_read_per_token_all'] / 1e6) if r.get('bytes_read_per_token_all') else None, '{:.1f}'):>12}"
-                f"{fmt(r.get('stall_share'), '{:.0%}'):>7}"
-                f"{(('%.1f/%.1f' % (rd['p50_ms'], rd['p99_ms'])) if rd else '-'):>17}"
-                f"{fmt(((r.get('loader') or {}).get('need_stall') or {}).get('p50_ms'), '{:.1f}'):>14}"
-                f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
-                f"{fmt(r.get('prefetch_precision'), '{:.2f}'):>8}{fmt(r.get('prefetch_recall'), '{:.2f}'):>7}"
-                f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
-                f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}")
-        if rr.get("rounds", 1) > 1:
-            lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
-                         f"fastest / slowest round's decode tok/s")
-        sw = rr.get("prefetch_sweep")
-        if sw:
-            lines.append(f"prefetch sweep: slowest self-gated {sw['min_gated']} {sw['min_gated_tok_s']:.2f} tok/s / "
-                         f"fastest fixed {sw['max_fixed']} {sw['max_fixed_tok_s']:.2f} tok/s = {sw['ratio']:.2f}x "
-                         f"(goal >= {sw['goal']})")
-        for name, r in rr["contenders"].items():
-            if r.get("slots_short"):
-                lines.append(f"note: {name} ran with {r['n_slots']} expert slots, {r['slots_short']} fewer than "
-                             f"the bound assumes (the budget held no more)")
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------ main
 
 QUICK = {"prompt_tokens": 8, "max_tokens": {"standin": 24, "real": 4}, "bound_tokens": 3}
@@ -761,17 +466,47 @@ def main(argv=None) -> int:
         from deltafin.tools import bench_concurrency
         return bench_concurrency.main(argv[1:])
     a = build_parser().parse_args(argv)
+    chosen = _chosen(a)
+    if chosen is None:
+        return 2
+    regimes, contenders = chosen
     preset = QUICK if a.quick else FULL
+    out = Path(a.out or f"deltafin-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    setup_common, setup = _prepare(a, preset, out)
+    ckpt, ckpt_error = (None, None)
+    if "mlx-lm" in contenders and "real" in regimes:
+        ckpt, ckpt_error = export_checkpoint(setup_common["store"])
+    from deltafin.tools.bench_report import machine_info
+    report = {"tool": "deltafin-bench", "version": 1, "quick": a.quick,
+              "command": " ".join(["deltafin-bench", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": machine_info(), "setup": setup, "disk": setup_common["disk"], "regimes": {}}
+    if ckpt_error:
+        report["setup"]["mlx_lm_checkpoint_error"] = ckpt_error
+    for regime in regimes:
+        s = Setup(**setup_common, max_tokens=setup["max_tokens"][regime])
+        rr = _regime_with_bound(s, regime, a, preset)
+        _run_rounds(s, regime, contenders, a, (ckpt, ckpt_error), rr, report)
+    _write_report(report, out, t_start)
+    return 0
+
+
+def _chosen(a) -> tuple[list[str], list[str]] | None:
+    """The regimes and contenders asked for; None (after saying why) when one is unknown."""
     regimes = [r for r in a.regimes.split(",") if r]
     contenders = [c for c in a.contenders.split(",") if c]
     bad = [r for r in regimes if r not in REGIMES] + [why for why in map(bad_contender, contenders) if why]
     if bad or a.rounds < 1:
         log(f"unknown regime or contender: {', '.join(bad) or '-'} (regimes {REGIMES}, contenders {CONTENDERS}, "
             f"or {PF_PREFIX}t=<threshold>:d=<depth>); --rounds >= 1")
-        return 2
-    out = Path(a.out or f"deltafin-bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+        return None
+    return regimes, contenders
+
+
+def _prepare(a, preset: dict, out: Path) -> tuple[dict, dict]:
+    """The store, routing, budget, prompt and probed disk every contender shares: (Setup's fields
+    but max_tokens, the report's "setup")."""
     store = Store(resolve_store(a))
     trace_path = None if a.trace == "none" else (Path(a.trace) if a.trace else find_default_trace())
     trace_ids = load_routing(trace_path, store)
@@ -806,83 +541,84 @@ def main(argv=None) -> int:
                         prompt_ids=prompt_ids, max_context=max_context, dtype=a.dtype, standin_moe_ms=moe_ms,
                         standin_dense_ms=dense_ms, timeout_s=a.timeout, out=out, disk=disk,
                         drop_cache=not a.no_drop_cache, cap=not a.no_cap)
-    ckpt, ckpt_error = (None, None)
-    if "mlx-lm" in contenders and "real" in regimes:
-        ckpt, ckpt_error = export_checkpoint(store)
-    report = {"tool": "deltafin-bench", "version": 1, "quick": a.quick,
-              "command": " ".join(["deltafin-bench", *(argv if argv is not None else sys.argv[1:])]),
-              "machine": machine_info(),
-              "setup": {"store": str(store.path), "store_name": store.path.name,
-                        "routing_history": str(history) if history else None,
-                        "architecture": store.manifest["architecture"], "layers": int(store.config["num_hidden_layers"]),
-                        "moe_layers": len(store.moe_layers), "n_experts_total": n_total, "top_k": store.top_k,
-                        "record_bytes": store.max_record_bytes, "expert_bytes_total": store.expert_bytes_total,
-                        "n_slots": n_slots, "cache_frac": n_slots / n_total, "budget_bytes": budget,
-                        "routing": f"trace:{trace_path.name}" if trace_path else "gate",
-                        "prompt_tokens": n_prompt, "max_tokens": max_tokens, "max_context": max_context,
-                        "compute_dtype": a.dtype, "loader_threads": qd},
-              "disk": disk, "regimes": {}}
-    if ckpt_error:
-        report["setup"]["mlx_lm_checkpoint_error"] = ckpt_error
-    for regime in regimes:
-        s = Setup(**setup_common, max_tokens=max_tokens[regime])
-        if regime == "standin":
-            compute = {"s_per_token": (s.n_moe * moe_ms + s.n_dense * dense_ms) / 1e3,
-                       "how": f"stand-in waits: {s.n_moe} MoE layers x {moe_ms} ms + {s.n_dense} dense x {dense_ms} ms"}
-            desc = (f"compute stand-in: {moe_ms} ms per MoE layer, {dense_ms} ms per dense layer "
-                    f"(calibration: configs/standin-h200.json unless given); reads, prepare and messages real")
-        else:
-            log("measuring compute-only time per token with every expert resident (the bound's compute term)")
-            compute = resident_compute_s_per_token(s, preset["bound_tokens"])
-            desc = f"real compute on this machine ({a.dtype} activations), every stage real"
-        reads = belady_read_s_per_token(s, gbps) if trace_ids is not None else {"s_per_token": 0.0}
-        bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])
-        rr = {"description": desc, "max_tokens": s.max_tokens,
-              "bound": {"s_per_token": bound, "tok_s": 1.0 / bound,
-                        "limited_by": "compute" if compute["s_per_token"] >= reads["s_per_token"] else "reads",
-                        "compute_s_per_token": compute["s_per_token"], "compute": compute,
-                        "read_s_per_token": reads["s_per_token"], "reads": reads},
-              "contenders": {}}
-        if regime == "standin":
-            rr["standin"] = {"moe_ms": moe_ms, "dense_ms": dense_ms}
-        runs: dict[str, list[dict]] = {name: [] for name in contenders}
-        for i in range(a.rounds):  # every contender once per round, in the same order
-            sr = replace(s, tag=f"-r{i + 1}" if a.rounds > 1 else "")
-            for name in contenders:
-                log(f"[{regime}] {name}" + (f" (round {i + 1} of {a.rounds})" if a.rounds > 1 else "") + " ...")
-                if name == "mlx-lm" and ckpt is None and regime == "real":
-                    r = {"ok": False, "cause": f"no mlx-lm checkpoint: {ckpt_error}"}
-                else:
-                    r = run_contender(sr, regime, name, ckpt, a.mlxlm_dtype)
-                r.pop("token_ids", None) if not r.get("ok") else None
-                runs[name].append(r)
-                log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
-            for name in contenders:
-                if runs[name]:
-                    r = summarize_rounds(runs[name])
-                    if r.get("ok") and r.get("decode_tok_s"):
-                        r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
-                    rr["contenders"][name] = r
-            rr["rounds"] = i + 1
-            rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])
-            report["regimes"][regime] = rr
-            (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    setup = {"store": str(store.path), "store_name": store.path.name,
+             "routing_history": str(history) if history else None,
+             "architecture": store.manifest["architecture"], "layers": int(store.config["num_hidden_layers"]),
+             "moe_layers": len(store.moe_layers), "n_experts_total": n_total, "top_k": store.top_k,
+             "record_bytes": store.max_record_bytes, "expert_bytes_total": store.expert_bytes_total,
+             "n_slots": n_slots, "cache_frac": n_slots / n_total, "budget_bytes": budget,
+             "routing": f"trace:{trace_path.name}" if trace_path else "gate",
+             "prompt_tokens": n_prompt, "max_tokens": max_tokens, "max_context": max_context,
+             "compute_dtype": a.dtype, "loader_threads": qd}
+    return setup_common, setup
+
+
+def _regime_with_bound(s: Setup, regime: str, a, preset: dict) -> dict:
+    """A regime's part of the report, with its bound measured and no contender yet."""
+    from deltafin.tools.bench_bound import belady_read_s_per_token, resident_compute_s_per_token
+    moe_ms, dense_ms = s.standin_moe_ms, s.standin_dense_ms
+    if regime == "standin":
+        compute = {"s_per_token": (s.n_moe * moe_ms + s.n_dense * dense_ms) / 1e3,
+                   "how": f"stand-in waits: {s.n_moe} MoE layers x {moe_ms} ms + {s.n_dense} dense x {dense_ms} ms"}
+        desc = (f"compute stand-in: {moe_ms} ms per MoE layer, {dense_ms} ms per dense layer "
+                f"(calibration: configs/standin-h200.json unless given); reads, prepare and messages real")
+    else:
+        log("measuring compute-only time per token with every expert resident (the bound's compute term)")
+        compute = resident_compute_s_per_token(s, preset["bound_tokens"])
+        desc = f"real compute on this machine ({a.dtype} activations), every stage real"
+    reads = belady_read_s_per_token(s, s.disk["gbps"]) if s.trace_ids is not None else {"s_per_token": 0.0}
+    bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])
+    rr = {"description": desc, "max_tokens": s.max_tokens,
+          "bound": {"s_per_token": bound, "tok_s": 1.0 / bound,
+                    "limited_by": "compute" if compute["s_per_token"] >= reads["s_per_token"] else "reads",
+                    "compute_s_per_token": compute["s_per_token"], "compute": compute,
+                    "read_s_per_token": reads["s_per_token"], "reads": reads},
+          "contenders": {}}
+    if regime == "standin":
+        rr["standin"] = {"moe_ms": moe_ms, "dense_ms": dense_ms}
+    return rr
+
+
+def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tuple, rr: dict,
+                report: dict) -> None:
+    """Runs a regime's rounds; after each round the contenders' summaries so far go into rr, rr
+    into the report and the report to report.json."""
+    from deltafin.tools.bench_report import prefetch_sweep, summarize_rounds
+    ckpt, ckpt_error = checkpoint
+    bound = rr["bound"]["s_per_token"]
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    for i in range(a.rounds):  # every contender once per round, in the same order
+        sr = replace(s, tag=f"-r{i + 1}" if a.rounds > 1 else "")
+        for name in contenders:
+            log(f"[{regime}] {name}" + (f" (round {i + 1} of {a.rounds})" if a.rounds > 1 else "") + " ...")
+            if name == "mlx-lm" and ckpt is None and regime == "real":
+                r = {"ok": False, "cause": f"no mlx-lm checkpoint: {ckpt_error}"}
+            else:
+                r = run_contender(sr, regime, name, ckpt, a.mlxlm_dtype)
+            r.pop("token_ids", None) if not r.get("ok") else None
+            runs[name].append(r)
+            log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
+        for name in contenders:
+            if runs[name]:
+                r = summarize_rounds(runs[name])
+                if r.get("ok") and r.get("decode_tok_s"):
+                    r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
+                rr["contenders"][name] = r
+        rr["rounds"] = i + 1
+        rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])
+        report["regimes"][regime] = rr
+        (s.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def _write_report(report: dict, out: Path, t_start: float) -> None:
+    """report.json, chart.png and the table on the terminal."""
+    from deltafin.tools.bench_report import chart, table
     report["elapsed_s"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     why = chart(report, out / "chart.png")
     print(table(report))
     print(f"\nreport: {out / 'report.json'}" + (f"\nchart: {out / 'chart.png'}" if not why else f"\n{why}"))
     log(f"done in {report['elapsed_s']:.0f} s")
-    return 0
-
-
-def machine_info() -> dict:
-    import platform
-
-    import mlx.core as mx
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "memory_bytes": psutil.virtual_memory().total, "python": platform.python_version(),
-            "mlx": mx.__version__, "mlx_device": str(mx.default_device())}
 
 
 if __name__ == "__main__":

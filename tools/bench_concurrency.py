@@ -141,9 +141,7 @@ def ttft(ep: str, busy: int, prompt_tokens: int, timeout: float, rounds: int) ->
     return {"busy": busy, "rounds": rounds, "ttft_s_median": statistics.median(out), "ttft_s": out}
 
 
-def main(argv=None) -> int:
-    from deltafin.tools.bench import plan_budget_for_slots
-    from deltafin.tools.run import running_supervisor
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafin-bench-concurrency", description=__doc__.splitlines()[0])
     p.add_argument("--store", default=str(Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache/deltafin"))
                                           / "demo-store"))
@@ -160,14 +158,27 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the report here too")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config value for the runtime (TOML value), e.g. bench.leases=false")
-    a = p.parse_args(argv)
+    return p
+
+
+def _config_sets(p: argparse.ArgumentParser, items: list[str]) -> dict[str, list[str]]:
+    """--set values as TOML lines per section."""
     sets: dict[str, list[str]] = {}
-    for item in a.set:
+    for item in items:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
         if not (sep and dot and name):
             p.error(f"--set {item!r}: use SECTION.KEY=VALUE")
         sets.setdefault(section, []).append(f"{name} = {value}\n")
+    return sets
+
+
+def main(argv=None) -> int:
+    from deltafin.tools.bench import plan_budget_for_slots
+    from deltafin.tools.run import running_supervisor
+    p = build_parser()
+    a = p.parse_args(argv)
+    sets = _config_sets(p, a.set)
     levels = [int(x) for x in a.concurrency.split(",")]
     store = Store(a.store)
     VOCAB[0] = int(store.config["vocab_size"])
@@ -186,19 +197,7 @@ def main(argv=None) -> int:
                   "argv": sys.argv, "settings": a.set, "loadavg_before": os.getloadavg(), "levels": [], "ttft": []}
         with running_supervisor(a.store, str(budget), extra, timeout=a.timeout) as (ep, _):
             with Client(ep, timeout=a.timeout) as c:
-                deadline = time.monotonic() + a.timeout
-                # a slot for every expert, or whole layers (cache.whole_layers): the runtime reads
-                # them in first (cache.preload); the levels start once it has
-                groups = c.stats()["memory"].get("resident_groups") or {}
-                preload = len(store.records) if n_slots >= len(store.records) else \
-                    sum(n for g, n in groups.items() if g.endswith(tiers.WHOLE))
-                while preload and time.monotonic() < deadline:
-                    if _compute(c)["expert_tier"].get("fills", 0) >= preload:
-                        break
-                    time.sleep(0.2)
-                report["resident_groups"] = groups
-                c.generate(_prompt(999, a.prompt_tokens), max_tokens=4)  # warm: kernels, allocator
-                report["resident_slots"] = _compute(c)["expert_tier"].get("resident_slots")
+                _preload_and_warm(c, store, n_slots, a, report)
             for n in levels:
                 row = run_level(ep, n, a.prompt_tokens, a.max_tokens, a.timeout)
                 report["levels"].append(row)
@@ -208,8 +207,33 @@ def main(argv=None) -> int:
                 report["ttft"].append(row)
                 print(json.dumps(row), flush=True)
         report["loadavg_after"] = os.getloadavg()
+    _print_report(report, a.store, n_slots, budget)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _preload_and_warm(c: Client, store: Store, n_slots: int, a, report: dict) -> None:
+    """Waits (up to --timeout) for the experts the runtime reads in at start, then runs one
+    short request to warm kernels and the allocator."""
+    deadline = time.monotonic() + a.timeout
+    # a slot for every expert, or whole layers (cache.whole_layers): the runtime reads
+    # them in first (cache.preload); the levels start once it has
+    groups = c.stats()["memory"].get("resident_groups") or {}
+    preload = len(store.records) if n_slots >= len(store.records) else \
+        sum(n for g, n in groups.items() if g.endswith(tiers.WHOLE))
+    while preload and time.monotonic() < deadline:
+        if _compute(c)["expert_tier"].get("fills", 0) >= preload:
+            break
+        time.sleep(0.2)
+    report["resident_groups"] = groups
+    c.generate(_prompt(999, a.prompt_tokens), max_tokens=4)  # warm: kernels, allocator
+    report["resident_slots"] = _compute(c)["expert_tier"].get("resident_slots")
+
+
+def _print_report(report: dict, store_path: str, n_slots: int, budget: int) -> None:
     base = report["levels"][0]["aggregate_decode_tok_s"] if report["levels"] else None
-    print(f"\nstore {a.store}: {report['experts']} experts, {n_slots} slots, budget {budget / 2**20:.0f} MiB; "
+    print(f"\nstore {store_path}: {report['experts']} experts, {n_slots} slots, budget {budget / 2**20:.0f} MiB; "
           f"load average before {report['loadavg_before']}, after {report['loadavg_after']}")
     print(f"{'n':>3} {'agg dec tok/s':>14} {'x of n=1':>9} {'loader B/tok':>13} {'decode B/tok':>13} {'mean batch':>10}")
     for r in report["levels"]:
@@ -226,9 +250,6 @@ def main(argv=None) -> int:
             print(f"n={r['concurrency']}: per pass " + ", ".join(f"{k} {v:.2f}" for k, v in r["per_pass"].items()))
     for t in report["ttft"]:
         print(f"TTFT with {t['busy']} others decoding: median {t['ttft_s_median'] * 1e3:.0f} ms over {t['rounds']}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

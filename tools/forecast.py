@@ -427,35 +427,60 @@ def main(argv=None) -> int:
     if a.echo:
         _echo(a.echo)
         return 0
-    from deltafin.runtime.store import Store
-    from deltafin.runtime.traces import load_trace
-    from deltafin.tools.bench import find_default_trace
     cfg = load_config()
     threads = cfg.loader.threads
     policy = a.policy or cfg.cache.policy
     report = json.loads(Path(a.check).read_text()) if a.check else None
+    inputs = _inputs(a, report)
+    if inputs is None:
+        return 2
+    store, shape, trace_path, trace_ids = inputs
+    calibrated = _calibrate(a, store, shape, trace_ids, threads, policy)
+    if calibrated is None:
+        return 2
+    calib, price = calibrated
+    if report:
+        out = _check(a, report, shape, trace_ids, policy, calib, price)
+    else:
+        out = _forecast_cases(a, cfg, store, shape, trace_ids, trace_path, policy, threads, calib, price)
+        if out is None:
+            return 2
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _inputs(a, report: dict | None) -> tuple | None:
+    """(store or None, its shape or the preset's, trace path, trace rows); None (after saying
+    why) when the store or the trace is missing."""
+    from deltafin.runtime.store import Store
+    from deltafin.runtime.traces import load_trace
+    from deltafin.tools.bench import find_default_trace
     store_path = a.store or (report["setup"]["store"] if report else None)
     if not store_path and not a.preset:
         log("give --store, --preset or --check")
-        return 2
+        return None
     store = Store(store_path) if store_path else None
     shape = Shape.of_store(store) if store else Shape.of_preset(a.preset, a.layers)
     trace_path = Path(a.trace) if a.trace else find_default_trace()
     if trace_path is None:
         log("no routing trace found: give --trace")
-        return 2
-    trace_ids = load_trace(trace_path).ids
+        return None
+    return store, shape, trace_path, load_trace(trace_path).ids
 
-    # calibrations: measured here unless given
+
+def _calibrate(a, store, shape: Shape, trace_ids: np.ndarray, threads: int, policy: str) -> tuple | None:
+    """The calibrations, measured here unless given, and the pricing of routing steps they make:
+    (calibration, price(steps, compute_s)); None (after saying why) when one cannot be had."""
     mode = a.calibrate or ("run" if store is not None and not a.hosts else "micro")
     if a.hosts and mode != "micro":
         log("--hosts prices each rank with the micro calibration: use --calibrate micro")
-        return 2
+        return None
     calib = {"mode": mode}
     if mode == "run":
         if store is None:
             log("--calibrate run needs a store")
-            return 2
+            return None
         log("calibrating: two short runs of the runtime on the store (stand-in compute, 5% and 30%)")
         cal = calib["run"] = calibrate_runs(store, trace_ids, threads, policy)
 
@@ -471,7 +496,7 @@ def main(argv=None) -> int:
             gbps = calib["disk"]["gbps_by_queue_depth"]
         else:
             log("a preset has no store to probe: give --disk-gbps")
-            return 2
+            return None
         hop = {"s": a.hop_ms / 1e3, "how": "given"} if a.hop_ms is not None else measure_hop(shape.top_k)
         if a.prepare_ms is not None:
             prep = {"s_per_expert": a.prepare_ms / 1e3, "how": "given"}
@@ -479,81 +504,94 @@ def main(argv=None) -> int:
             prep = measure_prepare(store)
         else:
             log("a preset has no store to measure prepare on: give --prepare-ms")
-            return 2
+            return None
         calib.update(hop=hop, prepare=prep)
 
         def price(steps, compute_s):
             return forecast(shape, steps, compute_s, hop["s"], prep["s_per_expert"], gbps, threads)
+    return calib, price
 
-    if report:
-        cases = []
-        for regime, rr in report["regimes"].items():
-            if regime != "standin":
+
+def _check(a, report: dict, shape: Shape, trace_ids: np.ndarray, policy: str, calib: dict, price) -> dict:
+    """--check: the forecast of each deltafin contender of a deltafin-bench report's stand-in
+    regime against its measured decode rate."""
+    cases = []
+    for regime, rr in report["regimes"].items():
+        if regime != "standin":
+            continue
+        st = rr["standin"]
+        compute_s = (shape.n_moe * st["moe_ms"] + shape.n_dense * st["dense_ms"]) / 1e3
+        s = report["setup"]
+        n_prompt, n_tokens = s["prompt_tokens"], s["prompt_tokens"] + rr["max_tokens"] - 1
+        rows = np.take(trace_ids, np.arange(n_tokens) % len(trace_ids), axis=0)
+        for name, c in rr["contenders"].items():
+            if not name.startswith("deltafin") or not c.get("ok"):
                 continue
-            st = rr["standin"]
-            compute_s = (shape.n_moe * st["moe_ms"] + shape.n_dense * st["dense_ms"]) / 1e3
-            s = report["setup"]
-            n_prompt, n_tokens = s["prompt_tokens"], s["prompt_tokens"] + rr["max_tokens"] - 1
-            rows = np.take(trace_ids, np.arange(n_tokens) % len(trace_ids), axis=0)
-            for name, c in rr["contenders"].items():
-                if not name.startswith("deltafin") or not c.get("ok"):
-                    continue
-                pol = next((x for x in ("lfuda", "lru") if x in name), policy)
-                steps = routing_steps(shape, rows, s["n_slots"], pol, slice(n_prompt, n_tokens))
-                f = price(steps, compute_s)
-                cases.append({"contender": name, "cache_frac": s["cache_frac"], "policy": pol,
-                              "forecast_tok_s": f["tok_s"], "measured_tok_s": c["decode_tok_s"],
-                              "ratio": f["tok_s"] / c["decode_tok_s"], "forecast": f})
-        out = {"check": a.check, "shape": shape.to_dict(), "calibration": calib, "cases": cases}
-        for c in cases:
-            print(f"{c['contender']:<20} cache {c['cache_frac']:.0%}: forecast {c['forecast_tok_s']:.2f} tok/s, "
-                  f"measured {c['measured_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}")
-    else:
-        if a.compute_ms_per_token is not None:
-            compute_s, how = a.compute_ms_per_token / 1e3, "given"
-        elif a.measure_compute and store is not None:
-            from deltafin.tools.bench import Setup, resident_compute_s_per_token
-            log("measuring compute with every expert resident")
-            s = Setup(store=store, trace_path=None, trace_ids=None, n_slots=0, budget=0, prompt_ids=[1, 2, 3, 4],
-                      max_tokens=0, max_context=64, dtype="float32", standin_moe_ms=0, standin_dense_ms=0,
-                      timeout_s=0, out=Path("."))
-            compute_s, how = resident_compute_s_per_token(s, 3)["s_per_token"], "measured, every expert resident"
-        else:
-            moe = a.standin_moe_ms if a.standin_moe_ms is not None else cfg.bench.standin_moe_ms
-            dense = a.standin_dense_ms if a.standin_dense_ms is not None else cfg.bench.standin_dense_ms
-            compute_s = (shape.n_moe * moe + shape.n_dense * dense) / 1e3
-            how = f"stand-in: {moe} ms per MoE layer, {dense} ms per dense layer"
-        calib["compute"] = {"s_per_token": compute_s, "how": how}
-        fracs = a.cache_frac or [0.25]
-        if a.memory_budget:
-            if store is None:
-                log("--memory-budget needs --store")
-                return 2
-            from deltafin.tools.bench import plan_budget_for_slots
-            from deltafin.runtime.config import parse_size
-            budget = parse_size(a.memory_budget)
-            base = plan_budget_for_slots(store, 0, cfg.compute.max_context, "float32")
-            n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
-            fracs = [n / (shape.n_moe * shape.n_experts)]
-        if a.hosts:
-            out = _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,
-                              hop["s"], prep["s_per_expert"], gbps, threads)
-        else:
-            cases = []
-            for frac in fracs:
-                n_slots = shape.slots_at(frac)
-                steps = routing_steps(shape, trace_ids, n_slots, policy, None)
-                f = price(steps, compute_s)
-                cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
-                              "cache_bytes": n_slots * shape.record_bytes, **f})
-                print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
-                      f"{policy}: {f['tok_s']:.2f} tok/s (compute {f['compute_s'] * 1e3:.1f} ms, reads "
-                      f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
-                      f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
-            out = {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
-    return 0
+            pol = next((x for x in ("lfuda", "lru") if x in name), policy)
+            steps = routing_steps(shape, rows, s["n_slots"], pol, slice(n_prompt, n_tokens))
+            f = price(steps, compute_s)
+            cases.append({"contender": name, "cache_frac": s["cache_frac"], "policy": pol,
+                          "forecast_tok_s": f["tok_s"], "measured_tok_s": c["decode_tok_s"],
+                          "ratio": f["tok_s"] / c["decode_tok_s"], "forecast": f})
+    out = {"check": a.check, "shape": shape.to_dict(), "calibration": calib, "cases": cases}
+    for c in cases:
+        print(f"{c['contender']:<20} cache {c['cache_frac']:.0%}: forecast {c['forecast_tok_s']:.2f} tok/s, "
+              f"measured {c['measured_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}")
+    return out
+
+
+def _compute_s(a, cfg, store, shape: Shape) -> tuple[float, str]:
+    """Compute seconds per token and how they were had: given, measured with every expert
+    resident, or the stand-in's waits."""
+    if a.compute_ms_per_token is not None:
+        return a.compute_ms_per_token / 1e3, "given"
+    if a.measure_compute and store is not None:
+        from deltafin.tools.bench import Setup
+        from deltafin.tools.bench_bound import resident_compute_s_per_token
+        log("measuring compute with every expert resident")
+        s = Setup(store=store, trace_path=None, trace_ids=None, n_slots=0, budget=0, prompt_ids=[1, 2, 3, 4],
+                  max_tokens=0, max_context=64, dtype="float32", standin_moe_ms=0, standin_dense_ms=0,
+                  timeout_s=0, out=Path("."))
+        return resident_compute_s_per_token(s, 3)["s_per_token"], "measured, every expert resident"
+    moe = a.standin_moe_ms if a.standin_moe_ms is not None else cfg.bench.standin_moe_ms
+    dense = a.standin_dense_ms if a.standin_dense_ms is not None else cfg.bench.standin_dense_ms
+    compute_s = (shape.n_moe * moe + shape.n_dense * dense) / 1e3
+    return compute_s, f"stand-in: {moe} ms per MoE layer, {dense} ms per dense layer"
+
+
+def _forecast_cases(a, cfg, store, shape: Shape, trace_ids: np.ndarray, trace_path: Path, policy: str,
+                    threads: int, calib: dict, price) -> dict | None:
+    """The forecast at each cache share (or on 1..N hosts); None (after saying why) when
+    --memory-budget has no store."""
+    compute_s, how = _compute_s(a, cfg, store, shape)
+    calib["compute"] = {"s_per_token": compute_s, "how": how}
+    fracs = a.cache_frac or [0.25]
+    if a.memory_budget:
+        if store is None:
+            log("--memory-budget needs --store")
+            return None
+        from deltafin.tools.bench import plan_budget_for_slots
+        from deltafin.runtime.config import parse_size
+        budget = parse_size(a.memory_budget)
+        base = plan_budget_for_slots(store, 0, cfg.compute.max_context, "float32")
+        n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
+        fracs = [n / (shape.n_moe * shape.n_experts)]
+    if a.hosts:
+        return _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,
+                           calib["hop"]["s"], calib["prepare"]["s_per_expert"],
+                           calib["disk"]["gbps_by_queue_depth"], threads)
+    cases = []
+    for frac in fracs:
+        n_slots = shape.slots_at(frac)
+        steps = routing_steps(shape, trace_ids, n_slots, policy, None)
+        f = price(steps, compute_s)
+        cases.append({"cache_frac": frac, "n_slots": n_slots, "policy": policy,
+                      "cache_bytes": n_slots * shape.record_bytes, **f})
+        print(f"{shape.name}: cache {frac:.0%} ({n_slots} slots, {format_size(n_slots * shape.record_bytes)}), "
+              f"{policy}: {f['tok_s']:.2f} tok/s (compute {f['compute_s'] * 1e3:.1f} ms, reads "
+              f"{f['read_s'] * 1e3:.1f} ms, prepare {f['prepare_s'] * 1e3:.1f} ms, messages "
+              f"{f['messages_s'] * 1e3:.1f} ms per token; hit rate {f['hit_rate']:.2f})")
+    return {"shape": shape.to_dict(), "trace": str(trace_path), "calibration": calib, "cases": cases}
 
 
 def _hidden(shape: Shape, store) -> int:
