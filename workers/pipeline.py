@@ -6,6 +6,14 @@ from the backend and the [bench] section, handed to `SlotExperts` and reported i
 (docs/BENCHMARKS.md, settled questions); "sync" is the reference design deltafin-bench compares
 with (deltafin-sync-lru): a layer waits for all its experts, fills go through MLX, the pools stay
 where MLX puts them. The [bench] keys that remain are open or thin questions, each a bench mode.
+
+Exactness decides one thing per backend: a layer computed in pieces (its hits first, each miss as
+it lands) is the one-call result bit for bit only where a row's result does not depend on how many
+rows the kernel call holds. On the MLX CPU backend it does not (tests/test_resident.py); on MLX
+CUDA the quantized matmuls pick their kernel by row count, and a layer in pieces gave other greedy
+tokens than the same layer in one call (H200, bfloat16, docs/BENCHMARKS.md "Exactness"). So on a
+GPU every partial layer runs in one call once its experts are in: the result is the all-resident
+one whatever the budget and whenever a read lands.
 """
 from __future__ import annotations
 
@@ -39,8 +47,9 @@ class Pipeline:
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager)
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
-        return cls(hits_first=True, stream_misses=bench.stream_misses, host_fills=True, host_pools=True,
-                   early_fills=early, leases=bench.leases, eager_layers=eager)
+        pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
+        return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=True,
+                   host_pools=True, early_fills=early, leases=bench.leases, eager_layers=eager)
 
     def report(self) -> dict:
         return asdict(self)
