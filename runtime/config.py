@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 
 from deltafin.runtime.cache import policy_names
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 
 
 class ConfigError(ValueError):
@@ -168,8 +169,8 @@ class Config:
             parse_size(self.runtime.memory_budget)
         if self.cache.policy not in (names := policy_names(online_only=True)):
             raise ConfigError(f"cache.policy {self.cache.policy!r} is not one of: {', '.join(names)}")
-        if self.compute.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ConfigError(f"compute.dtype {self.compute.dtype!r}: use auto, float32, float16, bfloat16")
+        if self.compute.dtype not in ("auto", *FLOAT_DTYPES):
+            raise ConfigError(f"compute.dtype {self.compute.dtype!r}: use auto, {', '.join(FLOAT_DTYPES)}")
         if self.compute.max_context < 16 or self.compute.prefill_chunk < 1:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
         if self.cache.max_slots < 0:

@@ -23,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
+from deltafin.runtime.dtypes import FLOAT_DTYPES
+
 
 def peak_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-ids", required=True, type=parse_ids, help="comma-separated token ids")
     p.add_argument("--max-tokens", required=True, type=int)
     p.add_argument("--json", required=True, help="where to write the result")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default=None,
                    help="cast the float parameters before generating (default: the checkpoint's dtype, as mlx-lm)")
     p.add_argument("--stop-ids", type=parse_ids, default=None,
                    help="stop after generating one of these ids (default: always max-tokens, no EOS stop)")

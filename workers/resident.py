@@ -19,6 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tiers import layer_groups, layout_of
 
@@ -99,8 +100,7 @@ def host_write(stored: str, pool_dtype) -> str | None:
     conversion numpy cannot do exactly: the pool is written through MLX)."""
     if pool_dtype == mx.uint32:
         return "bytes" if stored == "uint32" else None
-    same = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-    if same.get(stored) == pool_dtype:
+    if stored in FLOAT_DTYPES and getattr(mx, stored) == pool_dtype:
         return "bytes"
     if stored == "bfloat16" and pool_dtype == mx.float32:
         return "bf16>f32"

@@ -5,6 +5,7 @@ import argparse
 import os
 
 from deltafin.runtime.config import load_config
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API (deltafin-http, docs/HTTP.md) "
                         "as a child process, restarted if it dies; loopback unless --allow-remote")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES))
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
     p.add_argument("--distributed", action="store_true",
                    help="join an mx.distributed group as one rank (run under mlx.launch, or with "
