@@ -2,7 +2,9 @@
 
 Every contender starts fresh, with the page cache dropped and its process tree capped at the same
 memory budget: deltafin in its named modes, a memory-mapped baseline (the store read through the
-page cache with no cache of its own) and mlx-lm on the same weights. Two regimes: real compute on
+page cache with no cache of its own), mlx-lm on the same weights, and the real peers mlx-vlm (expert
+offload) and rapid-mlx (disk streaming), each on its own layout of those weights with its expert
+budget at deltafin's share of the experts, routed by the model's gate. Two regimes: real compute on
 this machine, and a compute stand-in (each layer's math replaced by a wait calibrated on a GPU)
 where reading, preparing and orchestration decide. Each contender is reported against the bound
 of ../shared/DESIGN-NOTES.md. Output: report.json, chart.png, a table on the terminal.
@@ -356,8 +358,9 @@ def run_mlxlm(s: Setup, regime: str, cap, ckpt: Path | None, dtype: str | None) 
 
 def peer_cache_gb(s: Setup) -> float:
     """A peer's expert budget in GB (1e9 bytes, as the peers take it): deltafin's share of the
-    experts (its slots over all experts) times the bytes of all experts."""
-    return s.n_slots / len(s.store.records) * s.store.expert_bytes_total / 1e9
+    experts (its slots over all experts) times the bytes of all experts. Half a byte over, so that
+    the peers' int(gb * 1e9) gives the whole byte count and not one byte (and one expert) less."""
+    return (s.n_slots / len(s.store.records) * s.store.expert_bytes_total + 0.5) / 1e9
 
 
 def peer_skip(s: Setup, regime: str, name: str) -> dict | None:
@@ -372,7 +375,7 @@ def run_peer(s: Setup, regime: str, name: str, cap) -> dict:
     layout, _ = s.peers[name]
     cache_gb = peer_cache_gb(s)
     cmd = [sys.executable, "-m", "deltafin.tools.peer_runner", "--peer", name, "--model", str(layout),
-           "--expert-cache-gb", f"{cache_gb:.9f}", "--prompt-ids", ",".join(map(str, s.prompt_ids)),
+           "--expert-cache-gb", repr(cache_gb), "--prompt-ids", ",".join(map(str, s.prompt_ids)),
            "--max-tokens", str(s.max_tokens)]
     data, failure, mem = _run_json_process(cmd, s, f"{regime}-{name}{s.tag}", cap)
     if failure:
