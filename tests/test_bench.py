@@ -127,7 +127,6 @@ def test_real_peers_run_on_the_exported_checkpoint_and_give_mlx_lms_tokens(arch,
         assert r["ok"], r.get("cause")
         assert r["generated_tokens"] == 6 and r["decode_tok_s"] > 0 and r["peak_tree_pss_bytes"] > 0
         assert 0 <= r["hit_rate"] <= 1 and r["bytes_read_per_token"] >= 0
-        assert r["expert_cache_gb"] * 1e9 == pytest.approx(share * store.expert_bytes_total)
         assert int(r["expert_cache_gb"] * 1e9) == share * store.expert_bytes_total  # as the peers read it
         assert r["vs_mlx_lm"] == {"exact": True, "first_divergence": None, "rounds_compared": 1, "rounds_exact": 1}
         assert r["token_ids"] == rr["mlx-lm"]["token_ids"]

@@ -122,7 +122,7 @@ def _per_expert_checkpoint(ckpt: Path, out: Path) -> None:
 # ------------------------------------------------------------------------------------ the runs
 
 def _load_mlx_vlm(path: Path, cache_gb: float):
-    """(model, step generator factory, counters) for mlx-vlm's offloaded model."""
+    """(step generator factory, counters) for mlx-vlm's offloaded model."""
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load_model
