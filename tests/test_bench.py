@@ -19,6 +19,7 @@ from deltafin.runtime.store import Store
 from deltafin.runtime.traces import save_trace
 from deltafin.tools import bench, bench_report, forecast
 from deltafin.tools.memcap import MemoryCap
+from deltafin.tools.peer_runner import PEERS, missing_package
 
 
 def _trace(path: Path, store: Store, tokens: int = 64) -> Path:
@@ -46,8 +47,11 @@ def test_every_contender_runs_or_says_why(bench_run):
     for regime, rr in report["regimes"].items():
         assert set(rr["contenders"]) == set(bench.CONTENDERS)
         for name, r in rr["contenders"].items():
-            if name == "mlx-lm" and regime == "standin":
+            if name in ("mlx-lm", *PEERS) and regime == "standin":
                 assert not r["ok"] and "not applicable" in r["cause"]
+                continue
+            if name in PEERS and r.get("skipped"):  # not installed, or deepseek_v2 not streamed
+                assert r["cause"]
                 continue
             assert r["ok"], f"{regime}/{name}: {r.get('cause')}"
             assert r["generated_tokens"] == rr["max_tokens"]
@@ -94,6 +98,64 @@ def test_chart_and_table(bench_run):
     text = bench_report.table(report)
     for name in bench.CONTENDERS:
         assert name in text
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_real_peers_run_on_the_exported_checkpoint_and_give_mlx_lms_tokens(arch, tiny_stores, tmp_path):
+    """mlx-vlm and rapid-mlx on their own layouts of the store's mlx-lm export, routed by the
+    gate: each gives mlx-lm's greedy tokens (the report says so), its expert budget is deltafin's
+    share of the expert bytes, and rapid-mlx says why it skips an architecture it does not stream.
+    A peer whose package is not installed is reported as skipped."""
+    pytest.importorskip("mlx_lm")
+    store = Store(tiny_stores(arch))
+    argv = ["--store", str(store.path), "--trace", "none", "--regimes", "real", "--prompt-tokens", "6",
+            "--max-tokens", "6", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(tmp_path / "run"),
+            "--contenders", ",".join(["mlx-lm", *PEERS])]
+    assert bench.main(argv) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["setup"]["routing"] == "gate"
+    rr = report["regimes"]["real"]["contenders"]
+    assert rr["mlx-lm"]["ok"], rr["mlx-lm"].get("cause")
+    share = report["setup"]["n_slots"] / report["setup"]["n_experts_total"]
+    for name in PEERS:
+        r = rr[name]
+        missing = missing_package(name)
+        if missing or (name == "rapid-mlx" and arch == "qwen3_moe"):
+            assert r["skipped"] and not r["ok"]
+            assert (missing or "not supported") in r["cause"]
+            continue
+        assert r["ok"], r.get("cause")
+        assert r["generated_tokens"] == 6 and r["decode_tok_s"] > 0 and r["peak_tree_pss_bytes"] > 0
+        assert 0 <= r["hit_rate"] <= 1 and r["bytes_read_per_token"] >= 0
+        assert int(r["expert_cache_gb"] * 1e9) == share * store.expert_bytes_total  # as the peers read it
+        assert r["vs_mlx_lm"] == {"exact": True, "first_divergence": None, "rounds_compared": 1, "rounds_exact": 1}
+        assert r["token_ids"] == rr["mlx-lm"]["token_ids"]
+    if not missing_package("mlx-vlm"):  # its layout is built once, beside the export
+        assert (Path(str(store.path) + ".mlx-vlm") / "offload_index.json").exists()
+
+
+def test_a_peer_without_its_package_is_skipped_with_the_cause(tiny_stores, monkeypatch):
+    from deltafin.tools import peer_runner
+    monkeypatch.setitem(peer_runner.PEERS, "mlx-vlm", "no_such_package_deltafin_test")
+    store = Store(tiny_stores("qwen3_moe"))
+    layout, why = bench.prepare_peers(["mlx-vlm"], store, None, "not asked")["mlx-vlm"]
+    assert layout is None and "no_such_package_deltafin_test is not installed" in why
+    s = bench.Setup(store=store, trace_path=None, trace_ids=None, history_path=None, n_slots=4, budget=1 << 30,
+                    prompt_ids=[1], max_tokens=1, max_context=64, dtype="float32", standin_moe_ms=1.0,
+                    standin_dense_ms=1.0, timeout_s=10.0, out=Path("."), peers={"mlx-vlm": (layout, why)})
+    r = bench.run_contender(s, "real", "mlx-vlm", None, None)
+    assert r == {"ok": False, "skipped": True, "cause": why}
+
+
+def test_token_agreement_finds_the_first_divergence():
+    assert bench_report.token_agreement([1, 2, 3], [1, 2, 3]) == {"exact": True, "first_divergence": None}
+    assert bench_report.token_agreement([1, 5, 3], [1, 2, 3]) == {"exact": False, "first_divergence": 1}
+    assert bench_report.token_agreement([1, 2], [1, 2, 3]) == {"exact": False, "first_divergence": 2}
+    runs = [{"ok": True, "token_ids": [1, 2, 3]}, {"ok": True, "token_ids": [1, 2, 4]}, {"ok": False}]
+    ref = [{"ok": True, "token_ids": [1, 2, 3]}] * 3
+    assert bench_report.agreement_over_rounds(runs, ref) == {
+        "exact": False, "first_divergence": 2, "rounds_compared": 2, "rounds_exact": 1}
+    assert bench_report.agreement_over_rounds([{"ok": False}], ref) is None
 
 
 def test_prefetch_contenders_parse_into_cache_overrides():

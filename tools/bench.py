@@ -2,7 +2,9 @@
 
 Every contender starts fresh, with the page cache dropped and its process tree capped at the same
 memory budget: deltafin in its named modes, a memory-mapped baseline (the store read through the
-page cache with no cache of its own) and mlx-lm on the same weights. Two regimes: real compute on
+page cache with no cache of its own), mlx-lm on the same weights, and the real peers mlx-vlm (expert
+offload) and rapid-mlx (disk streaming), each on its own layout of those weights with its expert
+budget at deltafin's share of the experts, routed by the model's gate. Two regimes: real compute on
 this machine, and a compute stand-in (each layer's math replaced by a wait calibrated on a GPU)
 where reading, preparing and orchestration decide. Each contender is reported against the bound
 of ../shared/DESIGN-NOTES.md. Output: report.json, chart.png, a table on the terminal.
@@ -25,6 +27,7 @@ from deltafin.runtime import metrics
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.procs import stop_process
 from deltafin.runtime.store import Store
+from deltafin.tools.peer_runner import PEERS
 from deltafin.tools.treesampler import TreeSampler
 
 # deltafin's named modes: the runtime, the reference design ("sync-lru": synchronous layers,
@@ -47,7 +50,9 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
     "deltafin-no-leases": {"bench": {"leases": False}},
 }
-CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm"]
+# The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
+# model's own gate, with their expert budget at deltafin's share of the experts.
+CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm", *PEERS]
 # Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with
 # prefetch on at threshold 0.6, depth 1. Colons, not commas, so that --contenders still splits on
 # commas.
@@ -138,6 +143,7 @@ class Setup:
     disk: dict = field(default_factory=dict)
     drop_cache: bool = True
     cap: bool = True
+    peers: dict = field(default_factory=dict)  # peer -> (its layout, or None and why it cannot run)
     tag: str = ""  # added to a contender's file names (the round, with --rounds)
 
     @property
@@ -350,11 +356,52 @@ def run_mlxlm(s: Setup, regime: str, cap, ckpt: Path | None, dtype: str | None) 
             "split_per_token_s": {}, "routing": "mlx-lm's own gate (not the trace)", **mem}
 
 
+def peer_cache_gb(s: Setup) -> float:
+    """A peer's expert budget in GB (1e9 bytes, as the peers take it): deltafin's share of the
+    experts (its slots over all experts) times the bytes of all experts. Half a byte over, so that
+    the peers' int(gb * 1e9) gives the whole byte count and not one byte (and one expert) less."""
+    return (s.n_slots / len(s.store.records) * s.store.expert_bytes_total + 0.5) / 1e9
+
+
+def peer_skip(s: Setup, regime: str, name: str) -> dict | None:
+    """The report of a peer that does not run in this regime or on this machine, or None."""
+    if regime == "standin":
+        return {"ok": False, "skipped": True, "cause": f"not applicable: {name} computes for real (no stand-in)"}
+    layout, why = s.peers.get(name, (None, "no layout (the mlx-lm checkpoint was not exported)"))
+    return None if layout is not None else {"ok": False, "skipped": True, "cause": why}
+
+
+def run_peer(s: Setup, regime: str, name: str, cap) -> dict:
+    layout, _ = s.peers[name]
+    cache_gb = peer_cache_gb(s)
+    cmd = [sys.executable, "-m", "deltafin.tools.peer_runner", "--peer", name, "--model", str(layout),
+           "--expert-cache-gb", repr(cache_gb), "--prompt-ids", ",".join(map(str, s.prompt_ids)),
+           "--max-tokens", str(s.max_tokens)]
+    data, failure, mem = _run_json_process(cmd, s, f"{regime}-{name}{s.tag}", cap)
+    if failure:
+        return {"ok": False, "cause": failure, **mem}
+    n_dec = max(1, (data.get("generated_tokens") or 1) - 1)
+    misses = data.get("decode_misses")
+    return {"ok": True, "generated_tokens": data.get("generated_tokens"), "token_ids": data.get("token_ids"),
+            "decode_tok_s": data.get("decode_tok_s"), "prefill_tok_s": data.get("prefill_tok_s"),
+            "ttft_s": data.get("ttft_s"), "stage_latency": None, "stall_share": None,
+            "hit_rate": data.get("hit_rate"), "hit_rate_all_tokens": data.get("hit_rate_all_tokens"),
+            # the peers count misses, not bytes: misses x the store's expert record size
+            "bytes_read_per_token": misses * s.record_bytes / n_dec if misses is not None else None,
+            "time_per_token_s": (1.0 / data["decode_tok_s"]) if data.get("decode_tok_s") else None,
+            "split_per_token_s": {}, "routing": f"{name}'s own gate (not a trace)",
+            "expert_cache_gb": cache_gb, "expert_cache": data.get("expert_cache"), "peer_version": data.get("version"),
+            "load_s": data.get("load_s"), **mem}
+
+
 def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dtype: str | None) -> dict:
     from deltafin.runtime.diskprobe import drop_page_cache
     from deltafin.tools.memcap import MemoryCap
     if name == "mlx-lm" and regime == "standin":
         return run_mlxlm(s, regime, None, ckpt, mlxlm_dtype)
+    skip = peer_skip(s, regime, name) if name in PEERS else None
+    if skip is not None:
+        return skip
     dropped = drop_page_cache() if s.drop_cache else "not asked (--no-drop-cache)"
     safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
     cap = MemoryCap(s.budget, f"deltafin-bench-{os.getpid()}-{regime}-{safe}{s.tag}") if s.cap else None
@@ -367,6 +414,8 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
             r = run_deltafin(s, regime, name, cap)
         elif name == "mmap":
             r = run_mmap(s, regime, cap)
+        elif name in PEERS:
+            r = run_peer(s, regime, name, cap)
         else:
             r = run_mlxlm(s, regime, cap, ckpt, mlxlm_dtype)
         r["run_s"] = time.perf_counter() - t0
@@ -425,6 +474,28 @@ def export_checkpoint(store: Store) -> tuple[Path | None, str | None]:
         return None, f"{type(e).__name__}: {e}"
 
 
+def prepare_peers(peers: list[str], store: Store, ckpt: Path | None, ckpt_error: str | None) -> dict:
+    """Each peer's layout of the exported checkpoint, built once beside it: {peer: (layout, None)},
+    or (None, why) for a peer that cannot run (its package missing, an architecture it does not
+    stream, no checkpoint, a failed build), reported as skipped."""
+    from deltafin.tools.peer_runner import build_layout, cannot_run, layout_path
+    out = {}
+    for name in peers:
+        why = cannot_run(name, store.config["model_type"])
+        if why is None and ckpt is None:
+            why = f"no mlx-lm checkpoint: {ckpt_error}"
+        if why is not None:
+            out[name] = (None, why)
+            continue
+        try:
+            if not (layout_path(ckpt, name) / "config.json").exists():
+                log(f"writing {name}'s layout of the checkpoint to {layout_path(ckpt, name)} (once)")
+            out[name] = (build_layout(ckpt, name), None)
+        except Exception as e:  # reported as the contender's failure, the rest of the run goes on
+            out[name] = (None, f"layout build failed: {type(e).__name__}: {e}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafin-bench", description=__doc__.splitlines()[0])
     p.add_argument("--store", help=f"expert store (default: the {PRESET_DEFAULT} preset, built once in the cache)")
@@ -476,8 +547,11 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     setup_common, setup = _prepare(a, preset, out)
     ckpt, ckpt_error = (None, None)
-    if "mlx-lm" in contenders and "real" in regimes:
+    if {"mlx-lm", *PEERS} & set(contenders) and "real" in regimes:
         ckpt, ckpt_error = export_checkpoint(setup_common["store"])
+    setup_common["peers"] = prepare_peers([c for c in contenders if c in PEERS], setup_common["store"], ckpt, ckpt_error)
+    setup["peers"] = {name: {"layout": str(lay) if lay else None, "cause": why}
+                      for name, (lay, why) in setup_common["peers"].items()}
     from deltafin.tools.bench_report import machine_info
     report = {"tool": "deltafin-bench", "version": 1, "quick": a.quick,
               "command": " ".join(["deltafin-bench", *(argv if argv is not None else sys.argv[1:])]),
@@ -583,7 +657,7 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
                 report: dict) -> None:
     """Runs a regime's rounds; after each round the contenders' summaries so far go into rr, rr
     into the report and the report to report.json."""
-    from deltafin.tools.bench_report import prefetch_sweep, summarize_rounds
+    from deltafin.tools.bench_report import agreement_over_rounds, prefetch_sweep, summarize_rounds
     ckpt, ckpt_error = checkpoint
     bound = rr["bound"]["s_per_token"]
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
@@ -603,6 +677,8 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
                 r = summarize_rounds(runs[name])
                 if r.get("ok") and r.get("decode_tok_s"):
                     r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
+                if name != "mlx-lm" and "mlx-lm" in runs:
+                    r["vs_mlx_lm"] = agreement_over_rounds(runs[name], runs["mlx-lm"])
                 rr["contenders"][name] = r
         rr["rounds"] = i + 1
         rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])

@@ -45,6 +45,29 @@ def summarize_rounds(runs: list[dict]) -> dict:
     return out
 
 
+def token_agreement(tokens: list[int], ref: list[int]) -> dict:
+    """Whether `tokens` equal the reference's, and where they first differ (an index, or the
+    shorter length when one is a prefix of the other; None when equal)."""
+    first = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None)
+    if first is None and len(tokens) != len(ref):
+        first = min(len(tokens), len(ref))
+    return {"exact": first is None, "first_divergence": first}
+
+
+def agreement_over_rounds(runs: list[dict], ref_runs: list[dict]) -> dict | None:
+    """A contender's tokens against mlx-lm's, round by round (each round's pair that both ran):
+    exact when every compared round gave mlx-lm's tokens; the earliest divergence seen; None when
+    no round had both."""
+    pairs = [(r["token_ids"], ref["token_ids"]) for r, ref in zip(runs, ref_runs)
+             if r.get("ok") and ref.get("ok") and r.get("token_ids") is not None and ref.get("token_ids") is not None]
+    if not pairs:
+        return None
+    each = [token_agreement(t, ref) for t, ref in pairs]
+    firsts = [a["first_divergence"] for a in each if a["first_divergence"] is not None]
+    return {"exact": all(a["exact"] for a in each), "first_divergence": min(firsts) if firsts else None,
+            "rounds_compared": len(each), "rounds_exact": sum(a["exact"] for a in each)}
+
+
 def prefetch_sweep(contenders: dict) -> dict | None:
     """Over the deltafin-pf contenders: the slowest prefetch setting against prefetch off
     (deltafin-no-prefetch), by decode tok/s."""
@@ -130,6 +153,13 @@ def chart(report: dict, path: Path) -> str | None:
     return None
 
 
+def _agreement_cell(vs: dict | None) -> str:
+    """The table's "=mlx-lm" cell: yes, no@<first differing token>, or - (not compared)."""
+    if not vs:
+        return "-"
+    return "yes" if vs["exact"] else f"no@{vs['first_divergence']}"
+
+
 def table(report: dict) -> str:
     lines = []
     for regime, rr in report["regimes"].items():
@@ -140,10 +170,10 @@ def table(report: dict) -> str:
         w = max(20, *(len(n) + 1 for n in rr["contenders"]))
         lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
                      f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
-                     f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}")
+                     f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}{'=mlx-lm':>9}")
         for name, r in rr["contenders"].items():
             if not r.get("ok"):
-                lines.append(f"{name:<{w}}  {r.get('cause', 'failed')}")
+                lines.append(f"{name:<{w}}  {'skipped: ' if r.get('skipped') else ''}{r.get('cause', 'failed')}")
                 continue
             rd = (r.get("stage_latency") or {}).get("read")
             fmt = lambda v, f: (f.format(v) if v is not None else "-")
@@ -158,7 +188,8 @@ def table(report: dict) -> str:
                 f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
                 f"{fmt(r.get('prefetch_precision'), '{:.2f}'):>8}{fmt(r.get('prefetch_recall'), '{:.2f}'):>7}"
                 f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
-                f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}")
+                f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}"
+                f"{_agreement_cell(r.get('vs_mlx_lm')):>9}")
         if rr.get("rounds", 1) > 1:
             lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
                          f"fastest / slowest round's decode tok/s")
