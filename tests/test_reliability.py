@@ -79,6 +79,13 @@ def test_a_stop_answers_every_request_in_flight_with_shutting_down(tiny_stores, 
                 s.send(msgpack.packb({"type": "generate", "id": rid, "token_ids": [1, 2, 3],
                                       "max_tokens": 2000}))
             assert s.poll(60_000)  # the first token: the requests are in flight
+            if how == "SIGTERM to the group":
+                # where a worker gets it first, it must not exit (that would be a crash to restart)
+                compute = next(k for k in psutil.Process(proc.pid).children()
+                               if "deltafin.workers.compute" in " ".join(k.cmdline()))
+                compute.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                assert compute.is_running() and compute.status() != psutil.STATUS_ZOMBIE
             t0 = time.monotonic()
             if how == "SIGTERM to the group":
                 os.killpg(proc.pid, signal.SIGTERM)
