@@ -27,6 +27,14 @@ MAX_RESULT_BYTES = MAX_MESSAGE_BYTES - ENVELOPE_BYTES
 # and without a bound a small frame of one-byte elements becomes a huge Python list.
 MAX_ITEMS = 1 << 20
 MAX_STOP_STRINGS = 64
+# A temperature below this samples greedily: dividing float32 logits by a smaller one overflows
+# to infinities, and the draw among them is near random.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def greedy(temperature: float) -> bool:
+    """Whether a request's temperature means greedy decoding (0, or below the floor)."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
 
 
 class ProtocolError(ValueError):
@@ -236,6 +244,7 @@ class ErrorCode(StrEnum):
     RANK_LOST = "rank_lost"
     NOT_LEADER = "not_leader"
     RESTARTING = "restarting"
+    SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
 

@@ -4,6 +4,7 @@ Loaded and validated once, then passed explicitly; workers receive it as a plain
 """
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
@@ -154,10 +155,11 @@ class Config:
                 if key not in known:
                     raise ConfigError(f"{where}: unknown key {section}.{key}")
                 want = type(getattr(target, key))
-                if want is float and isinstance(value, int):
-                    value = float(value)
                 types = known[key].metadata.get("types", (want,))  # a key of several types
-                if not isinstance(value, types):
+                # a TOML boolean is a Python int: only a key that takes booleans takes one
+                if want is float and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                     raise ConfigError(f"{where}: {section}.{key} must be "
                                       f"{' or '.join(t.__name__ for t in types)}")
                 setattr(target, key, value)
@@ -165,6 +167,7 @@ class Config:
         return cfg
 
     def validate(self) -> None:
+        self._check_numbers()
         if self.runtime.memory_budget != "auto":
             parse_size(self.runtime.memory_budget)
         if self.cache.policy not in (names := policy_names(online_only=True)):
@@ -205,8 +208,6 @@ class Config:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
         if self.distributed.backend not in ("ring", "jaccl", "mpi", "any"):
             raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, jaccl, mpi or any")
-        if self.distributed.timeout_s <= 0:
-            raise ConfigError("distributed.timeout_s must be > 0")
         if self.distributed.enabled:
             # the router's prefetch would read experts of other ranks' shares; the predictive
             # policy alone only ranks what this rank's router sees, its share
@@ -218,6 +219,18 @@ class Config:
             raise ConfigError("compute.max_batch must be within 1..256 and compute.kv_tokens >= 0")
         if not 0 <= self.compute.max_queue <= MAX_QUEUE:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
+
+
+    def _check_numbers(self) -> None:
+        """Every float is finite (TOML has nan and inf) and every timeout is > 0."""
+        for section in fields(self):
+            part = getattr(self, section.name)
+            for f in fields(part):
+                value = getattr(part, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+                if f.name.endswith("timeout_s") and value <= 0:
+                    raise ConfigError(f"{section.name}.{f.name} must be > 0 (seconds), got {value}")
 
 
 def as_config(config: "Config | dict") -> Config:
@@ -232,7 +245,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if path:
         try:
             user = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from None
         for section, values in user.items():
             data.setdefault(section, {}).update(values if isinstance(values, dict) else {})

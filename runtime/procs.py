@@ -1,9 +1,8 @@
 """Stopping child processes: one escalation for every parent in the project.
 
-`stop_processes` waits for processes asked to stop some other way (a message, SIGINT, or a task
-that ends by itself), then sends SIGTERM where the caller gives it time, then SIGKILL, waiting a
-bounded time after each step; several processes go through each step together, under one
-deadline per step."""
+`stop_processes` waits for processes asked to stop some other way (a message, a signal, or a
+task that ends by itself), then sends SIGKILL, waiting a bounded time after each step; several
+processes go through each step together, under one deadline per step."""
 from __future__ import annotations
 
 import os
@@ -14,14 +13,11 @@ import time
 KILL_WAIT_S = 5.0  # how long a SIGKILLed process is waited for
 
 
-def stop_processes(procs, grace_s: float, first: int | None = None, term_s: float = 0.0,
-                   kill_s: float = KILL_WAIT_S) -> bool:
+def stop_processes(procs, grace_s: float, first: int | None = None, kill_s: float = KILL_WAIT_S) -> bool:
     """Ends procs (subprocess.Popen): sends `first` (None: nothing) and waits up to grace_s for
-    them to exit; then, when term_s > 0, SIGTERM and waits up to term_s; then SIGKILL and waits up
-    to kill_s. True when all exited within grace_s, without SIGTERM or SIGKILL."""
+    them to exit; then SIGKILL and waits up to kill_s. True when all exited within grace_s."""
     procs = list(procs)
-    steps = [(first, grace_s)] + ([(signal.SIGTERM, term_s)] if term_s > 0 else []) + [(signal.SIGKILL, kill_s)]
-    for i, (sig, wait_s) in enumerate(steps):
+    for i, (sig, wait_s) in enumerate([(first, grace_s), (signal.SIGKILL, kill_s)]):
         left = [p for p in procs if p.poll() is None]
         if not left:
             return i <= 1

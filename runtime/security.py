@@ -4,7 +4,8 @@ keys when a tcp endpoint is opened to other machines.
 - An `ipc://` endpoint must lie in a directory that only this user can open, and its path must
   not exist yet: binding would silently replace a file or take over a socket another runtime
   serves. The supervisor records the path in its run directory so a later start removes the
-  socket file of a runtime that was killed (runtime/shm.py, `sweep_stale_runs`).
+  socket file of a runtime that was killed (runtime/shm.py, `sweep_stale_runs`). A Linux
+  abstract socket (`ipc://@name`) has no file and no permissions: it is served only with CURVE.
 - `--allow-remote` turns CURVE on: the supervisor's key pair and the public keys of the clients
   allowed in live in a key directory (mode 0700, secrets 0600). Only a client whose public key is
   in `clients/` completes the handshake; everything after it is encrypted.
@@ -34,16 +35,36 @@ class SecurityError(RuntimeError):
 
 # -- endpoints -----------------------------------------------------------------------------------
 def check_endpoint(endpoint: str, allow_remote: bool) -> None:
-    """A tcp endpoint binds loopback unless remote access is allowed; only ipc and tcp exist."""
+    """A tcp endpoint binds loopback unless remote access is allowed; only ipc and tcp exist.
+    An endpoint no file permission guards (a Linux abstract socket, `ipc://@name`) needs CURVE,
+    which --allow-remote turns on; an ipc path ZeroMQ would choose itself (`ipc://*`) is refused."""
     if endpoint.startswith("tcp://"):
         host = endpoint[6:].rsplit(":", 1)[0]
         if host not in LOOPBACK_HOSTS and not allow_remote:
             raise SecurityError(f"{endpoint} is not a loopback address; pass --allow-remote to "
                                 f"expose the runtime to other machines (with CURVE keys)")
+    elif is_abstract(endpoint):
+        if not allow_remote:
+            raise SecurityError(f"{endpoint} is a Linux abstract socket: no file permission guards "
+                                f"it, so every local user could connect; use an ipc path in a "
+                                f"private directory, or pass --allow-remote (CURVE keys)")
     elif endpoint.startswith("ipc://"):
+        if endpoint[len("ipc://"):] in ("", "*"):
+            raise SecurityError(f"{endpoint}: name the socket path (ipc://DIR/NAME in a private "
+                                f"directory); ZeroMQ would choose one no check covers")
         check_ipc_path(ipc_path(endpoint))
     else:
         raise SecurityError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
+
+
+def is_abstract(endpoint: str) -> bool:
+    """`ipc://@name`: a Linux abstract socket, which has no file and no permissions."""
+    return endpoint.startswith("ipc://@")
+
+
+def needs_curve(endpoint: str, allow_remote: bool) -> bool:
+    """CURVE guards a tcp endpoint opened with --allow-remote, and an abstract socket."""
+    return allow_remote and (endpoint.startswith("tcp://") or is_abstract(endpoint))
 
 
 def ipc_path(endpoint: str) -> Path:

@@ -20,7 +20,31 @@ from pathlib import Path
 
 import _posixshmem
 
+from deltafin.runtime.config import format_size
+
 SEGMENT_PREFIX = "dfn"  # macOS allows 30 characters per segment name
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (a tmpfs of its own size)
+
+
+class SharedMemoryFull(RuntimeError):
+    """The shared-memory filesystem has no room for a segment."""
+
+
+def check_room(size: int, directory: str = SHM_DIR) -> None:
+    """Refuses a segment the shared-memory filesystem cannot hold: its pages are only taken at
+    first touch, so a full one shows later as a failure (EFAULT, SIGBUS) of every request.
+    Where no such directory exists (macOS) there is nothing to check."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise SharedMemoryFull(f"the slot pool's staging segment needs {format_size(size)} "
+                               f"({size} bytes) of shared memory, but {directory} has "
+                               f"{format_size(free)} free of {format_size(st.f_blocks * st.f_frsize)}; "
+                               f"free space there (stale segments, other programs) or enlarge it "
+                               f"(mount -o remount,size=... {directory}), or lower the memory budget")
 
 
 def runs_root() -> Path:
@@ -121,6 +145,7 @@ class RunDir:
         return f"{SEGMENT_PREFIX}{self.run_id}{what}"[:30]
 
     def create_segment(self, what: str, size: int) -> Segment:
+        check_room(size)
         name = self.segment_name(what)
         self.segments.append(name)
         self._write()  # recorded before it exists, so a crash in between still gets swept

@@ -74,8 +74,10 @@ class WorkerProcess:
         self.config = as_config(self.run["config"])
         self.supervisor_pid = int(self.run["supervisor_pid"])
         die_with_parent(self.supervisor_pid)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        # Ctrl-C and a SIGTERM to the process group go to the supervisor too, which stops us
+        # (a message, then SIGKILL): a worker that exited on its own would look like a crash.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.ctx = zmq.Context()
         self.control = make_socket(self.ctx, zmq.DEALER, identity=self.role)
         self.control.connect(self.run["endpoints"]["control"])

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMismatch, RequestError,
-                             RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeUnavailable)
+                             RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeStopping,
+                             RuntimeUnavailable)
 from deltafin.runtime.tokenizer import TOO_LONG
 
 
@@ -29,7 +30,8 @@ class ApiError(Exception):
 def api_error_from(e: Exception, param: str | None = None) -> ApiError:
     """The client library's exceptions as HTTP statuses: the request's fault 400 (a prompt over
     the context: `context_length_exceeded` naming param, the body's prompt field), the runtime
-    busy 429, the runtime restarting, unreachable or a worker dead 503 (all worth a retry)."""
+    busy 429, the runtime restarting, stopping, unreachable or a worker dead 503 (all worth a
+    retry)."""
     code = getattr(e, "code", None)
     if isinstance(e, RequestError) and str(e).startswith(TOO_LONG):
         return ApiError(400, str(e), "invalid_request_error", param, "context_length_exceeded")
@@ -37,7 +39,7 @@ def api_error_from(e: Exception, param: str | None = None) -> ApiError:
         return ApiError(400, str(e), "invalid_request_error", code=code)
     if isinstance(e, RuntimeBusy):
         return ApiError(429, str(e), "rate_limit_error", code=code)
-    if isinstance(e, (RuntimeRestarting, RuntimeUnavailable, RuntimeDeadError)):
+    if isinstance(e, (RuntimeRestarting, RuntimeStopping, RuntimeUnavailable, RuntimeDeadError)):
         return ApiError(503, str(e), "service_unavailable", code=code or "unavailable")
     if isinstance(e, (ExpertUnavailableError, ProtocolMismatch, DeltafinError)):
         return ApiError(500, str(e), "server_error", code=code)

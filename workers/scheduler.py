@@ -35,9 +35,10 @@ def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
     back one step later). Greedy is the argmax of the log-probabilities computed in the model's
     dtype `dtype`, as mlx-lm's generate_step computes them: in bfloat16, subtracting the
     log-sum-exp can round two neighbouring logits to one value, and the lower token id then wins
-    there too. Otherwise softmax(logits / temperature) restricted to the smallest set of most
-    likely tokens whose probability reaches top_p, drawn with `key`."""
-    if temperature == 0:
+    there too; a temperature below M.GREEDY_BELOW_TEMPERATURE is greedy as well. Otherwise
+    softmax(logits / temperature) restricted to the smallest set of most likely tokens whose
+    probability reaches top_p, drawn with `key`."""
+    if M.greedy(temperature):
         row = logits.astype(dtype or logits.dtype)  # exact: the model's own values (no op if already)
         return mx.argmax(row - mx.logsumexp(row, axis=-1, keepdims=True), axis=-1)
     z = logits.astype(mx.float32) / temperature
@@ -76,7 +77,7 @@ class Sequence:
 
     def next_key(self):
         """A fresh sampling key per token (none needed for greedy)."""
-        if self.req.temperature == 0:
+        if M.greedy(self.req.temperature):
             return None
         self.key, sub = mx.random.split(self.key)
         return sub

@@ -14,8 +14,9 @@ once and the first role to die is the one named. Every request in flight then fa
 `worker_died`, the other workers are killed, the pool segment is unlinked, and all three start
 again on a fresh segment while the client endpoint stays bound (requests meanwhile get
 `restarting`), up to `runtime.restart_max` times in `runtime.restart_window_s`; beyond that the
-supervisor exits 1 naming the role. SIGINT/SIGTERM end it with 0. One idempotent shutdown serves
-every path.
+supervisor exits 1 naming the role. SIGINT/SIGTERM (also to the whole process group: workers
+ignore it) end it with 0, after every request in flight is answered `shutting_down`. One
+idempotent shutdown serves every path.
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
 from deltafin.runtime.config import ConfigError, format_size
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
-                                       default_keys_dir, ipc_path)
+                                       default_keys_dir, ipc_path, is_abstract, needs_curve)
 from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
-from deltafin.runtime.shm import RunDir, Segment, sweep_stale_runs
+from deltafin.runtime.shm import RunDir, Segment, SharedMemoryFull, sweep_stale_runs
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
@@ -51,9 +52,10 @@ from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import parser, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
-STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGTERM, then SIGKILL
+STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
 STATS_SYNC_S = 5.0  # longest a stats reply waits for the snapshots that include the last request
 LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor._size_pool)
+REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpoint.py)
 
 
 class Supervisor:
@@ -200,15 +202,18 @@ class Supervisor:
     def _bind_client(self) -> None:
         rc = self.config.runtime
         endpoint = self.endpoint_arg or self.rundir.endpoint("client")
-        if rc.allow_remote and endpoint.startswith("tcp://"):
+        if needs_curve(endpoint, rc.allow_remote):
             keys = KeyDir(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir())
             self.curve = CurveServer(self.ctx, keys)
             self.log(f"CURVE on: server public key {keys.path / 'server.key'}, clients allowed in "
                      f"{keys.clients} (docs/SECURITY.md)")
-        if self.endpoint_arg and endpoint.startswith("ipc://"):
+        if self.endpoint_arg and endpoint.startswith("ipc://") and not is_abstract(endpoint):
             check_endpoint(endpoint, rc.allow_remote)  # again: the path may have appeared since
             self.rundir.record_file(ipc_path(endpoint))
-        self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve)
+        # Large replies unsent over all connections: the socket queues' share of the copies a
+        # logits reply is admitted for (_size_pool).
+        reply_bytes = REPLY_COPIES_QUEUED * self.requests.limits.max_result_bytes
+        self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve, reply_bytes)
         self.poller.register(self.client.sock, zmq.POLLIN)
 
     def _await(self, match, what: str, timeout_s: float) -> None:
@@ -270,6 +275,8 @@ class Supervisor:
                 self._answer_stats()
                 self._check_workers()
             except WorkerDied as death:
+                if stop_flag():  # a signal to the whole process group reached a worker too
+                    return
                 self._restart(death)
             if time.monotonic() - last_mem > 1.0:
                 last_mem = time.monotonic()
@@ -468,19 +475,30 @@ class Supervisor:
             "memory": memory, "processes": procs, "active_requests": len(self.requests.inflight),
             "model": model, "run_id": self.rundir.run_id, "ages": ages})
         snap.update(state=self.state, restarts=self.restart_count, cancels=dict(self.requests.cancels),
-                    resolved=self.resolved)
+                    replies_dropped=dict(self.client.dropped) if self.client else {}, resolved=self.resolved)
         return self.hub.stamp(snap)
 
     def _finish_stats(self, ident: bytes, rid: int) -> None:
         self._reply(ident, M.StatsResult(id=rid, stats=self._snapshot()))
 
     # -- shutdown -----------------------------------------------------------------------------------
+    def refuse_all(self) -> None:
+        """Stopping: every request in flight or queued, and every stats request still waiting,
+        is answered `shutting_down` now (the client endpoint delivers them before it closes)."""
+        why = "the runtime is stopping; the request did not finish"
+        self.requests.fail_all(M.ErrorCode.SHUTTING_DOWN, why)
+        for ident, rid, *_ in self.pending_stats:
+            self._reply(ident, M.Error(id=rid, code=M.ErrorCode.SHUTTING_DOWN, message=why))
+        self.pending_stats = []
+
     def shutdown(self) -> None:
-        """Polite message, then SIGTERM, then SIGKILL, under one short deadline; after a worker
-        death the others are killed at once. Idempotent."""
+        """In-flight requests answered `shutting_down`, then a polite message to the workers, then
+        SIGKILL, under one short deadline; after a worker death the others are killed at once.
+        Idempotent."""
         if self.closed:
             return
         self.closed = True
+        self.refuse_all()
         if self.workers is not None:
             if self.clean_stop and hasattr(self, "control"):
                 for role in ROLES:
@@ -558,13 +576,18 @@ def main(argv=None) -> int:
         log("shutting down")
         return 0
     except WorkerDied as e:
+        if stop["flag"]:  # a signal to the process group that reached a worker first
+            log("shutting down")
+            return 0
         log(str(e))
         return 1
     except (ConfigError, StoreError, BudgetError, SupervisorError, SecurityError, PermissionError,
-            archinfo.UnsupportedArchitecture, TokenizerError) as e:
+            SharedMemoryFull, archinfo.UnsupportedArchitecture, TokenizerError) as e:
         log(f"error: {e}")
         return 2
     finally:
+        if sup is not None:
+            sup.refuse_all()  # the HTTP frontend's requests too, before it stops
         if http is not None:
             http.stop()
         if sup is not None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from deltafin.runtime.procs import WakePipe, stop_processes
 
 ROLES = ("router", "loader", "compute")
-TERM_WAIT_S = 1.0  # after a clean stop's grace: SIGTERM, then this long before SIGKILL
 
 
 class SupervisorError(RuntimeError):
@@ -84,9 +83,10 @@ class Workers:
 
     def stop(self, grace_s: float) -> None:
         """Waits up to grace_s for the workers to exit by themselves (after a polite message
-        from the caller), then SIGTERM (only after a grace), then SIGKILL: one shared deadline
-        per step (runtime/procs.py). Each exit is recorded by its watcher before this returns."""
-        stop_processes(self.procs.values(), grace_s, term_s=TERM_WAIT_S if grace_s else 0.0)
+        from the caller), then SIGKILL (workers ignore SIGTERM: workers/common.py): one shared
+        deadline per step (runtime/procs.py). Each exit is recorded by its watcher before this
+        returns."""
+        stop_processes(self.procs.values(), grace_s)
         for t in self._threads:
             t.join(timeout=1.0)
 

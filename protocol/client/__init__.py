@@ -66,6 +66,10 @@ class RuntimeRestarting(DeltafinError):
     """The runtime is replacing its workers after one died; retry in a few seconds."""
 
 
+class RuntimeStopping(DeltafinError):
+    """The runtime stopped (SIGINT or SIGTERM) before the request finished; nothing more comes."""
+
+
 class RuntimeBusy(DeltafinError):
     """The queue is full (`queue_full`: one request running and compute.max_queue waiting);
     retry later."""
@@ -92,6 +96,7 @@ ERRORS: dict[M.ErrorCode, type[DeltafinError]] = {
     M.ErrorCode.WORKER_DIED: RuntimeDeadError,
     M.ErrorCode.RANK_LOST: RuntimeDeadError,
     M.ErrorCode.RESTARTING: RuntimeRestarting,
+    M.ErrorCode.SHUTTING_DOWN: RuntimeStopping,
     M.ErrorCode.INTERNAL: DeltafinError,
 }
 
@@ -296,4 +301,4 @@ def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
 
 __all__ = ["Client", "Generation", "Stream", "DeltafinError", "RequestError", "RuntimeDeadError",
            "ExpertUnavailableError", "ProtocolMismatch", "RuntimeUnavailable", "RuntimeRestarting",
-           "RuntimeBusy", "RequestCancelled", "wait_until_ready"]
+           "RuntimeStopping", "RuntimeBusy", "RequestCancelled", "wait_until_ready"]

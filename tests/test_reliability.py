@@ -1,0 +1,192 @@
+"""Probes of a hostile-but-fair user (docs/SECURITY.md, "Probes"): an abstract socket is refused
+without CURVE, a stop answers every request in flight with `shutting_down` (SIGTERM to the whole
+process group too, without a worker restart), a client that never reads cannot make the
+supervisor hold its replies, a temperature below the floor is greedy, a bad configuration is a
+ConfigError, and a /dev/shm without room for the pool is refused at start."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from deltafin.client import Client, RuntimeUnavailable
+from deltafin.protocol import messages as M
+from deltafin.runtime import shm
+from deltafin.runtime.config import ConfigError, load_config
+from deltafin.runtime.security import SecurityError, check_endpoint
+from deltafin.tools.run import running_supervisor
+
+BIG = "4GiB"
+
+
+def _start(store, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(store),
+                           "--memory-budget", BIG, *args], capture_output=True, text=True, timeout=120)
+
+
+def _dealer(endpoint: str, **opts) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    for k, v in opts.items():
+        s.setsockopt(getattr(zmq, k), v)
+    s.connect(endpoint)
+    return ctx, s
+
+
+# -- endpoints ------------------------------------------------------------------------------------
+def test_permissionless_ipc_endpoints_are_refused():
+    name = f"ipc://@deltafin-test-{os.getpid()}"
+    with pytest.raises(SecurityError, match="abstract socket"):
+        check_endpoint(name, allow_remote=False)
+    check_endpoint(name, allow_remote=True)  # served with CURVE
+    for chosen_by_zmq in ("ipc://*", "ipc://"):
+        with pytest.raises(SecurityError, match="name the socket path"):
+            check_endpoint(chosen_by_zmq, allow_remote=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
+def test_an_abstract_socket_is_refused_and_served_only_with_curve(tiny_stores, tmp_path):
+    endpoint = f"ipc://@deltafin-test-{os.getpid()}"
+    r = _start(tiny_stores("mixtral"), "--endpoint", endpoint)
+    assert r.returncode == 2 and "abstract socket" in r.stderr and "READY" not in r.stdout
+    keys = tmp_path / "keys"
+    cfg = tmp_path / "remote.toml"
+    cfg.write_text(f'[runtime]\nkeys_dir = "{keys}"\n')
+    extra = ["--endpoint", endpoint, "--allow-remote", "--config", str(cfg)]
+    with running_supervisor(tiny_stores("mixtral"), BIG, extra) as (ep, _):
+        with Client(ep, timeout=60, keys=keys) as c:
+            assert len(c.generate([1, 2, 3], max_tokens=2).token_ids) == 2
+        with pytest.raises(RuntimeUnavailable):  # no keys: no handshake, no answer
+            Client(ep, timeout=2)
+
+
+# -- stopping -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGTERM to the group"])
+def test_a_stop_answers_every_request_in_flight_with_shutting_down(tiny_stores, tmp_path, how):
+    log_path = tmp_path / "supervisor.log"
+    with open(log_path, "w+") as log, running_supervisor(
+            tiny_stores("mixtral"), BIG, stderr=log, preexec_fn=os.setsid) as (ep, proc):
+        ctx, s = _dealer(ep)
+        try:
+            for rid in (1, 2):  # one running, one queued behind it in compute
+                s.send(msgpack.packb({"type": "generate", "id": rid, "token_ids": [1, 2, 3],
+                                      "max_tokens": 2000}))
+            assert s.poll(60_000)  # the first token: the requests are in flight
+            if how == "SIGTERM to the group":
+                # where a worker gets it first, it must not exit (that would be a crash to restart)
+                compute = next(k for k in psutil.Process(proc.pid).children()
+                               if "deltafin.workers.compute" in " ".join(k.cmdline()))
+                compute.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                assert compute.is_running() and compute.status() != psutil.STATUS_ZOMBIE
+            t0 = time.monotonic()
+            if how == "SIGTERM to the group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(getattr(signal, how))
+            finals = {}
+            while len(finals) < 2 and s.poll(2_000):
+                m = msgpack.unpackb(s.recv())
+                if m["type"] != "token":
+                    finals[m["id"]] = m
+            assert time.monotonic() - t0 < 2.0
+            assert {i: (m["type"], m.get("code")) for i, m in finals.items()} == \
+                {1: ("error", "shutting_down"), 2: ("error", "shutting_down")}
+            assert proc.wait(timeout=30) == 0
+        finally:
+            s.close(0)
+            ctx.term()
+    text = log_path.read_text()
+    assert "restarting" not in text and "died" not in text and "exited with code" not in text, text
+
+
+# -- unread replies -------------------------------------------------------------------------------
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_a_client_that_never_reads_cannot_grow_the_supervisor(tiny_stores):
+    """Each logits reply is 1,900 x 512 float32 (3.9 MB); 30 of them unread would be 117 MB in
+    the supervisor's socket queue. Two may wait per connection, the rest are dropped and counted."""
+    ids = [(7 * i + 3) % 500 + 1 for i in range(1900)]
+    with running_supervisor(tiny_stores("mixtral"), BIG) as (ep, proc):
+        with Client(ep, timeout=60) as c:
+            assert c.logits(ids[:4]).shape[0] == 4  # warm: the supervisor has relayed one reply
+            before = _rss(proc.pid)
+            ctx, s = _dealer(ep, RCVHWM=1, RCVBUF=4096)  # its own queue holds almost nothing
+            try:
+                for rid in range(30):
+                    while c.stats()["active_requests"] >= 4:  # never queue_full: each one is computed
+                        time.sleep(0.05)
+                    s.send(msgpack.packb({"type": "logits", "id": rid, "token_ids": ids}))
+                deadline = time.monotonic() + 60
+                while c.stats()["active_requests"] and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                st = c.stats()
+                grown = _rss(proc.pid) - before
+                assert st["replies_dropped"]["unread"] >= 24, st["replies_dropped"]
+                assert grown < 40 * 2**20, f"supervisor grew {grown >> 20} MiB"
+                assert c.logits(ids[:4]).shape[0] == 4  # the reader is served meanwhile
+            finally:
+                s.close(0)
+                ctx.term()
+
+
+# -- sampling -------------------------------------------------------------------------------------
+def test_a_temperature_below_the_floor_is_greedy():
+    import mlx.core as mx
+    import numpy as np
+
+    from deltafin.workers.scheduler import sample_on_device
+    # logits of a real model's size: divided by 1e-38 in float32, most of them overflow to inf
+    logits = mx.array(np.linspace(0, 20, 512, dtype=np.float32)[None, :] + 25 * np.eye(1, 512, 7, dtype=np.float32))
+    for t in (1e-38, 1e-20, 1e-6):
+        drawn = {int(sample_on_device(logits, t, 1.0, mx.random.key(s)).item()) for s in range(32)}
+        assert drawn == {7}, (t, drawn)
+    assert M.greedy(0.0) and M.greedy(M.GREEDY_BELOW_TEMPERATURE / 2)
+    assert not M.greedy(M.GREEDY_BELOW_TEMPERATURE)
+
+
+# -- configuration --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,why", [
+    ("[compute]\nmax_batch = true\n", "compute.max_batch must be int"),
+    ("[compute]\nexpert_timeout_s = true\n", "compute.expert_timeout_s must be float"),
+    ("[compute]\nexpert_timeout_s = -1.0\n", "compute.expert_timeout_s must be > 0"),
+    ("[runtime]\nstartup_timeout_s = nan\n", "runtime.startup_timeout_s must be a finite number"),
+    ("[runtime]\ncontrol_timeout_s = 0\n", "runtime.control_timeout_s must be > 0"),
+    ("[runtime]\nrestart_window_s = nan\n", "runtime.restart_window_s must be a finite number"),
+    ("[distributed]\ntimeout_s = inf\n", "distributed.timeout_s must be a finite number"),
+])
+def test_config_values_of_the_wrong_kind_are_refused(tmp_path, text, why):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=why.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[runtime]\nendpoint = \"caf\xe9\"\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.toml"):
+        load_config(path)
+
+
+# -- shared memory --------------------------------------------------------------------------------
+def test_a_shared_memory_filesystem_without_room_is_refused_naming_the_numbers(tmp_path, monkeypatch):
+    tmpfs = os.statvfs_result((4096, 4096, 2560, 256, 256, 0, 0, 0, 0, 255))  # 10 MiB, 1 MiB free
+    monkeypatch.setattr(os, "statvfs", lambda path: tmpfs)
+    run = shm.RunDir(tmp_path / "runs")
+    try:
+        with pytest.raises(shm.SharedMemoryFull, match=r"needs 64\.00 MiB .* has 1\.00 MiB free of 10\.00 MiB"):
+            run.create_segment("staging1", 64 << 20)
+        seg = run.create_segment("staging2", 512 << 10)  # what fits is made
+        seg.close()
+    finally:
+        run.cleanup()
