@@ -6,7 +6,7 @@ logits (`logits`), runs a request alone (`generate`) or hands one to its schedul
 (`start`, then `done`), and reports its counters (`stats`). No sockets: the process
 (workers/compute.py) and in-process callers (tests, tools) drive it alike. Requests carry token
 ids and every token goes back as an id: prompt text, detokenizing and stop strings are the
-supervisor's (runtime/textside.py); it stops at EOS itself.
+request manager's (workers/requests.py); it stops at EOS itself.
 
 Benchmark modes (config [bench], reported as `bench_mode` in every stats dict): `Routing`
 (runtime/benchmode.py) takes the expert ids from a trace, or seeded random ones, instead of the
@@ -22,19 +22,18 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
+from deltafin.runtime import dtypes, metrics
 from deltafin.runtime.benchmode import StandInModel, bench_mode
-from deltafin.runtime import dtypes
 from deltafin.runtime.budget import kv_reserve_bytes, sequence_cache_bytes
 from deltafin.runtime.config import Config, as_config
-from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
 from deltafin.runtime.models.switch import switch_glu
 from deltafin.runtime.store import Store
 from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
-from deltafin.workers.scheduler import Scheduler, Sequence
 from deltafin.workers.pipeline import Pipeline, on_gpu
+from deltafin.workers.scheduler import Scheduler, Sequence
 from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
 
