@@ -45,6 +45,22 @@ class Report:
         os.replace(tmp, self.path)
 
 
+def run_reported(report: Report, name: str, fn) -> int:
+    """Runs fn() so that the JSON report says why whatever failed: 0 done, 2 an error (a load, a
+    shape, an unknown model), 3 out of memory."""
+    try:
+        fn()
+    except MemoryError:
+        report.update(status="error", error="MemoryError", peak_rss_bytes=peak_rss_bytes())
+        return 3
+    except Exception as e:
+        report.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
+                      peak_rss_bytes=peak_rss_bytes())
+        print(f"{name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -124,18 +140,13 @@ def main(argv=None) -> int:
         p.error("--max-tokens must be at least 1")
     report = Report(a.json, runner="mlx-lm", model=str(a.model), requested_dtype=a.dtype,
                     max_tokens=a.max_tokens, prompt_tokens=len(a.prompt_ids), pid=os.getpid())
-    try:
+    def generate() -> None:
         import mlx_lm
         report.update(mlx_lm_version=getattr(mlx_lm, "__version__", None))
         run(a.model, a.prompt_ids, a.max_tokens, report, a.dtype, tuple(a.stop_ids or ()), a.prefill_step_size)
-    except MemoryError:
-        report.update(status="error", error="MemoryError", peak_rss_bytes=peak_rss_bytes())
-        return 3
-    except Exception as e:  # the JSON must say why whatever failed (a load, a shape, an unknown model)
-        report.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
-                      peak_rss_bytes=peak_rss_bytes())
-        print(f"mlxlm_runner: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    code = run_reported(report, "mlxlm_runner", generate)
+    if code:
+        return code
     d = report.data
     print(f"mlx-lm: {d['prompt_tokens']} prompt tokens, {d['generated_tokens']} generated; prefill "
           f"{d['prefill_tok_s'] or 0:.2f} tok/s, decode {d['decode_tok_s'] or 0:.2f} tok/s, load {d['load_s']:.2f} s, "

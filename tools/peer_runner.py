@@ -29,10 +29,9 @@ import re
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from deltafin.tools.mlxlm_runner import Report, parse_ids, peak_rss_bytes
+from deltafin.tools.mlxlm_runner import Report, parse_ids, peak_rss_bytes, run_reported
 
 PEERS = {"mlx-vlm": "mlx_vlm", "rapid-mlx": "rapid_mlx"}  # contender -> the package it needs
 STACKED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.mlp)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -220,16 +219,10 @@ def main(argv=None) -> int:
     report = Report(a.json, runner=a.peer, model=str(a.model), expert_cache_gb=a.expert_cache_gb,
                     max_tokens=a.max_tokens, prompt_tokens=len(a.prompt_ids), pid=os.getpid(),
                     version=package_version(a.peer))
-    try:
-        run(a.peer, Path(a.model), a.expert_cache_gb, a.prompt_ids, a.max_tokens, report, a.prefill_step_size)
-    except MemoryError:
-        report.update(status="error", error="MemoryError", peak_rss_bytes=peak_rss_bytes())
-        return 3
-    except Exception as e:  # the JSON must say why whatever failed (an unsupported model, a load, a shape)
-        report.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8),
-                      peak_rss_bytes=peak_rss_bytes())
-        print(f"peer_runner: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    code = run_reported(report, "peer_runner", lambda: run(a.peer, Path(a.model), a.expert_cache_gb, a.prompt_ids,
+                                                           a.max_tokens, report, a.prefill_step_size))
+    if code:
+        return code
     d = report.data
     print(f"{a.peer}: {d['generated_tokens']} generated; decode {d['decode_tok_s'] or 0:.2f} tok/s, hit rate "
           f"{d['hit_rate'] if d['hit_rate'] is not None else '-'}, peak RSS {d['peak_rss_bytes'] / 2**20:.0f} MiB",
