@@ -271,7 +271,7 @@ class Compute:
                 # layers computed in pieces (hits first, misses as they land), prefetch fills taken
                 # before a layer asked, leases asked; and the settings resolved at start
                 "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases")},
-                             "resolved": self.pipeline.report() if self.pipeline else None},
+                             "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
                                  "fills": tier.fills, "placement": tier.placement} if tier else {}),
