@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-try:  # ISA-L's CRC-32 (pip install isal): the same checksum, 4-8x faster than zlib's here, which
-    # matters where the loader checks every record it reads (~5 MB, ~3-4 ms with zlib on this CPU)
+try:  # ISA-L's CRC-32 (a dependency): the same checksum, 3-8x faster than zlib's, which matters
+    # where the loader checks every record it reads and a miss waits for the check; zlib's where
+    # isal has no build for the platform
     from isal.isal_zlib import crc32
 except ImportError:
     from zlib import crc32

@@ -358,6 +358,47 @@ def test_a_lease_is_best_effort():
     assert [(m.layer, m.expert, m.prefetch) for m in again] == [(1, 2, False)]
 
 
+def _serve(r, out) -> None:
+    """Plays the loader and compute for the router's orders: every read lands, every fill is copied."""
+    todo = list(out)
+    while todo:
+        _, m = todo.pop(0)
+        if isinstance(m, M.Read):
+            todo += r.loaded(_loaded(m))
+        elif isinstance(m, M.Fill):
+            todo += r.filled(M.Filled(staging=m.staging, generation=m.generation))
+
+
+@pytest.mark.parametrize("lookahead_right", [False, True])
+def test_a_lease_reads_only_what_the_lookahead_guesses_well(lookahead_right):
+    """A lease reads a missing expert only where the prefetch would (its probability, at least the
+    lookahead's measured precision, reaches the threshold): a lookahead that keeps naming experts
+    the next layer does not use reads nothing, one that names them reads them ahead."""
+    r = Router(4, "predictive", n_staging=4, moe_layers=[0, 1], n_experts=16,
+               prefetch={"threshold": 0.4, "depth": 1})
+    req = 0
+    for p in range(12):  # the lookahead names layer 1's experts; layer 1 uses them or others
+        used = [(2 * p) % 16, (2 * p + 1) % 16]
+        r.hint([(1, e) for e in (used if lookahead_right else [(e + 8) % 16 for e in used])])
+        req += 2
+        _serve(r, r.need(req, 0, [p % 2]))
+        _serve(r, r.need(req + 1, 1, used))
+        r.end_pass()
+    precision = r.predictor.hint_precision()
+    assert (precision > 0.8) if lookahead_right else (precision < 0.1)
+    _serve(r, r.need(100, 0, [0]))
+    r.hint([(1, 14), (1, 15)])
+    out = r.need(101, 1, [14, 15], lease=True)
+    reads = [m for _, m in out if isinstance(m, M.Read)]
+    if lookahead_right:
+        _serve(r, out)
+        s = r.stats()
+        assert "lease_unlikely" not in s and s["lease_reads"] == 2
+    else:
+        s = r.stats()
+        assert not reads and s["lease_unlikely"] == 2 and s["lease_reads"] == 0
+
+
 def test_used_trains_the_predictor_and_release_ends_the_pass():
     router = Router(8, "predictive", moe_layers=[1, 2], n_experts=4)
     router.used([(1, [3]), (2, [0])])  # hits compute served alone (not in the table: stray)

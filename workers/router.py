@@ -240,6 +240,9 @@ class Router:
         for e in dict.fromkeys(experts):
             slot = table.hold((layer, e))
             if slot is None:
+                if not self._lease_pays((layer, e)):
+                    self.counters.add("lease_unlikely")
+                    continue
                 # as for a prefetch, the victim must be less likely to be used than the key (whose
                 # probability the lookahead's hint has just set)
                 slot = table.prefetch((layer, e), lease=True, keep=self._worth_more((layer, e)))
@@ -390,6 +393,16 @@ class Router:
             return None
         q = self._probability(key)
         return lambda victim: self._probability(victim) >= q
+
+    def _lease_pays(self, key) -> bool:
+        """Whether a lease reads a key it finds missing: as a prefetch would, where its probability
+        (at least the lookahead's measured precision, which the hint just gave it) reaches the
+        prefetch threshold. A lookahead that guesses poorly (a model whose next gate differs much
+        from this layer's) then only holds what is resident, and reads nothing it would waste;
+        its hints keep being scored, so leases read again once it guesses well. Every key without
+        a prefetcher."""
+        f = self.prefetcher
+        return f is None or self._probability(key) >= f.threshold
 
     def prefetch_ahead(self) -> list[tuple[str, object]]:
         """compute completed a layer from fills it took early, without a need (`used` with
