@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -111,6 +112,9 @@ def test_real_peers_run_on_the_exported_checkpoint_and_give_mlx_lms_tokens(arch,
     argv = ["--store", str(store.path), "--trace", "none", "--regimes", "real", "--prompt-tokens", "6",
             "--max-tokens", "6", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(tmp_path / "run"),
             "--contenders", ",".join(["mlx-lm", *PEERS])]
+    at_peak = arch == "qwen3_moe" and not missing_package("mlx-vlm")
+    if at_peak:  # and mlx-vlm again at deltafin's measured peak memory
+        argv[-1] += ",deltafin,mlx-vlm@mem"
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["setup"]["routing"] == "gate"
@@ -132,6 +136,24 @@ def test_real_peers_run_on_the_exported_checkpoint_and_give_mlx_lms_tokens(arch,
         assert r["token_ids"] == rr["mlx-lm"]["token_ids"]
     if not missing_package("mlx-vlm"):  # its layout is built once, beside the export
         assert (Path(str(store.path) + ".mlx-vlm") / "offload_index.json").exists()
+    if at_peak:
+        r, same, mine = rr["mlx-vlm@mem"], rr["mlx-vlm"], rr["deltafin"]
+        assert r["ok"], r.get("cause")
+        moved = (mine["peak_tree_pss_bytes"] - same["peak_tree_pss_bytes"]) / 1e9
+        assert r["expert_cache_gb"] == pytest.approx(same["expert_cache_gb"] + moved)
+        assert r["token_ids"] == rr["mlx-lm"]["token_ids"]
+
+
+def test_a_peer_at_equal_memory_needs_both_peaks_first():
+    s = SimpleNamespace(n_slots=4, store=SimpleNamespace(records=range(16), expert_bytes_total=16e9))
+    ok = {"ok": True, "peak_tree_pss_bytes": 3e9}
+    assert bench.equal_memory_gb(s, {"deltafin": [ok]}, "mlx-vlm")[0] is None
+    assert bench.equal_memory_gb(s, {"deltafin": [{**ok, "peak_tree_pss_bytes": 4e9}], "mlx-vlm": [ok]},
+                                 "mlx-vlm")[0] == pytest.approx(5.0, abs=1e-9)
+    gb, why = bench.equal_memory_gb(s, {"deltafin": [{**ok, "peak_tree_pss_bytes": 1e6}],
+                                        "mlx-vlm": [{**ok, "peak_tree_pss_bytes": 6e9}]}, "mlx-vlm")
+    assert gb is None and "below" in why
+    assert bench.bad_contender("mlx-vlm@mem") is None and bench.bad_contender("mlx-lm@mem")
 
 
 def test_a_peer_without_its_package_is_skipped_with_the_cause(tiny_stores, monkeypatch):

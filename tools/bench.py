@@ -57,6 +57,10 @@ CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm", *PEERS]
 # prefetch on at threshold 0.6, depth 1. Colons, not commas, so that --contenders still splits on
 # commas.
 PF_PREFIX = "deltafin-pf:"
+# A peer at deltafin's measured peak memory: "mlx-vlm@mem" is mlx-vlm with its expert budget moved
+# by deltafin's peak tree PSS minus mlx-vlm's own, both measured earlier in the same round at an
+# equal share of the experts (so deltafin and the peer come before it in --contenders).
+EQUAL_MEMORY = "@mem"
 PF_KEYS = {"t": ("prefetch_threshold", float), "d": ("prefetch_depth", int)}
 REGIMES = ("standin", "real")
 PRESET_DEFAULT = "dsv2-lite"
@@ -98,6 +102,8 @@ def mode_config(name: str) -> dict | None:
 
 def bad_contender(name: str) -> str | None:
     if name in CONTENDERS:
+        return None
+    if name.endswith(EQUAL_MEMORY) and name[:-len(EQUAL_MEMORY)] in PEERS:
         return None
     if name.startswith(PF_PREFIX):
         try:
@@ -371,9 +377,10 @@ def peer_skip(s: Setup, regime: str, name: str) -> dict | None:
     return None if layout is not None else {"ok": False, "skipped": True, "cause": why}
 
 
-def run_peer(s: Setup, regime: str, name: str, cap) -> dict:
+def run_peer(s: Setup, regime: str, name: str, cap, cache_gb: float | None = None) -> dict:
+    """name's run with its expert budget cache_gb (None: deltafin's share, peer_cache_gb)."""
     layout, _ = s.peers[name]
-    cache_gb = peer_cache_gb(s)
+    cache_gb = peer_cache_gb(s) if cache_gb is None else cache_gb
     cmd = [sys.executable, "-m", "deltafin.tools.peer_runner", "--peer", name, "--model", str(layout),
            "--expert-cache-gb", repr(cache_gb), "--prompt-ids", ",".join(map(str, s.prompt_ids)),
            "--max-tokens", str(s.max_tokens)]
@@ -394,12 +401,15 @@ def run_peer(s: Setup, regime: str, name: str, cap) -> dict:
             "load_s": data.get("load_s"), **mem}
 
 
-def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dtype: str | None) -> dict:
+def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dtype: str | None,
+                  cache_gb: float | None = None) -> dict:
+    """One contender's run; cache_gb: a peer's expert budget (None: deltafin's share)."""
     from deltafin.runtime.diskprobe import drop_page_cache
     from deltafin.tools.memcap import MemoryCap
     if name == "mlx-lm" and regime == "standin":
         return run_mlxlm(s, regime, None, ckpt, mlxlm_dtype)
-    skip = peer_skip(s, regime, name) if name in PEERS else None
+    peer = name.removesuffix(EQUAL_MEMORY)
+    skip = peer_skip(s, regime, peer) if peer in PEERS else None
     if skip is not None:
         return skip
     dropped = drop_page_cache() if s.drop_cache else "not asked (--no-drop-cache)"
@@ -414,8 +424,8 @@ def run_contender(s: Setup, regime: str, name: str, ckpt: Path | None, mlxlm_dty
             r = run_deltafin(s, regime, name, cap)
         elif name == "mmap":
             r = run_mmap(s, regime, cap)
-        elif name in PEERS:
-            r = run_peer(s, regime, name, cap)
+        elif peer in PEERS:
+            r = run_peer(s, regime, peer, cap, cache_gb)
         else:
             r = run_mlxlm(s, regime, cap, ckpt, mlxlm_dtype)
         r["run_s"] = time.perf_counter() - t0
@@ -508,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-frac", type=float, default=0.25, help="expert slots as a share of all experts")
     p.add_argument("--regimes", default=",".join(REGIMES), help="standin,real")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=",".join(CONTENDERS) + f"; and prefetch settings as {PF_PREFIX}t=0.6:d=1")
+                   help=",".join(CONTENDERS) + f"; prefetch settings as {PF_PREFIX}t=0.6:d=1; a peer at "
+                   f"deltafin's measured peak memory as mlx-vlm{EQUAL_MEMORY} (after deltafin and mlx-vlm)")
     p.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, alternating "
                    "(round 1: every contender, then round 2, ...); the report gives medians and the spread")
     p.add_argument("--standin-moe-ms", type=float, help="stand-in wait per MoE layer (default: config)")
@@ -653,6 +664,19 @@ def _regime_with_bound(s: Setup, regime: str, a, preset: dict) -> dict:
     return rr
 
 
+def equal_memory_gb(s: Setup, runs: dict, peer: str) -> tuple[float | None, str | None]:
+    """The peer's expert budget at deltafin's peak: its equal-share budget moved by deltafin's
+    peak tree PSS minus its own, from this round's runs; (None, why) where they are missing."""
+    mine, theirs = (runs.get(n, [])[-1:] for n in ("deltafin", peer))
+    peaks = [r[0].get("peak_tree_pss_bytes") if r and r[0].get("ok") else None for r in (mine, theirs)]
+    if None in peaks:
+        return None, f"needs deltafin's and {peer}'s peaks at an equal share earlier in the round"
+    gb = peer_cache_gb(s) + (peaks[0] - peaks[1]) / 1e9
+    if gb <= 0:
+        return None, f"deltafin's peak is {format_size(peaks[1] - peaks[0])} below {peer}'s at an equal share"
+    return gb, None
+
+
 def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tuple, rr: dict,
                 report: dict) -> None:
     """Runs a regime's rounds; after each round the contenders' summaries so far go into rr, rr
@@ -667,6 +691,9 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
             log(f"[{regime}] {name}" + (f" (round {i + 1} of {a.rounds})" if a.rounds > 1 else "") + " ...")
             if name == "mlx-lm" and ckpt is None and regime == "real":
                 r = {"ok": False, "cause": f"no mlx-lm checkpoint: {ckpt_error}"}
+            elif name.endswith(EQUAL_MEMORY):
+                cache_gb, why = equal_memory_gb(sr, runs, name.removesuffix(EQUAL_MEMORY))
+                r = {"ok": False, "cause": why} if why else run_contender(sr, regime, name, ckpt, a.mlxlm_dtype, cache_gb)
             else:
                 r = run_contender(sr, regime, name, ckpt, a.mlxlm_dtype)
             r.pop("token_ids", None) if not r.get("ok") else None
