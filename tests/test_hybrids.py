@@ -33,7 +33,7 @@ from deltafin.tools import convert  # noqa: E402
 from deltafin.tools.inprocess import local_router  # noqa: E402
 from deltafin.tools.synth import write_tokenizer  # noqa: E402
 from deltafin.workers.engine import Compute  # noqa: E402
-from conftest import greedy_alone  # noqa: E402
+from conftest import config_flags, greedy_alone  # noqa: E402
 
 INTERVAL = 2  # layers 0 and 2 linear, 1 and 3 full attention
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -228,3 +228,51 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(case):
         assert caches[0][0].offset == steps and caches[0][0].state.dtype == mx.float32
     finally:
         loader.close()
+
+
+# ---------------------------------------------------------------- real processes
+
+def test_real_processes_give_mlx_lm_greedy_tokens_at_every_budget(case, tmp_path):
+    """Supervisor, router, loader and compute: every expert resident, a quarter of them, the
+    minimum; prefetch and leases on and off: the greedy tokens are mlx-lm's."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+    model, _ = load_model(case.mlx)
+    ref = [int(t) for t, _ in generate_step(mx.array(TOKENS), model, max_tokens=20)]
+    n_keys, top_k = len(Store(case.store).records), Store(case.store).top_k
+    runs = [(n_keys, {}), (n_keys // 4, {}), (top_k, {}), (n_keys // 4, {"cache": {"prefetch": False}}),
+            (n_keys // 4, {"bench": {"leases": False}})]
+    for i, (slots, sections) in enumerate(runs):
+        (tmp_path / f"{i}").mkdir()
+        flags = config_flags(tmp_path / f"{i}", **sections)
+        with running_supervisor(case.store, "4GiB", [*flags, "--max-slots", str(slots)]) as (ep, _):
+            with Client(ep, timeout=120) as c:
+                got = c.generate(TOKENS, max_tokens=20).token_ids
+        assert got == ref, (case.family, slots, sections)
+
+
+def test_requests_decoded_together_and_one_cancelled_give_their_tokens_alone(case):
+    """Two requests decode together (their linear layers step one stacked state) with a third
+    that is cancelled two tokens in: each of the two gets its tokens alone, and every cache
+    charged to admission goes back."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    candidates = [TOKENS[i:i + 2 + i % 5] for i in range(10)]
+    with running_supervisor(case.store, "4GiB") as (ep, _):
+        with Client(ep, timeout=120) as a, Client(ep, timeout=120) as b, Client(ep, timeout=120) as x:
+            # prompts the random model does not end early (EOS) within 30 tokens
+            alone = [(p, a.generate(p, max_tokens=30)) for p in candidates]
+            prompts, refs = zip(*[(p, g.token_ids) for p, g in alone if g.finish_reason == "length"][:3])
+            ref_a, ref_b = refs[:2]
+            sa, sx = a.stream(prompts[0], max_tokens=30), x.stream(prompts[2], max_tokens=1000)
+            sb = b.stream(prompts[1], max_tokens=30)
+            next(sa), next(sb), next(sx)
+            next(sx)
+            sx.cancel()
+            list(sx), list(sa), list(sb)
+            batch = a.stats()["workers"]["compute"]["batch"]
+    assert sx.result.finish_reason == "cancelled"
+    assert sa.result.token_ids == ref_a and sb.result.token_ids == ref_b
+    assert batch["max_rows"] >= 2 and batch["kv_used_bytes"] == 0, batch
