@@ -230,6 +230,18 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(case):
         loader.close()
 
 
+def test_the_export_of_the_store_loads_in_mlx_lm_with_its_logits(case, tmp_path):
+    """deltafin-export-mlx of the store converted from mlx-lm's checkpoint: mlx-lm loads it (under
+    the language model's names) and gives the logits it gives on its own checkpoint, bit for bit.
+    A qwen3_next store of the float checkpoint is refused with the reason."""
+    from deltafin.tools.export_mlx import ExportError, export_mlx
+    out = export_mlx(case.store, tmp_path / "mlx")
+    assert np.array_equal(_mlx_lm_logits(out, TOKENS), _mlx_lm_logits(case.mlx, TOKENS))
+    if case.family == "qwen3_next":
+        with pytest.raises(ExportError, match="Hugging Face checkpoint's linear layers"):
+            export_mlx(case.hf_store, tmp_path / "hf-mlx")
+
+
 # ---------------------------------------------------------------- real processes
 
 def test_real_processes_give_mlx_lm_greedy_tokens_at_every_budget(case, tmp_path):
