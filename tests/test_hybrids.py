@@ -191,6 +191,14 @@ def test_the_float_checkpoint_matches_mlx_lm_on_it_bitwise(case):
     assert np.array_equal(ours, ref), f"{case.family}: max|diff| {np.abs(ours - ref).max()}"
 
 
+@pytest.mark.skipif(not mx.metal.is_available(), reason="mlx-lm's Gated DeltaNet kernel is Metal's")
+def test_on_an_apple_gpu_the_recurrence_is_mlx_lms_kernel():
+    from mlx_lm.models.gated_delta import gated_delta_kernel
+
+    from deltafin.runtime.models.gated_delta import metal_kernel
+    assert metal_kernel(128) is gated_delta_kernel and metal_kernel(16) is None
+
+
 def test_greedy_tokens_equal_mlx_lm_generate(case):
     from deltafin.tools.mmap_baseline import run_inprocess
     from mlx_lm.generate import generate_step

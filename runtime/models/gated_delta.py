@@ -3,11 +3,12 @@ over q, k and v, then the gated delta rule recurrence on a float32 state [heads,
 dim] per sequence, read out through a gated RMSNorm. Also the gated softmax attention the
 same models put on every full_attention_interval-th layer.
 
-The recurrence runs as mlx-lm 0.32.2 runs it off Metal (its ops path, one compiled step per
-position; the CPU and CUDA take it), so the state and the logits match mlx-lm's bitwise there.
-mlx-lm takes a Metal kernel on Apple GPUs; that kernel is not reproduced here (not run on a Mac).
+The recurrence runs as mlx-lm 0.32.2 runs it: off Metal its ops path, one compiled step per
+position (the CPU and CUDA take it), so the state and the logits match mlx-lm's bitwise there; on
+an Apple GPU mlx-lm's own Metal kernel (`mlx_lm.models.gated_delta.gated_delta_kernel`) where
+mlx-lm is installed and would take it (not run here: no Mac).
 """
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,6 +52,23 @@ def delta_step(q, k, v, g, beta, state):
     return y.astype(q.dtype), state
 
 
+@cache
+def _mlx_lm_kernel():
+    try:
+        from mlx_lm.models.gated_delta import gated_delta_kernel
+    except ImportError:
+        return None
+    return gated_delta_kernel
+
+
+def metal_kernel(dk: int):
+    """mlx-lm's Metal kernel of the recurrence where mlx-lm would run it (the default device an
+    Apple GPU, key dim a multiple of 32) and mlx-lm is installed; else None."""
+    if mx.default_device() != mx.gpu or not mx.metal.is_available() or dk < 32 or dk % 32:
+        return None
+    return _mlx_lm_kernel()
+
+
 def gated_delta(q, k, v, g, beta, state):
     """The recurrence over T positions: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv],
     state [B, Hv, Dv, Dk] float32 or None (zeros) -> (y [B, T, Hv, Dv], the state after T)."""
@@ -58,6 +76,8 @@ def gated_delta(q, k, v, g, beta, state):
     Hv, Dv = v.shape[-2:]
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if (kernel := metal_kernel(Dk)) is not None:
+        return kernel(q, k, v, g, beta, state)
     if Hv // Hk > 1:
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
     ys = []
