@@ -90,8 +90,8 @@ def gated_delta(q, k, v, g, beta, state):
 class GatedDeltaNet:
     """One linear-attention layer. Its projections come in two layouts: Qwen3-Next's
     in_proj_qkvz / in_proj_ba (interleaved per key head) and Qwen3.5's in_proj_qkv, in_proj_z,
-    in_proj_b, in_proj_a. The conv1d weight is taken as mlx-lm keeps it, [channels, kernel, 1],
-    or as Hugging Face ships it, [channels, 1, kernel]."""
+    in_proj_b, in_proj_a. The conv1d weight is mlx-lm's, [channels, kernel, 1] (the family turns a
+    Hugging Face checkpoint's into it)."""
 
     def __init__(self, weights, prefix, qspec, c: dict):
         self.nk, self.nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
@@ -102,8 +102,7 @@ class GatedDeltaNet:
         self.channels = 2 * self.key_dim + self.nv * self.dv
         self.width = c["linear_conv_kernel_dim"] - 1
         self.eps = c.get("rms_norm_eps", 1e-6)
-        conv = weights[f"{prefix}.conv1d.weight"]
-        self.conv = conv if conv.shape[-1] == 1 else conv.moveaxis(2, 1)
+        self.conv = weights[f"{prefix}.conv1d.weight"]
         self.A_log, self.dt_bias = weights[f"{prefix}.A_log"], weights[f"{prefix}.dt_bias"]
         self.norm = weights[f"{prefix}.norm.weight"]
         self.out_proj = Linear(weights, f"{prefix}.out_proj", qspec)

@@ -4,6 +4,8 @@ top-k routing (optionally renormalised) with a shared expert under a sigmoid gat
 
 from functools import partial
 
+import mlx.core as mx
+
 from deltafin.runtime.layerkinds import RecurrentState
 
 from . import routing
@@ -12,7 +14,7 @@ from .decoder import GQAModel, SparseMoE
 from .gated_delta import GatedAttention, GatedDeltaNet
 
 # Norms Hugging Face checkpoints store zero-centred (the layer scales by 1 + weight); mlx-lm
-# adds the 1 when it loads such a checkpoint (a conv1d weight still [channels, 1, kernel]).
+# adds the 1 when it loads such a checkpoint (one whose conv1d weights are [channels, 1, kernel]).
 CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                  ".q_norm.weight", ".k_norm.weight")
 
@@ -26,7 +28,15 @@ class Qwen3Next(GQAModel):
         theta, rotary, scaling = self.rope_parameters(c)
         self.rope = Rope(int(self.head_dim * rotary), theta, False, scaling)
         if any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in self.w.items()):
-            self.w.update({k: v + 1.0 for k, v in self.w.items() if k.endswith(CENTRED_NORMS) and v.ndim == 1})
+            self.w.update(self.from_hugging_face())
+            mx.eval(list(self.w.values()))  # inside the start-up measurement, as cast_weights does
+
+    def from_hugging_face(self) -> dict:
+        """The tensors a Hugging Face checkpoint stores otherwise than mlx-lm: conv1d weights
+        [channels, 1, kernel] -> [channels, kernel, 1], zero-centred norms w -> 1 + w."""
+        out = {k: v.moveaxis(2, 1) for k, v in self.w.items() if k.endswith("conv1d.weight")}
+        out.update({k: v + 1.0 for k, v in self.w.items() if k.endswith(CENTRED_NORMS) and v.ndim == 1})
+        return out
 
     def rope_parameters(self, c):
         """(theta, rotary fraction of head_dim, scaling): the top-level keys, as mlx-lm reads them
