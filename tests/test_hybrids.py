@@ -250,6 +250,27 @@ def test_the_export_of_the_store_loads_in_mlx_lm_with_its_logits(case, tmp_path)
             export_mlx(case.hf_store, tmp_path / "hf-mlx")
 
 
+def test_the_bench_preset_runs_in_deltafin_as_in_mlx_lm(tmp_path, monkeypatch):
+    """deltafin-synth bench's Qwen3.5-MoE preset (its structure at widths a CPU test affords, 4
+    layers: 3 linear, 1 full): mlx-lm loads the store's export, and deltafin's logits on the
+    store are mlx-lm's bit for bit."""
+    from deltafin.tools import synth
+    from deltafin.tools.export_mlx import export_mlx
+    small = dict(synth.PRESETS["qwen3.5-35b-a3b"], vocab_size=1024, hidden_size=512, num_experts=16,
+                 moe_intermediate_size=128, shared_expert_intermediate_size=128, head_dim=128,
+                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+    monkeypatch.setitem(synth.PRESETS, "qwen3.5-35b-a3b", small)
+    store = synth.bench("qwen3.5-35b-a3b", tmp_path / "s", layers=4, progress=False)
+    ref = _mlx_lm_logits(export_mlx(store, tmp_path / "mlx"), TOKENS)
+    c, loader = _compute(Store(store), 0)
+    try:
+        ours = c.logits(TOKENS)
+    finally:
+        loader.close()
+    assert [type(k) for k in c.model.layer_kinds] == [RecurrentState] * 3 + [FullKV]
+    assert np.isfinite(ref).all() and ref.std() > 0.1 and np.array_equal(ours, ref)
+
+
 # ---------------------------------------------------------------- real processes
 
 def test_real_processes_give_mlx_lm_greedy_tokens_at_every_budget(case, tmp_path):

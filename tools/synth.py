@@ -321,6 +321,17 @@ PRESETS = {
                           mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
                           tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
                           use_sliding_window=False, sliding_window=None, initializer_range=INIT_STD),
+    # Qwen3.5-35B-A3B's language model (transformers' Qwen3_5MoeTextConfig defaults, which name it;
+    # Qwen3.6-35B-A3B has the same shapes): 3 Gated DeltaNet layers to 1 gated attention layer
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe", vocab_size=248320,
+                            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+                            norm_topk_prob=True, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                            full_attention_interval=4, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+                            rope_theta=1e7, max_position_embeddings=262144, tie_word_embeddings=False,
+                            hidden_act="silu", attention_bias=False, initializer_range=INIT_STD),
     # Kimi-K2 publishes model_type "kimi_k2"; it is deepseek_v3 underneath, so say that directly.
     "kimi-k2": dict(_DS, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840,
                     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
