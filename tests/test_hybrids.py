@@ -250,6 +250,27 @@ def test_the_export_of_the_store_loads_in_mlx_lm_with_its_logits(case, tmp_path)
             export_mlx(case.hf_store, tmp_path / "hf-mlx")
 
 
+def test_qwen3_next_with_dense_layers_and_tied_embeddings(tmp_path):
+    """mlp_only_layers (a dense SwiGLU layer among the MoE ones) and a tied head, from
+    deltafin-synth's checkpoint through mlx_lm.convert: logits bitwise mlx-lm's."""
+    from mlx_lm import convert as mlx_convert
+
+    from deltafin.tools.synth import tiny
+    src = tiny("qwen3_next", tmp_path / "hf", layers=4, dtype="bfloat16",
+               overrides={"mlp_only_layers": [0], "tie_word_embeddings": True})
+    mlx_convert(str(src), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    assert convert.main([str(tmp_path / "q4"), str(tmp_path / "store"), "--no-progress"]) == 0
+    store = Store(tmp_path / "store")
+    assert store.moe_layers == [1, 2, 3]
+    c, loader = _compute(store, store.top_k)
+    try:
+        ours = c.logits(TOKENS)
+    finally:
+        loader.close()
+    assert c.model.head is c.model.embed
+    assert np.array_equal(ours, _mlx_lm_logits(tmp_path / "q4", TOKENS))
+
+
 def test_the_bench_preset_runs_in_deltafin_as_in_mlx_lm(tmp_path, monkeypatch):
     """deltafin-synth bench's Qwen3.5-MoE preset (its structure at widths a CPU test affords, 4
     layers: 3 linear, 1 full): mlx-lm loads the store's export, and deltafin's logits on the
