@@ -151,8 +151,8 @@ def _gated_delta(c: dict, p: str) -> dict:
     h, a = c["hidden_size"], f"{p}.linear_attn"
     nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     key, value = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
-    t = {f"{a}.A_log": (nv,), f"{a}.dt_bias": (nv,), f"{a}.conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]),
-         f"{a}.norm.weight": (c["linear_value_head_dim"],), **_linear(f"{a}.out_proj", h, value)}
+    t = {f"{a}.A_log": (nv,), f"{a}.dt_bias": (nv,), f"{a}.norm.weight": (c["linear_value_head_dim"],),
+         f"{a}.conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]), **_linear(f"{a}.out_proj", h, value)}
     if c["model_type"] == "qwen3_next":
         return {**t, **_linear(f"{a}.in_proj_qkvz", 2 * key + 2 * value, h), **_linear(f"{a}.in_proj_ba", 2 * nv, h)}
     return {**t, **_linear(f"{a}.in_proj_qkv", 2 * key + value, h), **_linear(f"{a}.in_proj_z", value, h),
