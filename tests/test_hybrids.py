@@ -234,6 +234,8 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(case):
                 assert np.array_equal(got[b], alone[b][s]), (case.family, s, b)
             toks = [int(t) for t in np.argmax(got, axis=-1)]
         assert caches[0][0].offset == steps and caches[0][0].state.dtype == mx.float32
+        # what the budget and admission charge a linear layer (bfloat16 model) is what it holds
+        assert all(cache[0].nbytes == m.layer_kinds[0].nbytes(1, 2) for cache in caches)
     finally:
         loader.close()
 
