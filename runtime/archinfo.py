@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV
+from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV, RecurrentState
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -49,6 +49,18 @@ def gqa_caches(config: dict) -> list[CacheKind]:
     width = int(config.get("num_key_value_heads") or heads) * int(
         config.get("head_dim") or config["hidden_size"] // heads)
     return [FullKV(width, width)] * int(config["num_hidden_layers"])
+
+
+def gated_delta_caches(config: dict) -> list[CacheKind]:
+    """Qwen3-Next / Qwen3.5 hybrids: every full_attention_interval-th layer is gated softmax
+    attention (FullKV), the others Gated DeltaNet: a float32 state [value heads, value dim, key
+    dim] and the short convolution's last kernel - 1 inputs of q, k and v."""
+    interval = int(config.get("full_attention_interval", 4))
+    nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    dk, dv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    linear = RecurrentState((nv, dv, dk), (int(config["linear_conv_kernel_dim"]) - 1, 2 * nk * dk + nv * dv), 4)
+    full = gqa_caches(config)[0]
+    return [full if (i + 1) % interval == 0 else linear for i in every_layer(config)]
 
 
 def _mla_widths(config: dict) -> tuple[int, int]:
@@ -95,6 +107,10 @@ ARCHS = {a.model_type: a for a in (
     # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type
     ArchInfo("deepseek_v3", "deepseek_v3.DeepseekV3", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
              mla_latent_caches, aliases=("kimi_k2",)),
+    ArchInfo("qwen3_next", "qwen3_next.Qwen3Next", "mlp", _STD, "num_experts", qwen_moe_layers, gated_delta_caches),
+    # Qwen3.5 / Qwen3.6 MoE: every layer routed; checkpoints nest the language model (text_model)
+    ArchInfo("qwen3_5_moe", "qwen3_5_moe.Qwen3_5Moe", "mlp", _STD, "num_experts", every_layer,
+             gated_delta_caches),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -105,6 +121,36 @@ def arch_for(config: dict) -> ArchInfo:
         raise UnsupportedArchitecture(
             f"unsupported architecture model_type={mt!r}; supported: {', '.join(sorted(_BY_NAME))}")
     return _BY_NAME[mt]
+
+
+def text_model(config: dict) -> dict:
+    """The config of a checkpoint's language model: a multimodal checkpoint's `text_config` with
+    the top-level model_type and quantization entries (names as `text_name` gives them);
+    any other config as it is."""
+    if not isinstance(config.get("text_config"), dict):
+        return config
+    flat = {**config["text_config"], "model_type": config["model_type"]}
+    for key in ("quantization", "quantization_config"):
+        if isinstance(config.get(key), dict):
+            flat[key] = {text_name(k) or k: v for k, v in config[key].items()}
+    return flat
+
+
+_WRAPPERS = (("language_model.model.", "model."), ("model.language_model.", "model."),
+             ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("model.visual.", "vision_tower.", "mtp.", "model.mtp.")
+
+
+def text_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the language model (`model.…`, `lm_head.…`): multimodal
+    wrappers stripped (Hugging Face's model.language_model., mlx-lm's language_model.model.);
+    None for the vision tower and multi-token-prediction heads, which the decoder never runs."""
+    if name.startswith(_NOT_TEXT):
+        return None
+    for outer, inner in _WRAPPERS:
+        if name.startswith(outer):
+            return inner + name[len(outer):]
+    return name
 
 
 def n_experts(config: dict) -> int:

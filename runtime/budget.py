@@ -39,11 +39,12 @@ def kv_reserve_tokens(max_context: int, kv_tokens: int = 0) -> int:
     return max(int(kv_tokens), int(max_context))
 
 
-def kv_reserve_bytes(config: dict, itemsize: int, max_context: int, kv_tokens: int = 0) -> int:
-    """The KV reserve: what the layers' caches hold at kv_reserve_tokens positions, each layer's
-    as its kind says (a window or a recurrent state holds less than every position)."""
+def kv_reserve_bytes(config: dict, itemsize: int, max_context: int, kv_tokens: int = 0, sequences: int = 1) -> int:
+    """The KV reserve: what the layers' caches hold at kv_reserve_tokens positions shared by up to
+    `sequences` sequences (compute.max_batch), each layer's as its kind says (a window holds less
+    than every position, a recurrent state the same bytes per sequence at any length)."""
     tokens = kv_reserve_tokens(max_context, kv_tokens)
-    return sum(kind.nbytes(tokens, itemsize) for kind in archinfo.layer_caches(config))
+    return sum(kind.reserve_bytes(tokens, sequences, itemsize) for kind in archinfo.layer_caches(config))
 
 
 def sequence_cache_bytes(config: dict, n_tokens: int, itemsize: int) -> int:
@@ -165,7 +166,7 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     plan = BudgetPlan(
         budget=config.runtime.budget_bytes,
         dense=dense,
-        kv_cache=kv_reserve_bytes(store.config, itemsize, cc.max_context, cc.kv_tokens),
+        kv_cache=kv_reserve_bytes(store.config, itemsize, cc.max_context, cc.kv_tokens, cc.max_batch),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

@@ -38,6 +38,11 @@ class CacheKind:
     def grown_bytes(self, n_tokens: int, itemsize: int) -> int:
         return self.allocated(n_tokens) * itemsize
 
+    def reserve_bytes(self, n_tokens: int, sequences: int, itemsize: int) -> int:
+        """The KV reserve's share for this layer: n_tokens positions shared by up to `sequences`
+        sequences decoded together."""
+        return self.nbytes(n_tokens, itemsize)
+
 
 @dataclass(frozen=True)
 class FullKV(CacheKind):
@@ -96,3 +101,7 @@ class RecurrentState(CacheKind):
 
     def grown_bytes(self, n_tokens: int, itemsize: int) -> int:
         return self.nbytes(n_tokens, itemsize)
+
+    def reserve_bytes(self, n_tokens: int, sequences: int, itemsize: int) -> int:
+        """One state per sequence, whatever their lengths."""
+        return max(1, int(sequences)) * self.nbytes(n_tokens, itemsize)

@@ -26,7 +26,13 @@ def _to_mx(arr, dtype):
 
 
 def _source_expert(refs, info, layer, e):
-    """The float projections of one expert as the checkpoint holds them (per-expert layout)."""
+    """The float projections of one expert as the checkpoint holds them (per-expert or fused)."""
+    fused = f"model.layers.{layer}.{info.block}.experts"
+    if f"{fused}.gate_up_proj" in refs:
+        gu, down = refs[f"{fused}.gate_up_proj"], refs[f"{fused}.down_proj"]
+        w = gu.read_slice0(e)
+        return {"gate_proj": (w[:len(w) // 2], gu.dtype), "up_proj": (w[len(w) // 2:], gu.dtype),
+                "down_proj": (down.read_slice0(e), down.dtype)}
     inv = {v: k for k, v in info.proj_names.items()}
     out = {}
     for proj in archinfo.PROJS:
@@ -37,7 +43,7 @@ def _source_expert(refs, info, layer, e):
 
 def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=64):
     store = Store(store_path)
-    refs = index_checkpoint(src)
+    refs = {archinfo.text_name(n): r for n, r in index_checkpoint(src).items()}  # the language model's names
     info = archinfo.arch_for(store.config)
     assert store.moe_layers == archinfo.moe_layers(store.config)
     for (layer, e), rec in store.records.items():
@@ -56,7 +62,7 @@ def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=
             step = mx.abs(mx.repeat(_to_mx(got[f"{proj}.scales"], dtype).astype(mx.float32), group_size, axis=-1))
             assert mx.all(mx.abs(deq.astype(mx.float32) - orig) <= step + 1e-2 * mx.abs(orig) + 1e-6).item()
     dense = store.dense_weights()
-    expert_names = [n for n in refs if archinfo.expert_pattern(info).match(n)]
+    expert_names = [n for n in refs if archinfo.expert_pattern(info).match(n) or archinfo.fused_pattern(info).match(n)]
     assert set(dense) == set(refs) - set(expert_names)
     for name, arr in dense.items():
         ref = refs[name]

@@ -188,12 +188,14 @@ def test_forecast_hosts_arithmetic():
 
 
 # -- exactness ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("max_slots", [0, 3], ids=["share-resident", "3-slots-per-rank"])
-def test_two_ranks_equal_one_host(tiny_stores, tmp_path, max_slots):
+@pytest.mark.parametrize("arch,max_slots", [("qwen3_moe", 0), ("qwen3_moe", 3), ("qwen3_5_moe", 3)],
+                         ids=["share-resident", "3-slots-per-rank", "hybrid-3-slots-per-rank"])
+def test_two_ranks_equal_one_host(tiny_stores, tmp_path, arch, max_slots):
     """Greedy tokens equal and logits bit-identical: every (token, k) output is computed by one
     rank exactly as on one host and summed with zeros. 3 slots per rank: its share of a layer
-    (4 experts) does not fit, so the prefill goes in chunks and decoding misses."""
-    store = tiny_stores("qwen3_moe")
+    (4 experts) does not fit, so the prefill goes in chunks and decoding misses. The hybrid's
+    linear layers are dense, so every rank keeps every sequence's recurrent state (replicated)."""
+    store = tiny_stores(arch)
     extra = ["--max-slots", str(max_slots)] if max_slots else []
     with _single(store, extra) as (ep, _):
         with Client(ep, timeout=60) as c:

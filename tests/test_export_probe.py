@@ -57,7 +57,8 @@ def assert_identical(ours: np.ndarray, ref: np.ndarray, what: str):
 
 # ---------------------------------------------------------------- export
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                  "qwen3_5_moe"])
 def test_export_loads_in_mlx_lm_with_identical_logits(tiny_stores, arch, tmp_path):
     store = tiny_stores(arch)
     # a small shard limit, so the tiny model spreads over several shards like a large one

@@ -69,7 +69,8 @@ class Converter:
         cfg_path = self.src / "config.json"
         if not cfg_path.exists():
             raise ConvertError(f"{self.src}: no config.json (is this a Hugging Face or mlx-lm checkpoint?)")
-        self.config = json.loads(cfg_path.read_text())
+        # a multimodal checkpoint's language model only (archinfo.text_model, text_name)
+        self.config = archinfo.text_model(json.loads(cfg_path.read_text()))
         try:
             self.info = archinfo.arch_for(self.config)
         except archinfo.UnsupportedArchitecture as e:
@@ -80,7 +81,8 @@ class Converter:
         qc = self.config.get("quantization")
         self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
         try:
-            self.refs = index_checkpoint(self.src)
+            self.refs = {text: ref for name, ref in index_checkpoint(self.src).items()
+                         if (text := archinfo.text_name(name))}
         except TensorFileError as e:
             raise ConvertError(str(e)) from None
 

@@ -88,6 +88,10 @@ def plan(store: Store) -> list[OutTensor]:
         except (OSError, TensorFileError) as e:
             raise ExportError(f"dense weights: {e}") from None
         out += [OutTensor(n, r.dtype, tuple(r.shape), r.nbytes, dense=r) for n, r in refs.items()]
+    if info.model_type == "qwen3_next" and any(t.name.endswith("conv1d.weight") and t.shape[-1] != 1 for t in out):
+        raise ExportError("this qwen3_next store holds a Hugging Face checkpoint's linear layers (conv1d "
+                          "[channels, 1, kernel], zero-centred norms), which mlx-lm converts only beside "
+                          "per-expert tensors; export a store converted from an mlx-lm checkpoint")
     for layer in store.moe_layers:
         layout = store.layout(layer)
         for e in range(store.n_experts):

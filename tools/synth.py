@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from deltafin.runtime import archinfo
+from deltafin.runtime.layerkinds import RecurrentState
 from deltafin.runtime.tensorfile import SafetensorsSpool
 from deltafin.tools.convert import progress_bar
 from deltafin.tools.demo_model import add_demo_parser
@@ -145,8 +146,65 @@ def _deepseek(c):
     return _decoder(c, layer)
 
 
+def _gated_delta(c: dict, p: str) -> dict:
+    """A Gated DeltaNet layer: Qwen3-Next's fused in_proj_qkvz / in_proj_ba, or Qwen3.5's four."""
+    h, a = c["hidden_size"], f"{p}.linear_attn"
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    key, value = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
+    t = {f"{a}.A_log": (nv,), f"{a}.dt_bias": (nv,), f"{a}.norm.weight": (c["linear_value_head_dim"],),
+         f"{a}.conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]), **_linear(f"{a}.out_proj", h, value)}
+    if c["model_type"] == "qwen3_next":
+        return {**t, **_linear(f"{a}.in_proj_qkvz", 2 * key + 2 * value, h), **_linear(f"{a}.in_proj_ba", 2 * nv, h)}
+    return {**t, **_linear(f"{a}.in_proj_qkv", 2 * key + value, h), **_linear(f"{a}.in_proj_z", value, h),
+            **_linear(f"{a}.in_proj_b", nv, h), **_linear(f"{a}.in_proj_a", nv, h)}
+
+
+def _hybrid(c):
+    """Qwen3-Next / Qwen3.5-MoE as transformers writes them: the layer kinds from archinfo, the q
+    projection twice as wide (its output gate), a shared expert everywhere."""
+    kinds = archinfo.layer_caches(c)
+
+    def layer(i, p, moe):
+        if isinstance(kinds[i], RecurrentState):
+            t = _gated_delta(c, p)
+        else:
+            t = _gqa(c, p, qk_norm="head")
+            t[f"{p}.self_attn.q_proj.weight"] = (2 * t[f"{p}.self_attn.q_proj.weight"][0], c["hidden_size"])
+        return {**t, **_qwen_mlp(c, p, moe, shared=True)}
+    return _decoder(c, layer)
+
+
+def _qwen3_5_moe(c):
+    """Flat config: transformers' Qwen3_5MoeForCausalLM layout. Nested (text_config), as
+    published: model.language_model.* with each layer's experts fused, gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I]."""
+    if "text_config" not in c:
+        return _hybrid(c)
+    text = archinfo.text_model(c)
+    out, inter, n = {}, text["moe_intermediate_size"], archinfo.n_experts(text)
+    for name, shape in _hybrid(text).items():
+        if ".mlp.experts." not in name:
+            out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = shape
+    for layer in archinfo.moe_layers(text):
+        e = f"model.language_model.layers.{layer}.mlp.experts"
+        out.update({f"{e}.gate_up_proj": (n, 2 * inter, text["hidden_size"]),
+                    f"{e}.down_proj": (n, text["hidden_size"], inter)})
+    return out
+
+
+def published(config: dict) -> dict:
+    """The config.json a family publishes: Qwen3.5-MoE nests its language model in text_config."""
+    if config["model_type"] != "qwen3_5_moe" or "text_config" in config:
+        return config
+    text = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+            "tie_word_embeddings": config["tie_word_embeddings"], "torch_dtype": config["torch_dtype"],
+            "dtype": config["dtype"]}
+
+
 SHAPES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
-          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
+          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "qwen3_next": _hybrid, "qwen3_5_moe": _qwen3_5_moe}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple]:
@@ -175,7 +233,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     """A config.json that both transformers and mlx-lm read, with dims fit for group-64 quantization."""
     heads = heads or max(1, hidden // 32)
     arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
-                 "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}[arch]
+                 "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "qwen3_next": "Qwen3Next",
+                 "qwen3_5_moe": "Qwen3_5Moe"}[arch]
     theta = {"mixtral": 1e6, "qwen2_moe": 1e6, "qwen3_moe": 1e6}.get(arch, 10000.0)
     c = {"architectures": [f"{arch_name}ForCausalLM"], "model_type": arch, "vocab_size": vocab,
          "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -202,6 +261,9 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
         else:  # transformers 5 calls it num_local_experts, mlx-lm and the hub num_experts
             c.update(num_local_experts=experts, head_dim=hidden // heads, norm_topk_prob=True,
                      attention_bias=False)
+    elif arch in ("qwen3_next", "qwen3_5_moe"):
+        c.update(_hybrid_config(hidden, heads, layers, experts, moe_intermediate))
+        c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"]
     else:
         v3 = arch == "deepseek_v3"
         # v3: group-limited routing (4 groups, best 2) whenever top_k fits in the kept groups
@@ -226,6 +288,19 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     return c
 
 
+def _hybrid_config(hidden: int, heads: int, layers: int, experts: int, moe_intermediate: int) -> dict:
+    """Qwen3-Next / Qwen3.5-MoE keys: linear and full attention alternating (both spellings:
+    mlx-lm reads full_attention_interval, transformers layer_types), partial rope at the top level
+    (mlx-lm's Qwen3-Next) and in rope_parameters (transformers, mlx-lm's Qwen3.5)."""
+    return dict(num_experts=experts, moe_intermediate_size=moe_intermediate, decoder_sparse_step=1,
+                mlp_only_layers=[], shared_expert_intermediate_size=moe_intermediate, norm_topk_prob=True,
+                head_dim=hidden // heads, attention_bias=False, partial_rotary_factor=0.25,
+                linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+                linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
+                linear_conv_kernel_dim=4, full_attention_interval=2,
+                layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)])
+
+
 # Real model shapes for `bench` (values from the published config.json files).
 _DS = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
            moe_layer_freq=1, first_k_dense_replace=1, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -246,6 +321,17 @@ PRESETS = {
                           mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
                           tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
                           use_sliding_window=False, sliding_window=None, initializer_range=INIT_STD),
+    # Qwen3.5-35B-A3B's language model (transformers' Qwen3_5MoeTextConfig defaults, which name it;
+    # Qwen3.6-35B-A3B has the same shapes): 3 Gated DeltaNet layers to 1 gated attention layer
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe", vocab_size=248320,
+                            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+                            norm_topk_prob=True, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                            full_attention_interval=4, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+                            rope_theta=1e7, max_position_embeddings=262144, tie_word_embeddings=False,
+                            hidden_act="silu", attention_bias=False, initializer_range=INIT_STD),
     # Kimi-K2 publishes model_type "kimi_k2"; it is deepseek_v3 underneath, so say that directly.
     "kimi-k2": dict(_DS, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840,
                     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
@@ -276,8 +362,8 @@ def init_std(name: str, shape) -> float:
     onto a few experts and the experts hardly move the logits, which makes weak test references."""
     if "embed_tokens" in name:
         return 1.0
-    if len(shape) == 2:
-        return 1.0 / math.sqrt(shape[1])
+    if len(shape) == 2 or name.endswith(("conv1d.weight", "experts.gate_up_proj", "experts.down_proj")):
+        return 1.0 / math.sqrt(shape[-1])
     if name.endswith("e_score_correction_bias"):
         return 0.1  # transformers uses zeros; nonzero exercises the selection-only bias path
     return INIT_STD  # linear biases (transformers: zeros) so a dropped bias shows in the outputs
@@ -399,7 +485,7 @@ def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    write_tokenizer(out, config["vocab_size"])
+    write_tokenizer(out, archinfo.text_model(config)["vocab_size"])
     return out
 
 
@@ -451,7 +537,7 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
         layers = 3 if arch.startswith("deepseek") else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
-    return write_checkpoint(Path(out), with_overrides(config, overrides), dtype, seed, shards)
+    return write_checkpoint(Path(out), published(with_overrides(config, overrides)), dtype, seed, shards)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,8 +78,9 @@ class Compute:
         self.recorder = TraceRecorder(store.n_experts) if self.trace_path else None
         # The KV reserve (runtime/budget.py) in the itemsize the budget assumed for it.
         self.kv_itemsize = dtypes.itemsize(cc.dtype) or 4  # the itemsize the budget assumed
-        kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens)
-        self.scheduler = Scheduler(self, self._max_batch(int(cc.max_batch)), kv_pool)
+        max_batch = self._max_batch(int(cc.max_batch))
+        kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens, max_batch)
+        self.scheduler = Scheduler(self, max_batch, kv_pool)
 
     def _max_batch(self, configured: int) -> int:
         """Decoding together needs the gate's own routing per row: a recorded trace is kept per

@@ -13,8 +13,8 @@ from deltafin.runtime import dtypes
 
 # ---------------------------------------------------------------- config and dtype helpers
 
-# mlx-lm keeps this tensor in float32 whatever the model dtype (its cast_predicate).
-_KEEP_DTYPE = ("e_score_correction_bias",)
+# mlx-lm keeps these tensors as stored whatever the model dtype (cast predicates, Qwen3.5 A_log).
+_KEEP_DTYPE = ("e_score_correction_bias", "A_log")
 
 
 def rope_settings(config: dict, default_theta: float):

@@ -112,7 +112,8 @@ class RecurrentCache(LayerCache):
         if prev is None:
             prev = mx.zeros((x.shape[0], width, x.shape[-1]), x.dtype)
         full = mx.concatenate([prev, x], axis=1)
-        return full, full[:, full.shape[1] - width:, :]
+        # a copy, so the cache does not keep the whole pass's input alive
+        return full, mx.contiguous(full[:, full.shape[1] - width:, :])
 
     def set_state(self, state) -> None:
         self.state = state
