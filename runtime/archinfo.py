@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV
+from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV, SlidingKV
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -34,6 +34,12 @@ def deepseek_moe_layers(config: dict) -> list[int]:
     return [i for i in every_layer(config) if i >= first and i % step == 0]
 
 
+def dense_first_layers(config: dict) -> list[int]:
+    """GLM-4.5 layout: every layer from first_k_dense_replace on has routed experts."""
+    first = int(config.get("first_k_dense_replace", 0))
+    return [i for i in every_layer(config) if i >= first]
+
+
 def qwen_moe_layers(config: dict) -> list[int]:
     """Qwen-MoE layout: MoE every decoder_sparse_step layers except those in mlp_only_layers."""
     step = int(config.get("decoder_sparse_step", 1) or 1)
@@ -49,6 +55,16 @@ def gqa_caches(config: dict) -> list[CacheKind]:
     width = int(config.get("num_key_value_heads") or heads) * int(
         config.get("head_dim") or config["hidden_size"] // heads)
     return [FullKV(width, width)] * int(config["num_hidden_layers"])
+
+
+def gpt_oss_caches(config: dict) -> list[CacheKind]:
+    """gpt-oss: layer_types names each layer's attention (default: sliding then full, alternating);
+    a sliding layer keeps its last sliding_window positions."""
+    full = gqa_caches(config)[0]
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n // 2)
+    window = SlidingKV(full.k_width, full.v_width, window=int(config["sliding_window"]))
+    return [window if t == "sliding_attention" else full for t in types]
 
 
 def _mla_widths(config: dict) -> tuple[int, int]:
@@ -81,6 +97,8 @@ class ArchInfo:
     caches: Callable[[dict], list[CacheKind]]      # config -> each layer's cache kind
     top_k_key: str = "num_experts_per_tok"
     aliases: tuple = ()        # other model_type names of the same architecture
+    stacked: str = "switch_mlp"  # module of mlx-lm's stacked experts under `block`
+    activation: str = "swiglu"   # the experts' GLU (runtime/models/switch.py ACTIVATIONS)
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -95,6 +113,11 @@ ARCHS = {a.model_type: a for a in (
     # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type
     ArchInfo("deepseek_v3", "deepseek_v3.DeepseekV3", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
              mla_latent_caches, aliases=("kimi_k2",)),
+    ArchInfo("glm4_moe", "glm4_moe.Glm4Moe", "mlp", _STD, "n_routed_experts", dense_first_layers, gqa_caches),
+    ArchInfo("gpt_oss", "gpt_oss.GptOss", "mlp", _STD, "num_local_experts", every_layer, gpt_oss_caches,
+             stacked="experts", activation="swiglu_oai"),
+    ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+             "num_local_experts", every_layer, gqa_caches),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -136,11 +159,13 @@ def expert_pattern(info: ArchInfo) -> re.Pattern:
 
 
 def stacked_pattern(info: ArchInfo) -> re.Pattern:
-    """Stacked experts [E, out, in]: mlx-lm's switch_mlp (float or quantized with scales/biases)."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.switch_mlp\.({'|'.join(PROJS)})"
-                      rf"\.(weight|scales|biases)$")
+    """Stacked experts [E, out, in]: mlx-lm's switch_mlp (float or quantized with scales/biases),
+    with per-expert output biases [E, out] where the family has them (gpt-oss)."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.{info.stacked}\.({'|'.join(PROJS)})"
+                      rf"\.(weight|scales|biases|bias)$")
 
 
 def fused_pattern(info: ArchInfo) -> re.Pattern:
-    """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)$")
+    """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
+    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H])."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)(_bias)?$")

@@ -1,0 +1,108 @@
+"""GLM-4.5 (glm4_moe), gpt-oss (gpt_oss) and MiniMax-M2 (minimax_m2) against mlx-lm 0.32.2.
+
+Each family's tiny bfloat16 checkpoint (deltafin-synth, the layout transformers writes; gpt-oss's
+experts rewritten into mlx-lm's layout for mlx-lm, synth.for_mlx_lm) is quantized by mlx_lm.convert
+(4-bit, group 64) and converted by deltafin-convert. Teacher-forced logits through the runtime's
+compute (in-process router and loader) equal mlx-lm's bit for bit with every expert resident, a
+quarter of them and the minimum (top_k slots). glm4_moe has a dense first layer and two expert
+groups; gpt-oss a sliding layer (window 8, shorter than the prompt) and a full one."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from deltafin.runtime import archinfo
+from deltafin.runtime.config import Config
+from deltafin.runtime.store import Store
+from deltafin.tools import convert, synth
+
+pytest.importorskip("mlx_lm")
+from mlx_lm import convert as mlx_convert  # noqa: E402
+from mlx_lm.utils import load_model  # noqa: E402
+
+FAMILIES = ("glm4_moe", "gpt_oss", "minimax_m2")
+PROMPT = [(11 * i + 5) % 500 + 3 for i in range(16)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(mlx-lm quantized checkpoint, its deltafin store, the HF checkpoint) of one family."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch)
+    hf = synth.tiny(arch, root / "hf", experts=8, moe_intermediate=64, seed=21, dtype="bfloat16")
+    mlx_convert(str(synth.for_mlx_lm(hf)), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    assert convert.main([str(root / "q4"), str(root / "store"), "--no-progress"]) == 0
+    return root / "q4", Store(root / "store"), hf
+
+
+def mlx_lm_logits(ckpt, ids) -> np.ndarray:
+    model, _ = load_model(ckpt)
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def compute_logits(store: Store, n_slots: int, ids) -> np.ndarray:
+    """Teacher-forced logits of the runtime's compute with n_slots resident experts."""
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
+    cfg = Config().to_dict()
+    src, staging, loader = local_router(store, cfg, n_slots=n_slots)
+    try:
+        return Compute(store, cfg, src, staging, store.max_record_bytes).logits(ids)
+    finally:
+        loader.close()
+
+
+def test_the_store_keeps_each_family_s_experts(family):
+    q4, store, _ = family
+    config = store.config
+    info = archinfo.arch_for(config)
+    assert store.moe_layers == archinfo.moe_layers(config) and store.n_experts == 8
+    layout = store.layout(store.moe_layers[0])
+    names = {t["name"] for t in layout["tensors"]}
+    biased = info.model_type == "gpt_oss"
+    assert ({"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names) == biased
+    assert layout["quant"].get("activation", "swiglu") == info.activation
+    if info.model_type == "glm4_moe":
+        assert store.moe_layers == [1, 2]  # first_k_dense_replace = 1
+    # the record holds mlx-lm's bytes: expert 5 of the last layer, tensor by tensor
+    layer = store.moe_layers[-1]
+    q = {k: v for f in sorted(q4.glob("model*.safetensors")) for k, v in mx.load(str(f)).items()}
+    got = store.read_expert(layer, 5)
+    for name in names:
+        ref = q[f"model.layers.{layer}.{info.block}.{info.stacked}.{name}"][5]
+        ref = np.array(ref.view(mx.uint16) if ref.dtype == mx.bfloat16 else ref)
+        np.testing.assert_array_equal(got[name], ref, err_msg=name)
+
+
+def test_teacher_forced_logits_equal_mlx_lm_at_every_budget(family):
+    q4, store, _ = family
+    ref = mlx_lm_logits(q4, PROMPT)
+    assert ref.std() > 0.3
+    n = len(store.records)
+    for n_slots in (n, n // 4, store.top_k):
+        np.testing.assert_array_equal(compute_logits(store, n_slots, PROMPT), ref,
+                                      err_msg=f"{store.config['model_type']} with {n_slots} of {n} experts resident")
+
+
+def test_float_checkpoint_converts_to_mlx_s_own_quantization(family):
+    """The Hugging Face checkpoint (gpt-oss: fused, transposed and interleaved experts with biases)
+    converts to the same expert bytes as mlx.quantize of mlx-lm's own reading of it."""
+    _, store, hf = family
+    info = archinfo.arch_for(store.config)
+    out = hf.parent / "from-hf"
+    assert convert.main([str(hf), str(out), "--no-progress"]) == 0
+    ours = Store(out)
+    model, _ = load_model(synth.for_mlx_lm(hf))
+    layer = ours.moe_layers[-1]
+    experts = getattr(model.model.layers[layer], info.block)
+    switch = getattr(experts, info.stacked)
+    got = ours.read_expert(layer, 3)
+    for proj in archinfo.PROJS:
+        module = getattr(switch, proj)
+        wq, scales, biases = mx.quantize(module.weight[3], 64, 4)
+        for name, ref in (("weight", wq), ("scales", scales), ("biases", biases)):
+            np.testing.assert_array_equal(got[f"{proj}.{name}"], np.array(ref.view(mx.uint16)) if ref.dtype ==
+                                          mx.bfloat16 else np.array(ref), err_msg=f"{proj}.{name}")
+        if "bias" in module:
+            np.testing.assert_array_equal(got[f"{proj}.bias"], np.array(module.bias[3].view(mx.uint16)))
