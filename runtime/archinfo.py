@@ -116,8 +116,8 @@ ARCHS = {a.model_type: a for a in (
     ArchInfo("glm4_moe", "glm4_moe.Glm4Moe", "mlp", _STD, "n_routed_experts", dense_first_layers, gqa_caches),
     ArchInfo("gpt_oss", "gpt_oss.GptOss", "mlp", _STD, "num_local_experts", every_layer, gpt_oss_caches,
              stacked="experts", activation="swiglu_oai"),
-    ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
-             "num_local_experts", every_layer, gqa_caches),
+    ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe",
+             {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}, "num_local_experts", every_layer, gqa_caches),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 

@@ -106,3 +106,39 @@ def test_float_checkpoint_converts_to_mlx_s_own_quantization(family):
                                           mx.bfloat16 else np.array(ref), err_msg=f"{proj}.{name}")
         if "bias" in module:
             np.testing.assert_array_equal(got[f"{proj}.bias"], np.array(module.bias[3].view(mx.uint16)))
+
+
+def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
+    from mlx_lm.generate import generate_step
+    model, _ = load_model(ckpt)
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def test_greedy_tokens_equal_mlx_lm_in_process(family):
+    """mlx-lm's generate_step, token for token, with every expert resident; gpt-oss's decode runs
+    past its window (mlx-lm's rotating cache holds the window's keys out of temporal order then)."""
+    from deltafin.tools.mmap_baseline import run_inprocess
+    q4, store, _ = family
+    prompt, n = PROMPT[:3], 24
+    ref = mlx_lm_greedy(q4, prompt, n)
+    cfg = Config().to_dict()
+    assert run_inprocess(store.path, cfg, prompt, n, source="slots")["token_ids"] == ref
+
+
+@pytest.mark.parametrize("share", [1.0, 0.25])
+def test_greedy_tokens_equal_mlx_lm_in_real_processes(share, tmp_path_factory):
+    """glm4_moe served by the supervisor and its workers, all experts resident and a quarter."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    root = tmp_path_factory.mktemp("glm-run")
+    hf = synth.tiny("glm4_moe", root / "hf", experts=8, moe_intermediate=64, seed=8, dtype="bfloat16")
+    mlx_convert(str(hf), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    assert convert.main([str(root / "q4"), str(root / "store"), "--no-progress"]) == 0
+    store = Store(root / "store")
+    prompt, n = PROMPT[:9], 32
+    ref = mlx_lm_greedy(root / "q4", prompt, n)
+    slots = max(store.top_k, int(len(store.records) * share))
+    with running_supervisor(root / "store", "4GiB", ["--max-slots", str(slots)]) as (ep, _):
+        with Client(ep, timeout=120) as c:
+            got = c.generate(prompt, max_tokens=n).token_ids
+    assert got == ref
