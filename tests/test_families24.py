@@ -106,6 +106,13 @@ def test_float_checkpoint_converts_to_mlx_s_own_quantization(family):
                                           mx.bfloat16 else np.array(ref), err_msg=f"{proj}.{name}")
         if "bias" in module:
             np.testing.assert_array_equal(got[f"{proj}.bias"], np.array(module.bias[3].view(mx.uint16)))
+    if synth.for_mlx_lm(hf) != hf:  # gpt-oss: mlx-lm's float layout converts to the same records
+        assert convert.main([str(synth.for_mlx_lm(hf)), str(hf.parent / "from-mlx"), "--no-progress"]) == 0
+        again = Store(hf.parent / "from-mlx")
+        assert again.layouts == ours.layouts
+        for key in ours.records:
+            np.testing.assert_array_equal(np.frombuffer(again.read_record(again.record(*key)), np.uint8),
+                                          np.frombuffer(ours.read_record(ours.record(*key)), np.uint8))
 
 
 def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
@@ -125,20 +132,28 @@ def test_greedy_tokens_equal_mlx_lm_in_process(family):
     assert run_inprocess(store.path, cfg, prompt, n, source="slots")["token_ids"] == ref
 
 
-@pytest.mark.parametrize("share", [1.0, 0.25])
-def test_greedy_tokens_equal_mlx_lm_in_real_processes(share, tmp_path_factory):
-    """glm4_moe served by the supervisor and its workers, all experts resident and a quarter."""
-    from deltafin.client import Client
-    from deltafin.tools.run import running_supervisor
+@pytest.fixture(scope="module")
+def glm_run(tmp_path_factory):
+    """A glm4_moe store and mlx-lm's greedy tokens on its checkpoint."""
     root = tmp_path_factory.mktemp("glm-run")
     hf = synth.tiny("glm4_moe", root / "hf", experts=8, moe_intermediate=64, seed=8, dtype="bfloat16")
     mlx_convert(str(hf), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
     assert convert.main([str(root / "q4"), str(root / "store"), "--no-progress"]) == 0
-    store = Store(root / "store")
     prompt, n = PROMPT[:9], 32
-    ref = mlx_lm_greedy(root / "q4", prompt, n)
+    return Store(root / "store"), prompt, n, mlx_lm_greedy(root / "q4", prompt, n)
+
+
+@pytest.mark.parametrize("share,prefetch", [(1.0, True), (0.25, True), (0.25, False)])
+def test_greedy_tokens_equal_mlx_lm_in_real_processes(glm_run, share, prefetch, tmp_path):
+    """glm4_moe served by the supervisor and its workers: all experts resident, and a quarter
+    with prefetch on and off."""
+    from conftest import config_flags
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    store, prompt, n, ref = glm_run
     slots = max(store.top_k, int(len(store.records) * share))
-    with running_supervisor(root / "store", "4GiB", ["--max-slots", str(slots)]) as (ep, _):
+    flags = ["--max-slots", str(slots), *config_flags(tmp_path, cache={"prefetch": prefetch})]
+    with running_supervisor(store.path, "4GiB", flags) as (ep, _):
         with Client(ep, timeout=120) as c:
             got = c.generate(prompt, max_tokens=n).token_ids
     assert got == ref

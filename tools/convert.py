@@ -105,7 +105,7 @@ class Converter:
                 layer, proj, part = int(m[1]), m[2], m[3]
                 for e in range(ref.shape[0]):
                     src = sources.setdefault((layer, e), ExpertSource("stacked", index=e))
-                    if part != "weight":  # scales/biases beside it: mlx-lm quantized experts
+                    if part in ("scales", "biases"):  # beside the weight: mlx-lm quantized experts
                         src.kind = "stacked_quantized"
                     src.refs[f"{proj}.{part}"] = ref
             elif m := fused.match(name):
