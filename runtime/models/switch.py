@@ -121,10 +121,12 @@ class ResidentExperts:
 
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
-    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64, activation: str = "swiglu"):
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64,
+                 activation: str = "swiglu"):
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
         self.activation = activation  # the family's (archinfo.ArchInfo.activation)
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        return switch_glu(x, inds, w, {**uniform_quant(w, self.bits, self.group_size), "activation": self.activation})
+        quant = {**uniform_quant(w, self.bits, self.group_size), "activation": self.activation}
+        return switch_glu(x, inds, w, quant)
