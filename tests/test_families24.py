@@ -25,6 +25,10 @@ from mlx_lm import convert as mlx_convert  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
 
 FAMILIES = ("glm4_moe", "gpt_oss", "minimax_m2")
+# gpt-oss's published rope: yarn, factor 32 over 4096 positions, theta 150000
+OVERRIDES = {"gpt_oss": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                             "beta_slow": 1.0}}}
 PROMPT = [(11 * i + 5) % 500 + 3 for i in range(16)]
 
 
@@ -33,7 +37,8 @@ def family(request, tmp_path_factory):
     """(mlx-lm quantized checkpoint, its deltafin store, the HF checkpoint) of one family."""
     arch = request.param
     root = tmp_path_factory.mktemp(arch)
-    hf = synth.tiny(arch, root / "hf", experts=8, moe_intermediate=64, seed=21, dtype="bfloat16")
+    hf = synth.tiny(arch, root / "hf", experts=8, moe_intermediate=64, seed=21, dtype="bfloat16",
+                    overrides=OVERRIDES.get(arch))
     mlx_convert(str(synth.for_mlx_lm(hf)), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
     assert convert.main([str(root / "q4"), str(root / "store"), "--no-progress"]) == 0
     return root / "q4", Store(root / "store"), hf
@@ -162,17 +167,11 @@ def test_greedy_tokens_equal_mlx_lm_in_real_processes(glm_run, share, prefetch, 
     assert got == ref
 
 
-def test_decode_step_by_step_equals_mlx_lm_with_its_caches(family):
-    """The model alone (runtime/models, every expert stacked as mlx-lm stacks them): a prefill, a
-    second chunk at an offset, then one token a pass, against mlx-lm with its own caches, bit for
-    bit: gpt-oss's sliding layers run 22 positions past their window of 8 (mlx-lm's rotating
-    cache)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+def resident_model(q4, config: dict):
+    """runtime/models' model of an mlx-lm checkpoint under `config`, with its experts stacked as
+    mlx-lm stacks them (ResidentExperts)."""
     from deltafin.runtime.models import ResidentExperts, build_model
-    q4, store, _ = family
-    info = archinfo.arch_for(store.config)
-    config = json.loads((q4 / "config.json").read_text())
+    info = archinfo.arch_for(config)
     weights = {k: v for f in sorted(q4.glob("model*.safetensors")) for k, v in mx.load(str(f)).items()}
     dense, experts = {}, {}
     for k, v in weights.items():
@@ -182,8 +181,31 @@ def test_decode_step_by_step_equals_mlx_lm_with_its_caches(family):
         else:
             dense[k] = v
     q = config["quantization"]
-    model = build_model(config, dense, q, "auto")
-    resident = ResidentExperts(experts, q["bits"], q["group_size"], activation=info.activation)
+    return build_model(config, dense, q, "auto"), ResidentExperts(experts, q["bits"], q["group_size"],
+                                                                 activation=info.activation)
+
+
+def test_a_transformers_5_config_runs_as_its_mlx_lm_spelling(family):
+    """Without the top-level keys mlx-lm needs (rope_theta; GLM's partial_rotary_factor), read from
+    rope_parameters as transformers 5 writes them: the same logits."""
+    q4 = family[0]
+    config = json.loads((q4 / "config.json").read_text())
+    bare = {k: v for k, v in config.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    assert bare["rope_parameters"]["rope_theta"] == config["rope_theta"]
+    logits = [np.array(m(mx.array(PROMPT), m.make_cache(), e)) for m, e in
+              (resident_model(q4, config), resident_model(q4, bare))]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    np.testing.assert_array_equal(logits[0], mlx_lm_logits(q4, PROMPT))
+
+
+def test_decode_step_by_step_equals_mlx_lm_with_its_caches(family):
+    """The model alone (runtime/models, every expert stacked as mlx-lm stacks them): a prefill, a
+    second chunk at an offset, then one token a pass, against mlx-lm with its own caches, bit for
+    bit: gpt-oss's sliding layers run 22 positions past their window of 8 (mlx-lm's rotating
+    cache)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    q4 = family[0]
+    model, resident = resident_model(q4, json.loads((q4 / "config.json").read_text()))
     ref_model, _ = load_model(q4)
     ids = PROMPT + PROMPT[:14]
     ref_cache, cache = make_prompt_cache(ref_model), model.make_cache()

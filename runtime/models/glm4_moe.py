@@ -16,8 +16,10 @@ class Glm4Moe(GQAModel):
     def configure(self, c):
         self.n_heads, self.n_kv_heads, self.head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         self.qk_norm = "head" if c["use_qk_norm"] else None
-        # mlx-lm rotates int(head_dim * partial_rotary_factor) dims, unscaled whatever rope_scaling says
-        self.rope = Rope(int(self.head_dim * c["partial_rotary_factor"]), self.rope_theta)
+        # mlx-lm rotates int(head_dim * partial_rotary_factor) dims, unscaled whatever rope_scaling
+        # says; transformers 5 writes the factor inside rope_parameters only
+        factor = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {})["partial_rotary_factor"]
+        self.rope = Rope(int(self.head_dim * factor), self.rope_theta)
         self.route = partial(routing.sigmoid_grouped_topk, k=self.top_k, n_group=c["n_group"],
                              topk_group=c["topk_group"], scale=c["routed_scaling_factor"],
                              norm=bool(c["norm_topk_prob"]))
