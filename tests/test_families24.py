@@ -4,8 +4,11 @@ Each family's tiny bfloat16 checkpoint (deltafin-synth, the layout transformers 
 experts rewritten into mlx-lm's layout for mlx-lm, synth.for_mlx_lm) is quantized by mlx_lm.convert
 (4-bit, group 64) and converted by deltafin-convert. Teacher-forced logits through the runtime's
 compute (in-process router and loader) equal mlx-lm's bit for bit with every expert resident, a
-quarter of them and the minimum (top_k slots). glm4_moe has a dense first layer and two expert
-groups; gpt-oss a sliding layer (window 8, shorter than the prompt) and a full one."""
+quarter of them and the minimum (top_k slots); greedy tokens equal mlx-lm's generate_step in
+process and, for glm4_moe, through the supervisor and its worker processes; the model decodes
+step by step and in chunks as mlx-lm does with its own caches. glm4_moe has a dense first layer
+and two expert groups; gpt-oss a sliding layer (window 8, shorter than the prompt), a full one
+and its published yarn rope."""
 from __future__ import annotations
 
 import json
