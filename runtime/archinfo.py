@@ -84,6 +84,19 @@ def mla_latent_caches(config: dict) -> list[CacheKind]:
     return [LatentKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
 
 
+# ---------------------------------------------------------------- the activation of the routed experts
+
+def swiglu_experts(config: dict) -> dict | None:
+    """None: the experts' GLU is SwiGLU."""
+    return None
+
+
+def swiglu_oai_experts(config: dict) -> dict | None:
+    """gpt-oss's clamped SwiGLU, as a record layout's quant names it (runtime/models/switch.py
+    glu_activation; its alpha and limit are mlx-lm's constants, whatever the config says)."""
+    return {"name": "swiglu_oai"}
+
+
 # ---------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -97,8 +110,8 @@ class ArchInfo:
     caches: Callable[[dict], list[CacheKind]]      # config -> each layer's cache kind
     top_k_key: str = "num_experts_per_tok"
     aliases: tuple = ()        # other model_type names of the same architecture
+    activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
     stacked: str = "switch_mlp"  # module of mlx-lm's stacked experts under `block`
-    activation: str = "swiglu"   # the experts' GLU (runtime/models/switch.py ACTIVATIONS)
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -115,7 +128,7 @@ ARCHS = {a.model_type: a for a in (
              mla_latent_caches, aliases=("kimi_k2",)),
     ArchInfo("glm4_moe", "glm4_moe.Glm4Moe", "mlp", _STD, "n_routed_experts", dense_first_layers, gqa_caches),
     ArchInfo("gpt_oss", "gpt_oss.GptOss", "mlp", _STD, "num_local_experts", every_layer, gpt_oss_caches,
-             stacked="experts", activation="swiglu_oai"),
+             stacked="experts", activation=swiglu_oai_experts),
     ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe",
              {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}, "num_local_experts", every_layer, gqa_caches),
 )}

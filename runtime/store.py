@@ -138,11 +138,8 @@ class StoreWriter:
     def add_expert(self, layer: int, expert: int, tensors: dict[str, np.ndarray],
                    quant: dict | None = None) -> None:
         """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw),
-        plus the per-expert output biases of a family that has them. The layout's quant names the
-        family's expert activation where it is not SwiGLU."""
+        plus the per-expert output biases of a family that has them."""
         quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
-        if self.info.activation != "swiglu":
-            quant = {**quant, "activation": self.info.activation}
         missing = [f"{p}.{k}" for p in archinfo.PROJS
                    for k in (("weight", "scales", "biases") if quant.get(p) else ("weight",))
                    if f"{p}.{k}" not in tensors]

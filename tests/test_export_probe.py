@@ -36,7 +36,8 @@ def deltafin_model(store_path):
             a = mx.array(np.stack([r[name] for r in recs]))
             experts[layer][name] = a.view(mx.bfloat16) if dtypes[name] == "bfloat16" else a
     model = build_model(s.config, s.dense_weights(), s.manifest["dense_quantization"], "auto")
-    return model, ResidentExperts(experts, s.bits, s.group_size, activation=archinfo.arch_for(s.config).activation)
+    activation = archinfo.arch_for(s.config).activation(s.config)
+    return model, ResidentExperts(experts, s.bits, s.group_size, activation=activation)
 
 
 def deltafin_logits(store_path, ids=IDS) -> np.ndarray:

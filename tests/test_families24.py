@@ -73,7 +73,7 @@ def test_the_store_keeps_each_family_s_experts(family):
     names = {t["name"] for t in layout["tensors"]}
     biased = info.model_type == "gpt_oss"
     assert ({"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names) == biased
-    assert layout["quant"].get("activation", "swiglu") == info.activation
+    assert layout["quant"].get("activation") == info.activation(config)
     if info.model_type == "glm4_moe":
         assert store.moe_layers == [1, 2]  # first_k_dense_replace = 1
     # the record holds mlx-lm's bytes: expert 5 of the last layer, tensor by tensor
@@ -185,7 +185,7 @@ def resident_model(q4, config: dict):
             dense[k] = v
     q = config["quantization"]
     return build_model(config, dense, q, "auto"), ResidentExperts(experts, q["bits"], q["group_size"],
-                                                                 activation=info.activation)
+                                                                 activation=info.activation(config))
 
 
 def test_a_transformers_5_config_runs_as_its_mlx_lm_spelling(family):

@@ -84,6 +84,7 @@ class Converter:
         self.n_experts = archinfo.n_experts(self.config)
         qc = self.config.get("quantization")
         self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
+        self.activation = self.info.activation(self.config)
         try:
             self.refs = index_checkpoint(self.src)
         except TensorFileError as e:
@@ -228,6 +229,8 @@ class Converter:
             with writer:
                 for (layer, e) in sorted(sources):
                     tensors, quant = self.record(layer, sources[(layer, e)])
+                    if self.activation is not None:
+                        quant["activation"] = self.activation
                     writer.add_expert(layer, e, tensors, quant)
                     bar.update(1)
                 for name in sorted(dense):

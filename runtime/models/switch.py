@@ -48,8 +48,14 @@ def swiglu_oai(gate, up):
     return (up + 1.0) * (gate * mx.sigmoid(1.702 * gate))
 
 
-# a record layout's quant["activation"] (absent: SwiGLU) -> f(gate, up)
-ACTIVATIONS = {"swiglu": swiglu, "swiglu_oai": swiglu_oai}
+def glu_activation(spec: dict | None):
+    """The experts' act(gate, up) a record layout's quant names under "activation" (archinfo's
+    `ArchInfo.activation`): SwiGLU where it names none."""
+    if spec is None:
+        return swiglu
+    if spec["name"] == "swiglu_oai":
+        return swiglu_oai
+    raise ValueError(f"unknown expert activation {spec['name']!r}")
 
 
 def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
@@ -57,14 +63,16 @@ def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
     name (a record layout's "quant"), and the activation where it is not SwiGLU."""
     up = expert_matmul(x, w, "up_proj", idx, quant["up_proj"], sorted_indices)
     gate = expert_matmul(x, w, "gate_proj", idx, quant["gate_proj"], sorted_indices)
-    act = ACTIVATIONS[quant.get("activation", "swiglu")]
+    act = glu_activation(quant.get("activation"))
     return expert_matmul(act(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
 
-def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
-    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
-    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
-            for p in ("gate_proj", "up_proj", "down_proj")}
+def uniform_quant(w: dict, bits: int, group_size: int, activation: dict | None = None) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales),
+    with the experts' activation where it is not SwiGLU."""
+    quant = {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+             for p in ("gate_proj", "up_proj", "down_proj")}
+    return quant if activation is None else {**quant, "activation": activation}
 
 
 def switch_glu(x, inds, w, quant: dict):
@@ -122,11 +130,10 @@ class ResidentExperts:
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
     def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64,
-                 activation: str = "swiglu"):
+                 activation: dict | None = None):
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
         self.activation = activation  # the family's (archinfo.ArchInfo.activation)
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        quant = {**uniform_quant(w, self.bits, self.group_size), "activation": self.activation}
-        return switch_glu(x, inds, w, quant)
+        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size, self.activation))
