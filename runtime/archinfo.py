@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV, RecurrentState
+from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV, RecurrentState, SlidingKV
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -32,6 +32,12 @@ def deepseek_moe_layers(config: dict) -> list[int]:
     first = int(config.get("first_k_dense_replace", 0))
     step = int(config.get("moe_layer_freq", 1))
     return [i for i in every_layer(config) if i >= first and i % step == 0]
+
+
+def dense_first_layers(config: dict) -> list[int]:
+    """GLM-4.5 layout: every layer from first_k_dense_replace on has routed experts."""
+    first = int(config.get("first_k_dense_replace", 0))
+    return [i for i in every_layer(config) if i >= first]
 
 
 def qwen_moe_layers(config: dict) -> list[int]:
@@ -63,6 +69,16 @@ def gated_delta_caches(config: dict) -> list[CacheKind]:
     return [full if (i + 1) % interval == 0 else linear for i in every_layer(config)]
 
 
+def gpt_oss_caches(config: dict) -> list[CacheKind]:
+    """gpt-oss: layer_types names each layer's attention (default: sliding then full, alternating);
+    a sliding layer keeps its last sliding_window positions."""
+    full = gqa_caches(config)[0]
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n // 2)
+    window = SlidingKV(full.k_width, full.v_width, window=int(config["sliding_window"]))
+    return [window if t == "sliding_attention" else full for t in types]
+
+
 def _mla_widths(config: dict) -> tuple[int, int]:
     """MLA's per-head keys (no-position + rotary part) and values, elements per position."""
     heads = int(config["num_attention_heads"])
@@ -80,6 +96,19 @@ def mla_latent_caches(config: dict) -> list[CacheKind]:
     return [LatentKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
 
 
+# ---------------------------------------------------------------- the activation of the routed experts
+
+def swiglu_experts(config: dict) -> dict | None:
+    """None: the experts' GLU is SwiGLU."""
+    return None
+
+
+def swiglu_oai_experts(config: dict) -> dict | None:
+    """gpt-oss's clamped SwiGLU, as a record layout's quant names it (runtime/models/switch.py
+    glu_activation; its alpha and limit are mlx-lm's constants, whatever the config says)."""
+    return {"name": "swiglu_oai"}
+
+
 # ---------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -93,6 +122,8 @@ class ArchInfo:
     caches: Callable[[dict], list[CacheKind]]      # config -> each layer's cache kind
     top_k_key: str = "num_experts_per_tok"
     aliases: tuple = ()        # other model_type names of the same architecture
+    activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
+    stacked: str = "switch_mlp"  # module of mlx-lm's stacked experts under `block`
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -111,6 +142,11 @@ ARCHS = {a.model_type: a for a in (
     # Qwen3.5 / Qwen3.6 MoE: every layer routed; checkpoints nest the language model (text_model)
     ArchInfo("qwen3_5_moe", "qwen3_5_moe.Qwen3_5Moe", "mlp", _STD, "num_experts", every_layer,
              gated_delta_caches),
+    ArchInfo("glm4_moe", "glm4_moe.Glm4Moe", "mlp", _STD, "n_routed_experts", dense_first_layers, gqa_caches),
+    ArchInfo("gpt_oss", "gpt_oss.GptOss", "mlp", _STD, "num_local_experts", every_layer, gpt_oss_caches,
+             stacked="experts", activation=swiglu_oai_experts),
+    ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe",
+             {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}, "num_local_experts", every_layer, gqa_caches),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -182,11 +218,13 @@ def expert_pattern(info: ArchInfo) -> re.Pattern:
 
 
 def stacked_pattern(info: ArchInfo) -> re.Pattern:
-    """Stacked experts [E, out, in]: mlx-lm's switch_mlp (float or quantized with scales/biases)."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.switch_mlp\.({'|'.join(PROJS)})"
-                      rf"\.(weight|scales|biases)$")
+    """Stacked experts [E, out, in]: mlx-lm's switch_mlp (float or quantized with scales/biases),
+    with per-expert output biases [E, out] where the family has them (gpt-oss)."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.{info.stacked}\.({'|'.join(PROJS)})"
+                      rf"\.(weight|scales|biases|bias)$")
 
 
 def fused_pattern(info: ArchInfo) -> re.Pattern:
-    """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)$")
+    """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
+    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H])."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)(_bias)?$")

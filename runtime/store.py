@@ -35,7 +35,9 @@ ALIGN = 16384          # record start alignment: Apple SSD page, also fine for L
 TENSOR_ALIGN = 64      # tensors inside a record start on 64 bytes for aligned numpy/MLX views
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "tokenizer.model")
-RECORD_TENSORS = tuple(f"{p}.{k}" for p in archinfo.PROJS for k in ("weight", "scales", "biases"))
+# per projection: the weight (packed codes or float), its scales and biases, and the expert's own
+# output bias where the family has one (gpt-oss)
+RECORD_TENSORS = tuple(f"{p}.{k}" for p in archinfo.PROJS for k in ("weight", "scales", "biases", "bias"))
 
 
 class StoreError(Exception):
@@ -136,7 +138,8 @@ class StoreWriter:
 
     def add_expert(self, layer: int, expert: int, tensors: dict[str, np.ndarray],
                    quant: dict | None = None) -> None:
-        """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw)."""
+        """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw),
+        plus the per-expert output biases of a family that has them."""
         quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
         missing = [f"{p}.{k}" for p in archinfo.PROJS
                    for k in (("weight", "scales", "biases") if quant.get(p) else ("weight",))

@@ -94,7 +94,7 @@ def mlx_lm_stores(tmp_path_factory):
     from mlx_lm import convert as mlx_convert
 
     from deltafin.tools import convert
-    from deltafin.tools.synth import tiny
+    from deltafin.tools.synth import for_mlx_lm, tiny
     root = tmp_path_factory.mktemp("mlxlm")
     cache: dict[str, tuple] = {}
 
@@ -102,7 +102,7 @@ def mlx_lm_stores(tmp_path_factory):
         if arch not in cache:
             src = tiny(arch, root / f"{arch}-hf", seed=12, dtype="bfloat16")
             q = root / f"{arch}-q4"
-            mlx_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=64)
+            mlx_convert(str(for_mlx_lm(src)), str(q), quantize=True, q_bits=4, q_group_size=64)
             out = root / f"{arch}-store"
             assert convert.main([str(q), str(out), "--no-progress"]) == 0
             cache[arch] = (q, out)

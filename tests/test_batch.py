@@ -54,7 +54,8 @@ def _together(ep: str, prompts: list, max_tokens: int) -> list:
 @pytest.mark.parametrize("arch,rows,slots,quantized", [
     ("mixtral", 4, 0, False), ("qwen2_moe", 4, 0, False), ("qwen3_moe", 4, 0, False), ("olmoe", 4, 0, False),
     ("deepseek_v2", 4, 0, False), ("deepseek_v3", 4, 0, False), ("mixtral", 40, 0, False), ("mixtral", 6, 4, False),
-    ("qwen3_moe", 5, 0, True), ("deepseek_v3", 5, 0, True)])
+    ("qwen3_moe", 5, 0, True), ("deepseek_v3", 5, 0, True),
+    ("glm4_moe", 4, 0, True), ("gpt_oss", 5, 0, True), ("gpt_oss", 6, 4, True), ("minimax_m2", 4, 0, True)])
 def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(request, arch, rows, slots, quantized):
     """Logits of forward_batch over `rows` sequences of different lengths equal, bitwise, those of
     each sequence's own single-row passes, step after step, on every architecture's attention

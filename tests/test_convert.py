@@ -16,7 +16,7 @@ from deltafin.runtime import archinfo
 from deltafin.runtime.store import ALIGN, Store, StoreError, checksum
 from deltafin.runtime.tensorfile import index_checkpoint, read_header
 from deltafin.tools import convert
-from deltafin.tools.synth import tiny
+from deltafin.tools.synth import for_mlx_lm, tiny
 
 ARCHS = list(archinfo.ARCHS)
 
@@ -26,7 +26,8 @@ def _to_mx(arr, dtype):
 
 
 def _source_expert(refs, info, layer, e):
-    """The float projections of one expert as the checkpoint holds them (per-expert or fused)."""
+    """The float projections of one expert as the checkpoint holds them (per-expert, fused, or
+    mlx-lm's stacked layout: gpt-oss's, as synth.for_mlx_lm rewrites transformers' fused experts)."""
     fused = f"model.layers.{layer}.{info.block}.experts"
     if f"{fused}.gate_up_proj" in refs:
         gu, down = refs[f"{fused}.gate_up_proj"], refs[f"{fused}.down_proj"]
@@ -36,14 +37,15 @@ def _source_expert(refs, info, layer, e):
     inv = {v: k for k, v in info.proj_names.items()}
     out = {}
     for proj in archinfo.PROJS:
-        ref = refs[f"model.layers.{layer}.{info.block}.experts.{e}.{inv[proj]}.weight"]
-        out[proj] = (ref.read(), ref.dtype)
+        stacked = refs.get(f"model.layers.{layer}.{info.block}.{info.stacked}.{proj}.weight")
+        ref = stacked or refs[f"model.layers.{layer}.{info.block}.experts.{e}.{inv[proj]}.weight"]
+        out[proj] = (ref.read_slice0(e) if stacked else ref.read(), ref.dtype)
     return out
 
 
 def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=64):
     store = Store(store_path)
-    refs = {archinfo.text_name(n): r for n, r in index_checkpoint(src).items()}  # the language model's names
+    refs = {archinfo.text_name(n): r for n, r in index_checkpoint(for_mlx_lm(src)).items()}  # the language model's names
     info = archinfo.arch_for(store.config)
     assert store.moe_layers == archinfo.moe_layers(store.config)
     for (layer, e), rec in store.records.items():
@@ -62,7 +64,8 @@ def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=
             step = mx.abs(mx.repeat(_to_mx(got[f"{proj}.scales"], dtype).astype(mx.float32), group_size, axis=-1))
             assert mx.all(mx.abs(deq.astype(mx.float32) - orig) <= step + 1e-2 * mx.abs(orig) + 1e-6).item()
     dense = store.dense_weights()
-    expert_names = [n for n in refs if archinfo.expert_pattern(info).match(n) or archinfo.fused_pattern(info).match(n)]
+    expert_names = [n for n in refs if archinfo.expert_pattern(info).match(n) or archinfo.fused_pattern(info).match(n)
+                    or archinfo.stacked_pattern(info).match(n)]
     assert set(dense) == set(refs) - set(expert_names)
     for name, arr in dense.items():
         ref = refs[name]

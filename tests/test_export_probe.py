@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from deltafin.runtime import diskprobe
+from deltafin.runtime import archinfo, diskprobe
 from deltafin.runtime.models import ResidentExperts, build_model
 from deltafin.runtime.store import ALIGN, Store, StoreError
 from deltafin.tools import synth
@@ -36,7 +36,8 @@ def deltafin_model(store_path):
             a = mx.array(np.stack([r[name] for r in recs]))
             experts[layer][name] = a.view(mx.bfloat16) if dtypes[name] == "bfloat16" else a
     model = build_model(s.config, s.dense_weights(), s.manifest["dense_quantization"], "auto")
-    return model, ResidentExperts(experts, s.bits, s.group_size)
+    activation = archinfo.arch_for(s.config).activation(s.config)
+    return model, ResidentExperts(experts, s.bits, s.group_size, activation=activation)
 
 
 def deltafin_logits(store_path, ids=IDS) -> np.ndarray:
@@ -77,7 +78,7 @@ def test_export_loads_in_mlx_lm_with_identical_logits(tiny_stores, arch, tmp_pat
     assert_identical(deltafin_logits(store), mlx_lm_logits(out), arch)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2"])
 def test_export_of_an_mlx_lm_store_gives_back_the_mlx_lm_checkpoint(mlx_lm_stores, arch, tmp_path):
     """bf16 mlx-lm checkpoint -> deltafin-convert -> export: every tensor and the quantization
     config (qwen3's 8-bit routers included) come back as mlx-lm wrote them."""

@@ -48,6 +48,8 @@ CASES = {
                                              routed_scaling_factor=2.5, rope_parameters=NO_SCALING), "bfloat16"),
     "deepseek_v3_yarn": ("deepseek_v3", MLA, dict(MLA_CONFIG, q_lora_rank=None, n_group=4, topk_group=2,
                                                   rope_parameters=YARN), "float32"),
+    "glm4_moe": ("glm4_moe", dict(experts=8, moe_intermediate=64), {}, "bfloat16"),
+    "minimax_m2": ("minimax_m2", dict(experts=8, moe_intermediate=64), {}, "float16"),
 }
 EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\..*\.experts\.(\d+)\.(\w+)\.weight$")
 HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

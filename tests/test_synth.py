@@ -53,7 +53,7 @@ def _hf_logits(path, ids):
 def _mlx_logits(path):
     import mlx.core as mx
     from mlx_lm.utils import load
-    model, tok = load(str(path))  # strict: raises on missing or unexpected weights
+    model, tok = load(str(synth.for_mlx_lm(path)))  # strict: raises on missing or unexpected weights
     ids = tok.encode(TEXT)
     return ids, np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
@@ -173,9 +173,10 @@ def test_config_is_hub_style(arch):
     for name, shape in synth.tensor_shapes(c).items():
         if len(shape) == 2:
             assert shape[1] % 64 == 0, name
-    pattern = archinfo.expert_pattern(archinfo.arch_for(c))
-    experts = [n for n in synth.tensor_shapes(c) if pattern.match(n)]
-    assert len(experts) == 3 * 8 * len(archinfo.moe_layers(c))
+    info, shapes = archinfo.arch_for(c), synth.tensor_shapes(c)
+    experts = [n for n in shapes if archinfo.expert_pattern(info).match(n)]
+    fused_layers = {int(m[1]) for n in shapes if (m := archinfo.fused_pattern(info).match(n))}  # gpt-oss
+    assert len(experts) + 3 * 8 * len(fused_layers) == 3 * 8 * len(archinfo.moe_layers(c))
 
 
 def test_routing_is_not_degenerate(tiny_dir):

@@ -22,6 +22,11 @@ from deltafin.runtime.tensorfile import TensorFileError, TensorRef, index_checkp
 EXTRA_TOKENIZER_FILES = ("vocab.json", "merges.txt", "added_tokens.json")
 
 
+# transformers' GptOss keeps fused experts transposed, [E, in, out], with gate and up interleaved
+# along gate_up_proj's output axis (gate the even columns, up the odd), biases beside them
+INTERLEAVED_FUSED = ("gpt_oss",)
+
+
 class ConvertError(Exception):
     pass
 
@@ -80,6 +85,7 @@ class Converter:
         self.n_experts = archinfo.n_experts(self.config)
         qc = self.config.get("quantization")
         self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
+        self.activation = self.info.activation(self.config)
         try:
             self.refs = {text: ref for name, ref in index_checkpoint(self.src).items()
                          if (text := archinfo.text_name(name))}
@@ -102,14 +108,14 @@ class Converter:
                 layer, proj, part = int(m[1]), m[2], m[3]
                 for e in range(ref.shape[0]):
                     src = sources.setdefault((layer, e), ExpertSource("stacked", index=e))
-                    if part != "weight":  # scales/biases beside it: mlx-lm quantized experts
+                    if part in ("scales", "biases"):  # beside the weight: mlx-lm quantized experts
                         src.kind = "stacked_quantized"
                     src.refs[f"{proj}.{part}"] = ref
             elif m := fused.match(name):
                 layer = int(m[1])
                 for e in range(ref.shape[0]):
                     src = sources.setdefault((layer, e), ExpertSource("fused", index=e))
-                    src.refs[m[2]] = ref
+                    src.refs[m[2] + (m[3] or "")] = ref
             else:
                 dense.append(name)
         # Multi-token-prediction layers (DeepSeek-V3 layer 61) are not part of the decoder.
@@ -143,10 +149,13 @@ class Converter:
         if src.kind == "stacked_quantized":
             half = [p for p in archinfo.PROJS if (f"{p}.scales" in src.refs) != (f"{p}.biases" in src.refs)]
             return [f"{where}: {p} has scales or biases but not both" for p in half]
-        for ref in src.refs.values():
+        transposed = src.kind == "fused" and self.info.model_type in INTERLEAVED_FUSED
+        for name, ref in src.refs.items():
             if ref.dtype not in FLOAT_DTYPES:
                 return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"]
-            in_dim = ref.shape[-1]
+            if name.endswith("bias"):
+                continue
+            in_dim = ref.shape[-2] if transposed else ref.shape[-1]
             if in_dim % self.group_size:
                 return [f"{where}: {ref.name} shape {list(ref.shape)} does not fit group size "
                         f"{self.group_size} (input dimension {in_dim} is not a multiple)"]
@@ -166,15 +175,29 @@ class Converter:
                     continue
                 for part in ("weight", "scales", "biases"):
                     tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
-                q = mlx_quant_params(self.mlx_quant, f"model.layers.{layer}.{block}.switch_mlp.{proj}")
+                q = mlx_quant_params(self.mlx_quant, f"model.layers.{layer}.{block}.{self.info.stacked}.{proj}")
                 quant[proj] = q or {"bits": self.mlx_quant["bits"], "group_size": self.mlx_quant["group_size"]}
-            return tensors, quant
+            return {**tensors, **self._expert_biases(src)}, quant
         floats = self._float_projs(src)
         for proj, (w, dtype) in floats.items():
             wq, s, b = quantize(w, dtype, bits, gs)
             tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"] = wq, s, b
             quant[proj] = {"bits": bits, "group_size": gs}
-        return tensors, quant
+        return {**tensors, **self._expert_biases(src)}, quant
+
+    def _expert_biases(self, src: ExpertSource) -> dict:
+        """The expert's own output biases, `{proj}.bias` [out], as stored (gpt-oss)."""
+        if src.kind != "fused":
+            return {n: src.refs[n].read_slice0(src.index) for n in (f"{p}.bias" for p in archinfo.PROJS)
+                    if n in src.refs}
+        out = {}
+        if "gate_up_proj_bias" in src.refs:
+            gu = src.refs["gate_up_proj_bias"].read_slice0(src.index)
+            out["gate_proj.bias"], out["up_proj.bias"] = (np.ascontiguousarray(gu[0::2]),
+                                                          np.ascontiguousarray(gu[1::2]))
+        if "down_proj_bias" in src.refs:
+            out["down_proj.bias"] = src.refs["down_proj_bias"].read_slice0(src.index)
+        return out
 
     def _float_projs(self, src: ExpertSource) -> dict:
         if src.kind == "per_expert":
@@ -184,6 +207,10 @@ class Converter:
                     for p in archinfo.PROJS}
         gu_ref, down_ref = src.refs["gate_up_proj"], src.refs["down_proj"]
         gu = gu_ref.read_slice0(src.index)
+        if self.info.model_type in INTERLEAVED_FUSED:
+            return {"gate_proj": (np.ascontiguousarray(gu[:, 0::2].T), gu_ref.dtype),
+                    "up_proj": (np.ascontiguousarray(gu[:, 1::2].T), gu_ref.dtype),
+                    "down_proj": (np.ascontiguousarray(down_ref.read_slice0(src.index).T), down_ref.dtype)}
         half = gu.shape[0] // 2
         return {"gate_proj": (np.ascontiguousarray(gu[:half]), gu_ref.dtype),
                 "up_proj": (np.ascontiguousarray(gu[half:]), gu_ref.dtype),
@@ -204,6 +231,8 @@ class Converter:
             with writer:
                 for (layer, e) in sorted(sources):
                     tensors, quant = self.record(layer, sources[(layer, e)])
+                    if self.activation is not None:
+                        quant["activation"] = self.activation
                     writer.add_expert(layer, e, tensors, quant)
                     bar.update(1)
                 for name in sorted(dense):

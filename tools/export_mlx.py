@@ -49,8 +49,9 @@ class OutTensor:
 
 
 def expert_name(info: archinfo.ArchInfo, layer: int, part: str) -> str:
-    """mlx-lm's module path of a stacked expert tensor (mixtral: block_sparse_moe, others: mlp)."""
-    return f"model.layers.{layer}.{info.block}.switch_mlp.{part}"
+    """mlx-lm's module path of a stacked expert tensor (mixtral: block_sparse_moe, others: mlp;
+    gpt-oss: experts, others: switch_mlp)."""
+    return f"model.layers.{layer}.{info.block}.{info.stacked}.{part}"
 
 
 def quantization_config(store: Store) -> dict:
@@ -63,7 +64,8 @@ def quantization_config(store: Store) -> dict:
     q.update({k: v for k, v in dq.items() if k not in ("group_size", "bits", "mode")})
     info = archinfo.arch_for(store.config)
     for layer in store.moe_layers:
-        for proj, pq in store.layout(layer)["quant"].items():
+        for proj in archinfo.PROJS:
+            pq = store.layout(layer)["quant"][proj]
             # A float projection needs no entry: mlx-lm quantizes only paths that have scales.
             if pq and (pq["bits"], pq["group_size"]) != (q["bits"], q["group_size"]):
                 q[expert_name(info, layer, proj)] = {"group_size": pq["group_size"],

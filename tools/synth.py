@@ -203,8 +203,44 @@ def published(config: dict) -> dict:
             "dtype": config["dtype"]}
 
 
+
+def _glm4_moe(c):
+    def layer(i, p, moe):
+        t = _gqa(c, p, bool(c.get("attention_bias")), qk_norm="head" if c.get("use_qk_norm") else None)
+        if not moe:
+            return {**t, **_glu(f"{p}.mlp", c["hidden_size"], c["intermediate_size"])}
+        t.update(_routed(c, p, c["moe_intermediate_size"]))
+        t.update(_glu(f"{p}.mlp.shared_experts", c["hidden_size"], c["moe_intermediate_size"] * c["n_shared_experts"]))
+        t[f"{p}.mlp.gate.e_score_correction_bias"] = (archinfo.n_experts(c),)
+        return t
+    return _decoder(c, layer)
+
+
+def _minimax_m2(c):
+    def layer(i, p, moe):
+        t = {**_gqa(c, p, qk_norm="full"), **_routed(c, p, c["intermediate_size"])}
+        t[f"{p}.block_sparse_moe.e_score_correction_bias"] = (archinfo.n_experts(c),)
+        return t
+    return _decoder(c, layer)
+
+
+def _gpt_oss(c):
+    """transformers' GptOss layout: fused experts [E, in, out], gate and up interleaved, with biases."""
+    h, n, inter = c["hidden_size"], archinfo.n_experts(c), c["intermediate_size"]
+
+    def layer(i, p, moe):
+        t = {**_gqa(c, p, True, True), f"{p}.self_attn.sinks": (c["num_attention_heads"],),
+             **_linear(f"{p}.mlp.router", n, h, bias=True)}
+        e = f"{p}.mlp.experts"
+        t.update({f"{e}.gate_up_proj": (n, h, 2 * inter), f"{e}.gate_up_proj_bias": (n, 2 * inter),
+                  f"{e}.down_proj": (n, inter, h), f"{e}.down_proj_bias": (n, h)})
+        return t
+    return _decoder(c, layer)
+
+
 SHAPES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
-          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "qwen3_next": _hybrid, "qwen3_5_moe": _qwen3_5_moe}
+          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "qwen3_next": _hybrid, "qwen3_5_moe": _qwen3_5_moe,
+          "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple]:
@@ -234,7 +270,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     heads = heads or max(1, hidden // 32)
     arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
                  "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "qwen3_next": "Qwen3Next",
-                 "qwen3_5_moe": "Qwen3_5Moe"}[arch]
+                 "qwen3_5_moe": "Qwen3_5Moe", "glm4_moe": "Glm4Moe", "minimax_m2": "MiniMaxM2",
+                 "gpt_oss": "GptOss"}[arch]
     theta = {"mixtral": 1e6, "qwen2_moe": 1e6, "qwen3_moe": 1e6}.get(arch, 10000.0)
     c = {"architectures": [f"{arch_name}ForCausalLM"], "model_type": arch, "vocab_size": vocab,
          "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -246,7 +283,9 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
          # old and new spellings: mlx-lm reads rope_theta/torch_dtype, transformers 5 rope_parameters/dtype
          "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
          "torch_dtype": dtype, "dtype": dtype}
-    if arch in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
+    if arch in ("glm4_moe", "minimax_m2", "gpt_oss"):
+        c.update(_glm_minimax_gptoss_config(arch, c, experts, moe_intermediate))
+    elif arch in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
         c["intermediate_size"] = moe_intermediate
         c["num_local_experts" if arch == "mixtral" else "num_experts"] = experts
         if arch == "olmoe":
@@ -301,6 +340,29 @@ def _hybrid_config(hidden: int, heads: int, layers: int, experts: int, moe_inter
                 layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)])
 
 
+def _glm_minimax_gptoss_config(arch: str, c: dict, experts: int, moe_intermediate: int) -> dict:
+    """The keys of GLM-4.5, MiniMax-M2 and gpt-oss configs, spelled for mlx-lm (top-level rope_theta,
+    partial_rotary_factor, rotary_dim) and transformers 5 (rope_parameters) alike."""
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    theta = c["rope_theta"]
+    if arch == "glm4_moe":  # first layer dense, groups and scaling like DeepSeek-V3, partial rotary
+        return dict(n_routed_experts=experts, moe_intermediate_size=moe_intermediate, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=2 if experts % 2 == 0 else 1, topk_group=1,
+                    routed_scaling_factor=2.5, norm_topk_prob=True, head_dim=head_dim, partial_rotary_factor=0.5,
+                    use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0, topk_method="noaux_tc",
+                    scoring_func="sigmoid", rope_scaling=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5})
+    if arch == "minimax_m2":  # experts intermediate_size wide; RoPE on half of each head
+        return dict(num_local_experts=experts, intermediate_size=moe_intermediate, head_dim=head_dim,
+                    rotary_dim=head_dim // 2, use_qk_norm=True, scoring_func="sigmoid", shared_intermediate_size=0,
+                    rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5})
+    # gpt-oss: sliding (window 8) and full layers alternating, attention biases and sinks
+    layers = c["num_hidden_layers"]
+    return dict(num_local_experts=experts, intermediate_size=moe_intermediate, head_dim=head_dim,
+                sliding_window=8, attention_bias=True, swiglu_limit=7.0,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+
+
 # Real model shapes for `bench` (values from the published config.json files).
 _DS = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
            moe_layer_freq=1, first_k_dense_replace=1, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -353,29 +415,31 @@ def _is_norm(name: str) -> bool:
 
 
 def _is_router(name: str) -> bool:
-    return name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+    return name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight"))
 
 
-def init_std(name: str, shape) -> float:
+def init_std(name: str, shape, in_first: bool = False) -> float:
     """Unit-scale init: std 1/sqrt(fan_in) for matrices (transformers' 0.02 at real widths) and 1 for
-    embeddings. Plain 0.02 on a 128-wide model lets attention swamp the token signal: routing piles
+    embeddings; in_first: fused experts are [E, in, out] (gpt-oss). Plain 0.02 on a 128-wide model lets attention swamp the token signal: routing piles
     onto a few experts and the experts hardly move the logits, which makes weak test references."""
     if "embed_tokens" in name:
         return 1.0
-    if len(shape) == 2 or name.endswith(("conv1d.weight", "experts.gate_up_proj", "experts.down_proj")):
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # fused [E, out, in]
+        return 1.0 / math.sqrt(shape[1] if in_first else shape[-1])  # gpt-oss's: [E, in, out]
+    if len(shape) == 2 or name.endswith("conv1d.weight"):
         return 1.0 / math.sqrt(shape[-1])
     if name.endswith("e_score_correction_bias"):
         return 0.1  # transformers uses zeros; nonzero exercises the selection-only bias path
     return INIT_STD  # linear biases (transformers: zeros) so a dropped bias shows in the outputs
 
 
-def init_tensor(name: str, shape, seed: int) -> np.ndarray:
-    """float32 values for one tensor; RMSNorm weights are 1."""
+def init_tensor(name: str, shape, seed: int, in_first: bool = False) -> np.ndarray:
+    """float32 values for one tensor; RMSNorm weights are 1. in_first: see init_std."""
     if _is_norm(name):
         return np.ones(shape, np.float32)
     # per-tensor stream: the values do not depend on the writing order or the sharding
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return rng.normal(0.0, init_std(name, shape), size=shape).astype(np.float32)
+    return rng.normal(0.0, init_std(name, shape, in_first), size=shape).astype(np.float32)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -478,7 +542,7 @@ def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int
         tensors = {}
         for n in group:
             dt = _tensor_dtype(n, dtype)
-            tensors[n] = (dt, _cast(init_tensor(n, shapes[n], seed), dt))
+            tensors[n] = (dt, _cast(init_tensor(n, shapes[n], seed, config.get("model_type") == "gpt_oss"), dt))
         write_safetensors(out / fname, tensors)
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
@@ -486,6 +550,33 @@ def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(out, archinfo.text_model(config)["vocab_size"])
+    return out
+
+
+def for_mlx_lm(path) -> Path:
+    """A tiny checkpoint as mlx-lm 0.32.2 reads it: gpt-oss's fused experts split into mlx-lm's own
+    layout, experts.{gate,up,down}_proj.weight [E, out, in] and .bias [E, out] (its sanitize reads
+    the fused tensors only as OpenAI's mxfp4 blocks), written once to a sibling folder; every other
+    family's checkpoint as it is."""
+    import shutil
+
+    import mlx.core as mx
+    path = Path(path)
+    if json.loads((path / "config.json").read_text())["model_type"] != "gpt_oss":
+        return path
+    out = path.parent / f"{path.name}-mlx"
+    if not out.exists():
+        shutil.copytree(path, out)
+        for f in out.glob("model*.safetensors"):
+            w = mx.load(str(f))
+            for k in [k for k in w if k.endswith("experts.gate_up_proj")]:
+                e = k[: -len("gate_up_proj")]
+                gu, gub = w.pop(k).swapaxes(-1, -2), w.pop(f"{e}gate_up_proj_bias")
+                w.update({f"{e}gate_proj.weight": gu[:, 0::2], f"{e}up_proj.weight": gu[:, 1::2],
+                          f"{e}gate_proj.bias": gub[:, 0::2], f"{e}up_proj.bias": gub[:, 1::2],
+                          f"{e}down_proj.weight": w.pop(f"{e}down_proj").swapaxes(-1, -2),
+                          f"{e}down_proj.bias": w.pop(f"{e}down_proj_bias")})
+            mx.save_safetensors(str(f), {k: mx.contiguous(v) for k, v in w.items()}, metadata={"format": "pt"})
     return out
 
 
@@ -533,8 +624,8 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
     if hidden % 64 or moe_intermediate % 64:
         print("warning: --hidden/--moe-intermediate not multiples of 64: some weights will not fit "
               "4-bit group-64 quantization", file=sys.stderr)
-    if layers is None:  # deepseek's first layer is dense: keep two MoE layers everywhere
-        layers = 3 if arch.startswith("deepseek") else 2
+    if layers is None:  # deepseek's and glm's first layer is dense: keep two MoE layers everywhere
+        layers = 3 if arch.startswith("deepseek") or arch == "glm4_moe" else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
     return write_checkpoint(Path(out), published(with_overrides(config, overrides)), dtype, seed, shards)

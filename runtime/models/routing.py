@@ -71,3 +71,19 @@ def sigmoid_grouped_topk(logits, bias, k, n_group=1, topk_group=1, scale=1.0, no
     groups (a group scores the sum of its two best experts); weights are the raw sigmoids,
     optionally renormalised, times scale (DeepSeek-V3, Kimi-K2)."""
     return _sigmoid_grouped(logits, bias, k, n_group, topk_group, scale, norm)
+
+
+def topk_tail_softmax(logits, k):
+    """The k largest logits taken from the tail of the partition, weighted by a softmax over those
+    k only (gpt-oss's selection form, which fixes the order the k experts are summed in)."""
+    inds = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
+    return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
+
+
+def sigmoid_bias_topk(logits, bias, k, dtype):
+    """Sigmoid scores (of float32 logits); the selection adds the correction bias; weights are the
+    chosen sigmoids over their sum (+1e-20), cast to the model's dtype (MiniMax-M2)."""
+    probs = mx.sigmoid(logits)
+    inds = mx.argpartition(-(probs + bias), kth=k - 1, axis=-1)[..., :k]
+    weights = mx.take_along_axis(probs, inds, axis=-1)
+    return inds, (weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)).astype(dtype)

@@ -6,6 +6,8 @@ Every op mirrors the MLX primitive mlx-lm's SwitchGLU uses, so the logits match 
 quantized checkpoint. Whether a layer's rows are sorted by expert is decided once per layer, by
 the number of (token, expert) pairs (`sorts_pairs`), as mlx-lm decides it.
 """
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 
@@ -23,27 +25,54 @@ def sorts_pairs(n_pairs: int) -> bool:
 def expert_matmul(x, w, name, idx, quant, sorted_indices):
     """One projection of the chosen experts: w holds stacked [E, out, in] tensors (or a pool of
     resident slots), idx selects per row. quant: {"bits", "group_size"}, or None for a float
-    projection (mlx-lm leaves one float when its input does not fit the group size)."""
+    projection (mlx-lm leaves one float when its input does not fit the group size). A
+    per-expert output bias `{name}.bias` [E, out] (gpt-oss) is added to each row's result."""
     if quant is None:
-        return mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
-                            sorted_indices=sorted_indices)
-    return mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
-                         rhs_indices=idx, transpose=True, group_size=quant["group_size"],
-                         bits=quant["bits"], sorted_indices=sorted_indices)
+        y = mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
+                         sorted_indices=sorted_indices)
+    else:
+        y = mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
+                          rhs_indices=idx, transpose=True, group_size=quant["group_size"],
+                          bits=quant["bits"], sorted_indices=sorted_indices)
+    bias = w.get(f"{name}.bias")
+    return y if bias is None else y + mx.expand_dims(bias[idx], -2)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu_oai(gate, up):
+    """gpt-oss's clamped SwiGLU (alpha 1.702, limit 7, the constants mlx-lm uses whatever the
+    config says): the gate clipped from above, the linear part to [-7, 7] and shifted by 1.
+    Compiled like mlx-lm's, so the fused kernel rounds the same way."""
+    gate = mx.minimum(gate, 7.0)
+    up = mx.clip(up, -7.0, 7.0)
+    return (up + 1.0) * (gate * mx.sigmoid(1.702 * gate))
+
+
+def glu_activation(spec: dict | None):
+    """The experts' act(gate, up) a record layout's quant names under "activation" (archinfo's
+    `ArchInfo.activation`): SwiGLU where it names none."""
+    if spec is None:
+        return swiglu
+    if spec["name"] == "swiglu_oai":
+        return swiglu_oai
+    raise ValueError(f"unknown expert activation {spec['name']!r}")
 
 
 def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
-    """SwiGLU of the selected experts, the projections in mlx-lm's order. quant: per projection
-    name (a record layout's "quant")."""
+    """The GLU of the selected experts, the projections in mlx-lm's order. quant: per projection
+    name (a record layout's "quant"), and the activation where it is not SwiGLU."""
     up = expert_matmul(x, w, "up_proj", idx, quant["up_proj"], sorted_indices)
     gate = expert_matmul(x, w, "gate_proj", idx, quant["gate_proj"], sorted_indices)
-    return expert_matmul(swiglu(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
+    act = glu_activation(quant.get("activation"))
+    return expert_matmul(act(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
 
-def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
-    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
-    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
-            for p in ("gate_proj", "up_proj", "down_proj")}
+def uniform_quant(w: dict, bits: int, group_size: int, activation: dict | None = None) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales),
+    with the experts' activation where it is not SwiGLU."""
+    quant = {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+             for p in ("gate_proj", "up_proj", "down_proj")}
+    return quant if activation is None else {**quant, "activation": activation}
 
 
 def switch_glu(x, inds, w, quant: dict):
@@ -100,9 +129,11 @@ class ResidentExperts:
 
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
-    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64,
+                 activation: dict | None = None):
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
+        self.activation = activation  # the family's (archinfo.ArchInfo.activation)
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size))
+        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size, self.activation))
