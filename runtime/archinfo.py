@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV
+from deltafin.runtime.layerkinds import CacheKind, FullKV, LatentKV, RecurrentState
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -68,6 +68,39 @@ def mla_latent_caches(config: dict) -> list[CacheKind]:
     return [LatentKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
 
 
+def kimi_caches(config: dict) -> list[CacheKind]:
+    """Kimi Linear / K3: the 1-based `linear_attn_config.kda_layers` keep KDA's float32 state
+    [heads, head_dim, head_dim] and the short convolution's last kernel - 1 inputs of q, k and v;
+    the others absorbed MLA (mlx-lm's width defaults: head_dim, no rotary part)."""
+    lin = config["linear_attn_config"]
+    heads, dim = int(lin["num_heads"]), int(lin["head_dim"])
+    linear = RecurrentState((heads, dim, dim), conv_shape=(int(lin.get("short_conv_kernel_size", 4)) - 1,
+                                                            3 * heads * dim), state_itemsize=4)
+    head = config.get("head_dim")
+    n = int(config["num_attention_heads"])
+    full = LatentKV(n * int((config.get("qk_nope_head_dim") or head) + (config.get("qk_rope_head_dim") or 0)),
+                    n * int(config.get("v_head_dim") or head))
+    kda = set(lin["kda_layers"])
+    return [linear if i + 1 in kda else full for i in every_layer(config)]
+
+
+def kimi_moe_layers(config: dict) -> list[int]:
+    return deepseek_moe_layers(config) if config.get("num_experts") else []
+
+
+# ---------------------------------------------------------------- the activation of the routed experts
+
+def swiglu_experts(config: dict) -> dict | None:
+    """None: the experts' GLU is SwiGLU."""
+    return None
+
+
+def situ_experts(config: dict) -> dict | None:
+    """Kimi K3's SiTU, as a record layout's quant names it (runtime/models/switch.py glu_activation)."""
+    return {"name": "situ", "beta": float(config.get("activation_situ_beta") or 1.0),
+            "linear_beta": config.get("activation_situ_linear_beta")}
+
+
 # ---------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -81,6 +114,8 @@ class ArchInfo:
     caches: Callable[[dict], list[CacheKind]]      # config -> each layer's cache kind
     top_k_key: str = "num_experts_per_tok"
     aliases: tuple = ()        # other model_type names of the same architecture
+    activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
+    weight_prefix: str = ""    # what mlx-lm puts before every weight name (stripped by the converter)
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -95,6 +130,10 @@ ARCHS = {a.model_type: a for a in (
     # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type
     ArchInfo("deepseek_v3", "deepseek_v3.DeepseekV3", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
              mla_latent_caches, aliases=("kimi_k2",)),
+    ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _STD, "num_experts", kimi_moe_layers, kimi_caches,
+             top_k_key="num_experts_per_token"),
+    ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _STD, "num_experts", kimi_moe_layers, kimi_caches,
+             top_k_key="num_experts_per_token", activation=situ_experts, weight_prefix="language_model."),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 

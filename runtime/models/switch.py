@@ -9,7 +9,7 @@ the number of (token, expert) pairs (`sorts_pairs`), as mlx-lm decides it.
 import mlx.core as mx
 import numpy as np
 
-from deltafin.runtime.models.base import swiglu
+from deltafin.runtime.models.base import situ, swiglu
 
 # mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
 SORT_PAIRS = 64
@@ -32,18 +32,31 @@ def expert_matmul(x, w, name, idx, quant, sorted_indices):
                          bits=quant["bits"], sorted_indices=sorted_indices)
 
 
+def glu_activation(spec: dict | None):
+    """The experts' act(gate, up) a record layout's quant names under "activation" (archinfo's
+    `ArchInfo.activation`): SwiGLU where it names none."""
+    if spec is None:
+        return swiglu
+    if spec["name"] == "situ":
+        return situ(spec["beta"], spec["linear_beta"])
+    raise ValueError(f"unknown expert activation {spec['name']!r}")
+
+
 def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
-    """SwiGLU of the selected experts, the projections in mlx-lm's order. quant: per projection
-    name (a record layout's "quant")."""
+    """The gated MLP of the selected experts, the projections in mlx-lm's order. quant: per
+    projection name (a record layout's "quant"), and the activation where it is not SwiGLU."""
     up = expert_matmul(x, w, "up_proj", idx, quant["up_proj"], sorted_indices)
     gate = expert_matmul(x, w, "gate_proj", idx, quant["gate_proj"], sorted_indices)
-    return expert_matmul(swiglu(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
+    act = glu_activation(quant.get("activation"))
+    return expert_matmul(act(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
 
-def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
-    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
-    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
-            for p in ("gate_proj", "up_proj", "down_proj")}
+def uniform_quant(w: dict, bits: int, group_size: int, activation: dict | None = None) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales),
+    with the experts' activation where it is not SwiGLU."""
+    quant = {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+             for p in ("gate_proj", "up_proj", "down_proj")}
+    return quant if activation is None else {**quant, "activation": activation}
 
 
 def switch_glu(x, inds, w, quant: dict):
@@ -100,9 +113,10 @@ class ResidentExperts:
 
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
-    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64, activation: dict | None = None):
         self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
+        self.activation = activation
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size))
+        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size, self.activation))
