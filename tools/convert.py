@@ -78,9 +78,10 @@ class Converter:
         self.moe_layers = archinfo.moe_layers(self.config)
         self.n_experts = archinfo.n_experts(self.config)
         qc = self.config.get("quantization")
-        self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
+        self.mlx_quant = _unprefixed(qc, self.info.weight_prefix) if isinstance(qc, dict) and "bits" in qc else None
+        self.activation = self.info.activation(self.config)
         try:
-            self.refs = index_checkpoint(self.src)
+            self.refs = _unprefixed(index_checkpoint(self.src), self.info.weight_prefix)
         except TensorFileError as e:
             raise ConvertError(str(e)) from None
 
@@ -202,6 +203,8 @@ class Converter:
             with writer:
                 for (layer, e) in sorted(sources):
                     tensors, quant = self.record(layer, sources[(layer, e)])
+                    if self.activation is not None:
+                        quant["activation"] = self.activation
                     writer.add_expert(layer, e, tensors, quant)
                     bar.update(1)
                 for name in sorted(dense):
@@ -214,6 +217,14 @@ class Converter:
                 return writer.finish()
         finally:
             bar.close()
+
+
+def _unprefixed(by_name: dict, prefix: str) -> dict:
+    """Names (tensors, quantization overrides) without the prefix mlx-lm puts before every weight
+    of a family (Kimi K3's "language_model."): the store keeps the text model's own names."""
+    if not prefix:
+        return by_name
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in by_name.items()}
 
 
 def _layer_of(name: str) -> int | None:

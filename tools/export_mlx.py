@@ -64,6 +64,8 @@ def quantization_config(store: Store) -> dict:
     info = archinfo.arch_for(store.config)
     for layer in store.moe_layers:
         for proj, pq in store.layout(layer)["quant"].items():
+            if proj not in archinfo.PROJS:  # the experts' activation, not a projection
+                continue
             # A float projection needs no entry: mlx-lm quantizes only paths that have scales.
             if pq and (pq["bits"], pq["group_size"]) != (q["bits"], q["group_size"]):
                 q[expert_name(info, layer, proj)] = {"group_size": pq["group_size"],
