@@ -115,10 +115,18 @@ class ArchInfo:
     top_k_key: str = "num_experts_per_tok"
     aliases: tuple = ()        # other model_type names of the same architecture
     activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
-    weight_prefix: str = ""    # what mlx-lm puts before every weight name (stripped by the converter)
+    renames: tuple = ()        # (regex, replacement): checkpoint names -> the names the model reads
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_KIMI_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# The names mlx-lm's kimi sanitize maps: its Kimi K3 wrapper's prefix, the Hugging Face layout's
+# MoE block, router bias, short convolutions and attention-residual weights.
+_KIMI_NAMES = ((r"^language_model\.", ""),
+               (r"\.block_sparse_moe\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
+               (r"\.block_sparse_moe\.", ".mlp."),
+               (r"\.([qkv])_conv1d\.weight$", r".\1_conv.conv.weight"),
+               (r"_res\.(proj|norm)_weight$", r"_res_\1.weight"))
 ARCHS = {a.model_type: a for a in (
     ArchInfo("mixtral", "mixtral.Mixtral", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
              "num_local_experts", every_layer, gqa_caches),
@@ -130,10 +138,10 @@ ARCHS = {a.model_type: a for a in (
     # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type
     ArchInfo("deepseek_v3", "deepseek_v3.DeepseekV3", "mlp", _STD, "n_routed_experts", deepseek_moe_layers,
              mla_latent_caches, aliases=("kimi_k2",)),
-    ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _STD, "num_experts", kimi_moe_layers, kimi_caches,
-             top_k_key="num_experts_per_token"),
-    ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _STD, "num_experts", kimi_moe_layers, kimi_caches,
-             top_k_key="num_experts_per_token", activation=situ_experts, weight_prefix="language_model."),
+    ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers,
+             kimi_caches, top_k_key="num_experts_per_token", renames=_KIMI_NAMES),
+    ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers, kimi_caches,
+             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -166,6 +174,14 @@ def moe_layers(config: dict) -> list[int]:
 def layer_caches(config: dict) -> list[CacheKind]:
     """The cache kind of every layer, in layer order."""
     return arch_for(config).caches(config)
+
+
+def store_name(info: ArchInfo, name: str) -> str:
+    """A checkpoint tensor's (or quantization override's) name as the store and the model know it:
+    the family's `renames` applied in order (most families: unchanged)."""
+    for pattern, replacement in info.renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def expert_pattern(info: ArchInfo) -> re.Pattern:

@@ -37,8 +37,8 @@ def _source_expert(refs, info, layer, e):
 
 def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=64):
     store = Store(store_path)
-    refs = index_checkpoint(src)
     info = archinfo.arch_for(store.config)
+    refs = {archinfo.store_name(info, n): ref for n, ref in index_checkpoint(src).items()}
     assert store.moe_layers == archinfo.moe_layers(store.config)
     for (layer, e), rec in store.records.items():
         assert rec.offset % ALIGN == 0

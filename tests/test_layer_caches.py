@@ -31,16 +31,17 @@ def test_kinds_size_what_their_caches_hold():
 
 @pytest.mark.parametrize("arch", synth.TINY_ARCHS)
 def test_the_budget_charges_each_layer_by_its_kind(arch):
-    """Attention caches of every family today: the reserve is per-position bytes times positions,
-    a sequence is charged whole cache steps."""
+    """Attention caches: the reserve is per-position bytes times positions, a sequence is charged
+    whole cache steps; a linear-attention layer's state is charged once, whatever the length."""
     c = _config(arch) if not arch.startswith("deepseek") else {
         **_config(arch), "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
     kinds = archinfo.layer_caches(c)
     assert len(kinds) == c["num_hidden_layers"]
     assert isinstance(kinds[0], LatentKV) == (arch == "deepseek_v3")
-    per = budget.kv_bytes_per_token(c, 2)
-    assert budget.kv_reserve_bytes(c, 2, 512, 700) == per * 700
-    assert budget.sequence_cache_bytes(c, 300, 2) == per * sequence_kv_tokens(300)
+    fixed = sum(k.nbytes(1, 2) for k in kinds if isinstance(k, RecurrentState))
+    per = budget.kv_bytes_per_token(c, 2) - fixed
+    assert budget.kv_reserve_bytes(c, 2, 512, 700) == per * 700 + fixed
+    assert budget.sequence_cache_bytes(c, 300, 2) == per * sequence_kv_tokens(300) + fixed
 
 
 def test_the_registry_is_the_one_list_of_families():

@@ -78,12 +78,23 @@ class Converter:
         self.moe_layers = archinfo.moe_layers(self.config)
         self.n_experts = archinfo.n_experts(self.config)
         qc = self.config.get("quantization")
-        self.mlx_quant = _unprefixed(qc, self.info.weight_prefix) if isinstance(qc, dict) and "bits" in qc else None
+        self.mlx_quant = self._renamed(qc) if isinstance(qc, dict) and "bits" in qc else None
         self.activation = self.info.activation(self.config)
         try:
-            self.refs = _unprefixed(index_checkpoint(self.src), self.info.weight_prefix)
+            self.refs = self._renamed(index_checkpoint(self.src))
         except TensorFileError as e:
             raise ConvertError(str(e)) from None
+
+    def _renamed(self, by_name: dict) -> dict:
+        """Tensors or quantization overrides under the names the family's model reads
+        (archinfo.store_name: Kimi's Hugging Face layout and mlx-lm prefix)."""
+        out = {}
+        for name, value in by_name.items():
+            new = archinfo.store_name(self.info, name)
+            if new in out:
+                raise ConvertError(f"{name} and another tensor both map to {new}")
+            out[new] = value
+        return out
 
     # -- planning: find every expert and check shapes before a byte is written --------------
     def plan(self) -> tuple[dict, list[str]]:
@@ -217,14 +228,6 @@ class Converter:
                 return writer.finish()
         finally:
             bar.close()
-
-
-def _unprefixed(by_name: dict, prefix: str) -> dict:
-    """Names (tensors, quantization overrides) without the prefix mlx-lm puts before every weight
-    of a family (Kimi K3's "language_model."): the store keeps the text model's own names."""
-    if not prefix:
-        return by_name
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in by_name.items()}
 
 
 def _layer_of(name: str) -> int | None:

@@ -145,8 +145,54 @@ def _deepseek(c):
     return _decoder(c, layer)
 
 
+def _kda(c: dict, a: str) -> dict:
+    """Kimi Delta Attention as the Hugging Face checkpoints hold it: q/k/v projections and their
+    depthwise convolutions ([C, 1, K]) apart."""
+    h, lin = c["hidden_size"], c["linear_attn_config"]
+    nh, d = lin["num_heads"], lin["head_dim"]
+    p = nh * d
+    t = {f"{a}.A_log": (1, 1, nh, 1) if c["model_type"] == "kimi_linear" else (nh,), f"{a}.dt_bias": (p,),
+         f"{a}.o_norm.weight": (d,), **_linear(f"{a}.f_a_proj", d, h), **_linear(f"{a}.f_b_proj", p, d),
+         **_linear(f"{a}.b_proj", nh, h), **_linear(f"{a}.g_a_proj", d, h), **_linear(f"{a}.g_b_proj", p, d),
+         **_linear(f"{a}.o_proj", h, p)}
+    for x in "qkv":
+        t.update({**_linear(f"{a}.{x}_proj", p, h), f"{a}.{x}_conv1d.weight": (p, 1, lin["short_conv_kernel_size"])})
+    return t
+
+
+def _kimi(c):
+    h, k3 = c["hidden_size"], c["model_type"] == "kimi_k3"
+    kda = set(c["linear_attn_config"]["kda_layers"])
+
+    def layer(i, p, moe):
+        t = _kda(c, f"{p}.self_attn") if i + 1 in kda else _mla(c, p)
+        if k3 and i + 1 not in kda and c.get("mla_use_output_gate"):
+            t.update(_linear(f"{p}.self_attn.g_proj", c["num_attention_heads"] * c["v_head_dim"], h))
+        if k3 and c.get("attn_res_block_size"):
+            for r in ("self_attention_res", "mlp_res"):
+                t.update({f"{p}.{r}.proj_weight": (1, h), f"{p}.{r}.norm_weight": (h,)})
+        if not moe:
+            return {**t, **_glu(f"{p}.mlp", h, c["intermediate_size"])}
+        b, inter, n = f"{p}.block_sparse_moe", c["moe_intermediate_size"], c["num_experts"]
+        width = c.get("routed_expert_hidden_size") or h
+        t.update({**_linear(f"{b}.gate", n, h), f"{b}.gate.e_score_correction_bias": (n,),
+                  **_glu(f"{b}.shared_experts", h, inter * c["num_shared_experts"])})
+        for e in range(n):
+            t.update(_glu(f"{b}.experts.{e}", width, inter, ("w1", "w3", "w2")))
+        if k3 and c.get("routed_expert_hidden_size"):
+            t.update({**_linear(f"{b}.routed_expert_down_proj", width, h),
+                      **_linear(f"{b}.routed_expert_up_proj", h, width)})
+            if c.get("latent_moe_use_norm"):
+                t[f"{b}.routed_expert_norm.weight"] = (width,)
+        return t
+    t = _decoder(c, layer)
+    if k3 and c.get("attn_res_block_size"):
+        t.update({"model.output_attn_res.proj_weight": (1, h), "model.output_attn_res.norm_weight": (h,)})
+    return t
+
+
 SHAPES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
-          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
+          "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "kimi_linear": _kimi, "kimi_k3": _kimi}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple]:
@@ -175,7 +221,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     """A config.json that both transformers and mlx-lm read, with dims fit for group-64 quantization."""
     heads = heads or max(1, hidden // 32)
     arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
-                 "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}[arch]
+                 "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "kimi_linear": "KimiLinear",
+                 "kimi_k3": "KimiK3"}[arch]
     theta = {"mixtral": 1e6, "qwen2_moe": 1e6, "qwen3_moe": 1e6}.get(arch, 10000.0)
     c = {"architectures": [f"{arch_name}ForCausalLM"], "model_type": arch, "vocab_size": vocab,
          "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -202,6 +249,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
         else:  # transformers 5 calls it num_local_experts, mlx-lm and the hub num_experts
             c.update(num_local_experts=experts, head_dim=hidden // heads, norm_topk_prob=True,
                      attention_bias=False)
+    elif arch.startswith("kimi"):
+        c.update(_kimi_config(arch, layers, experts, top_k, heads, moe_intermediate, q_lora_rank))
     else:
         v3 = arch == "deepseek_v3"
         # v3: group-limited routing (4 groups, best 2) whenever top_k fits in the kept groups
@@ -223,6 +272,28 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
         c["rope_parameters"] = _rope_parameters(theta, c["rope_scaling"])
         if v3:
             c.update(num_nextn_predict_layers=0, rope_interleave=True)
+    return c
+
+
+def _kimi_config(arch, layers, experts, top_k, heads, moe_intermediate, q_lora_rank) -> dict:
+    """Kimi Linear / K3 keys (mlx-lm's ModelArgs): KDA in every other layer from the first, MLA
+    (64 + 32 wide heads, no rotary embedding) between, the first layer dense, grouped routing; K3
+    adds SiTU, a latent expert width of 64, attention residuals in blocks of 2 and MLA's output gate."""
+    n_group = 2 if experts % 2 == 0 and top_k <= experts // 2 else 1
+    c = dict(num_key_value_heads=heads, head_dim=64, model_max_length=4096, num_experts=experts,
+             num_experts_per_token=top_k, moe_intermediate_size=moe_intermediate, num_shared_experts=1,
+             kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, mla_use_nope=True,
+             moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.5,
+             first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=n_group,
+             topk_group=max(1, n_group // 2), rms_norm_eps=1e-5,
+             linear_attn_config={"num_heads": heads, "head_dim": 64, "short_conv_kernel_size": 4,
+                                 "kda_layers": list(range(1, layers + 1, 2)),
+                                 "full_attn_layers": list(range(2, layers + 1, 2))})
+    if arch == "kimi_k3":
+        c["linear_attn_config"]["gate_lower_bound"] = -5.0
+        c.update(hidden_act="situ", activation_situ_beta=1.5, activation_situ_linear_beta=4.0,
+                 attn_res_block_size=2, q_lora_rank=q_lora_rank or 64, mla_use_output_gate=True,
+                 routed_expert_hidden_size=64, latent_moe_use_norm=True)
     return c
 
 
@@ -263,7 +334,7 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------
 
 def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
+    return name.endswith(("norm.weight", "norm_weight"))
 
 
 def _is_router(name: str) -> bool:
@@ -366,8 +437,9 @@ def write_tokenizer(out: Path, vocab: int) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 
 def _tensor_dtype(name: str, dtype: str) -> str:
-    # e_score_correction_bias stays float32, as in the published DeepSeek-V3 checkpoints
-    return "float32" if name.endswith("e_score_correction_bias") else dtype
+    # e_score_correction_bias stays float32, as in the published DeepSeek-V3 checkpoints (and
+    # what mlx-lm keeps as stored: the router bias, KDA's A_log and dt_bias)
+    return "float32" if name.endswith(("e_score_correction_bias", "A_log", "dt_bias")) else dtype
 
 
 def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1) -> Path:
@@ -447,8 +519,8 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
     if hidden % 64 or moe_intermediate % 64:
         print("warning: --hidden/--moe-intermediate not multiples of 64: some weights will not fit "
               "4-bit group-64 quantization", file=sys.stderr)
-    if layers is None:  # deepseek's first layer is dense: keep two MoE layers everywhere
-        layers = 3 if arch.startswith("deepseek") else 2
+    if layers is None:  # deepseek's and kimi's first layer is dense: keep two MoE layers everywhere
+        layers = 3 if arch.startswith(("deepseek", "kimi")) else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
     return write_checkpoint(Path(out), with_overrides(config, overrides), dtype, seed, shards)

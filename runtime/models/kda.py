@@ -80,12 +80,20 @@ class ShortConv:
         return outs, (tails[0] if len(tails) == 1 else mx.concatenate(tails, axis=-1))
 
 
-class KimiDeltaAttention:
-    """One KDA layer. fused: Kimi K3's qkv_proj / qkv_conv (else q/k/v_proj and q/k/v_conv);
-    `gate_lower_bound` in the config selects the bounded decay; `use_full_rank_gate` g_proj."""
+def conv_weight(w):
+    """A depthwise convolution's weight as MLX takes it, [C, K, 1] (the Hugging Face layout is
+    [C, 1, K])."""
+    return w.moveaxis(2, 1) if w.shape[1] == 1 else w
 
-    def __init__(self, model, prefix: str, fused: bool):
+
+class KimiDeltaAttention:
+    """One KDA layer: Kimi K3's fused qkv_proj / qkv_conv where the checkpoint has them (mlx-lm
+    fuses them), else q/k/v_proj and q/k/v_conv; `gate_lower_bound` in the config selects the
+    bounded decay; `use_full_rank_gate` g_proj."""
+
+    def __init__(self, model, prefix: str):
         c, w, qs = model.config["linear_attn_config"], model.w, model.qspec
+        fused = f"{prefix}.qkv_proj.weight" in w
         self.heads, self.head_dim = int(c["num_heads"]), int(c["head_dim"])
         self.scale = float(self.head_dim) ** -0.5
         self.lower_bound = c.get("gate_lower_bound")
@@ -93,7 +101,7 @@ class KimiDeltaAttention:
         P = self.heads * self.head_dim
         names = ("qkv",) if fused else ("q", "k", "v")
         self.in_proj = [Linear(w, f"{prefix}.{n}_proj", qs) for n in names]
-        self.conv = ShortConv([w[f"{prefix}.{n}_conv.conv.weight"] for n in names],
+        self.conv = ShortConv([conv_weight(w[f"{prefix}.{n}_conv.conv.weight"]) for n in names],
                               [3 * P] if fused else [P, P, P])
         self.f_a, self.f_b = Linear(w, f"{prefix}.f_a_proj", qs), Linear(w, f"{prefix}.f_b_proj", qs)
         self.b_proj = Linear(w, f"{prefix}.b_proj", qs)

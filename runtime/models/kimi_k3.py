@@ -49,7 +49,6 @@ class ResidualBlocks:
 
 
 class KimiK3(KimiLinear):
-    fused_kda = True
     route_in_float32 = True
 
     def configure(self, c):

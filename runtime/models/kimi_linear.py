@@ -51,7 +51,6 @@ class KimiMLA(MLAttention):
 
 
 class KimiLinear(MoETransformer):
-    fused_kda = False        # Kimi K3 projects and convolves q, k, v as one
     route_in_float32 = False  # Kimi K3 takes the router's sigmoid in float32
 
     def configure(self, c):
@@ -73,7 +72,7 @@ class KimiLinear(MoETransformer):
 
     def make_attention(self, i, prefix):
         if isinstance(self.layer_kinds[i], RecurrentState):
-            return KimiDeltaAttention(self, prefix, fused=self.fused_kda)
+            return KimiDeltaAttention(self, prefix)
         return self.mla(prefix)
 
     def mla(self, prefix):
