@@ -223,3 +223,17 @@ def test_real_processes_give_mlx_lm_s_greedy_tokens_alone_and_together(kimi):
     assert together == alone
     assert sx.result.finish_reason == "cancelled"
     assert stats["batch"]["max_rows"] >= 2 and stats["batch"]["kv_used_bytes"] == 0, stats["batch"]
+
+
+def test_the_kimi_k3_forecast_preset_names_its_assumptions():
+    """deltafin-forecast --preset kimi-k3: 92 MoE layers of latent-width experts, top-16, and every
+    value not in mlx-lm's defaults or the seed named as an assumption."""
+    from deltafin.tools.forecast import Shape
+    from deltafin.tools.replay import expert_record_bytes
+    shape = Shape.of_preset("kimi-k3")
+    c = synth.PRESETS["kimi-k3"]
+    assert (shape.n_moe, shape.n_dense, shape.top_k, shape.n_experts) == (92, 1, 16, c["num_experts"])
+    assert shape.record_bytes == expert_record_bytes(c["routed_expert_hidden_size"], c["moe_intermediate_size"], 4, 64)
+    params = 3 * c["routed_expert_hidden_size"] * c["moe_intermediate_size"]
+    assert 2.6e12 < params * shape.n_experts * shape.n_moe < 2.8e12 and 25e9 < params * 16 * shape.n_moe < 32e9
+    assert any("num_experts" in a for a in shape.to_dict()["assumptions"])

@@ -326,6 +326,31 @@ PRESETS = {
                     max_position_embeddings=131072, rope_theta=50000.0, num_nextn_predict_layers=0,
                     rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                                   "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Kimi K3: what mlx-lm 0.32.2's kimi_k3 TextArgs defaults give (93 layers, hidden 7168, 96 heads,
+    # top-16, vocab 163840, intermediate 33792) and the seed (2.8 T parameters, ~32 B active);
+    # every other value is assumed, named in PRESET_ASSUMPTIONS.
+    "kimi-k3": dict(architectures=["KimiK3ForCausalLM"], model_type="kimi_k3", vocab_size=163840,
+                    hidden_size=7168, intermediate_size=33792, num_hidden_layers=93, num_attention_heads=96,
+                    num_key_value_heads=96, num_experts_per_token=16, num_experts=1536, moe_intermediate_size=1792,
+                    routed_expert_hidden_size=3584, latent_moe_use_norm=False, num_shared_experts=1,
+                    first_k_dense_replace=1, moe_layer_freq=1, num_expert_group=1, topk_group=1,
+                    routed_scaling_factor=2.5, moe_renormalize=True, moe_router_activation_func="sigmoid",
+                    hidden_act="situ", activation_situ_beta=1.0, attn_res_block_size=8, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    mla_use_nope=True, mla_use_output_gate=False, rms_norm_eps=1e-5, rope_theta=50000.0,
+                    max_position_embeddings=1048576, tie_word_embeddings=False, initializer_range=INIT_STD,
+                    linear_attn_config={"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                                        "kda_layers": [i for i in range(1, 94) if i % 4],
+                                        "full_attn_layers": list(range(4, 94, 4))}),
+}
+PRESET_ASSUMPTIONS = {
+    "kimi-k3": ["num_experts 1536, moe_intermediate_size 1792 and routed_expert_hidden_size 3584 (latent experts "
+                "of 3 x 3584 x 1792 = 19.3 M parameters): chosen so 92 MoE layers hold 2.7 T routed parameters "
+                "and top-16 activates 28 B of them, the seed's 2.8 T / ~32 B",
+                "first_k_dense_replace 1 and one shared expert, as Kimi K2 and Kimi Linear",
+                "SiTU beta 1.0 (mlx-lm's default), attention residuals in blocks of 8 layers",
+                "KDA in 3 of every 4 layers, MLA in every 4th (Kimi Linear's 3:1), 96 KDA heads of 128",
+                "MLA widths of Kimi K2 (q_lora_rank 1536, kv_lora_rank 512, 128 + 64 / 128 per head)"],
 }
 
 
@@ -593,9 +618,12 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:
             config["max_window_layers"] = layers
-    shapes = tensor_shapes(config)
     info = archinfo.arch_for(config)
+    shapes = {archinfo.store_name(info, n): shape for n, shape in tensor_shapes(config).items()}
     pattern = archinfo.expert_pattern(info)
+    act = info.activation(config)
+    quant = None if act is None else {**{p: {"bits": bits, "group_size": group_size} for p in archinfo.PROJS},
+                                      "activation": act}
     experts: dict[tuple[int, int], dict[str, tuple]] = {}
     dense = {}
     for name, shape in shapes.items():
@@ -624,7 +652,7 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
             rec = {}
             for proj, (o, i) in experts[(layer, e)].items():
                 rec.update({f"{proj}.{k}": v for k, v in q.tensor(o, i, 1.0 / math.sqrt(i)).items()})
-            writer.add_expert(layer, e, rec)
+            writer.add_expert(layer, e, rec, quant)
             bar.update(1)
         bar.close()
         with tempfile.TemporaryDirectory() as td:
