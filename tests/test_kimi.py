@@ -237,3 +237,23 @@ def test_the_kimi_k3_forecast_preset_names_its_assumptions():
     params = 3 * c["routed_expert_hidden_size"] * c["moe_intermediate_size"]
     assert 2.6e12 < params * shape.n_experts * shape.n_moe < 2.8e12 and 25e9 < params * 16 * shape.n_moe < 32e9
     assert any("num_experts" in a for a in shape.to_dict()["assumptions"])
+
+
+def test_two_ranks_give_one_host_s_tokens_and_logits(kimi, tmp_path):
+    """Experts sharded over two ranks (docs/DISTRIBUTED.md): every rank runs the dense layers,
+    so each keeps its own copy of every sequence's recurrent state and KV cache (replicated, as
+    the attention that reads them is); the latent-width expert outputs are exchanged. Tokens and
+    logits equal the single host's, bitwise."""
+    from test_distributed import _single, ranks
+    arch, _, store = kimi
+    extra = ["--max-slots", "3"]
+    with _single(store, extra) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            want = c.generate(PROMPT, max_tokens=16).token_ids
+            want_logits = c.logits(PROMPT)
+    with ranks(store, tmp_path, 2, extra) as rs:
+        with Client(rs[0][0], timeout=60) as c:
+            got = c.generate(PROMPT, max_tokens=16).token_ids
+            got_logits = c.logits(PROMPT)
+            assert c.stats()["workers"]["compute"]["distributed"]["exchanges"] > 0
+    assert got == want and np.array_equal(got_logits, want_logits), arch
