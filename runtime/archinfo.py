@@ -116,6 +116,7 @@ class ArchInfo:
     aliases: tuple = ()        # other model_type names of the same architecture
     activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
     renames: tuple = ()        # (regex, replacement): checkpoint names -> the names the model reads
+    ignored: tuple = ()        # regexes of checkpoint tensors that are no part of the text model
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -127,6 +128,9 @@ _KIMI_NAMES = ((r"^language_model\.", ""),
                (r"\.block_sparse_moe\.", ".mlp."),
                (r"\.([qkv])_conv1d\.weight$", r".\1_conv.conv.weight"),
                (r"_res\.(proj|norm)_weight$", r"_res_\1.weight"))
+# What mlx-lm's kimi_k3 sanitize drops: the vision tower and projector, multi-token prediction.
+_KIMI_K3_IGNORED = (r"^(vision_tower|vision_model|multi_modal_projector|mm_projector|mtp)\.",
+                    r"^(language_model\.)?model\.mtp\.")
 ARCHS = {a.model_type: a for a in (
     ArchInfo("mixtral", "mixtral.Mixtral", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
              "num_local_experts", every_layer, gqa_caches),
@@ -141,7 +145,8 @@ ARCHS = {a.model_type: a for a in (
     ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers,
              kimi_caches, top_k_key="num_experts_per_token", renames=_KIMI_NAMES),
     ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers, kimi_caches,
-             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES),
+             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES,
+             ignored=_KIMI_K3_IGNORED),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -174,6 +179,16 @@ def moe_layers(config: dict) -> list[int]:
 def layer_caches(config: dict) -> list[CacheKind]:
     """The cache kind of every layer, in layer order."""
     return arch_for(config).caches(config)
+
+
+def text_config(config: dict) -> dict:
+    """The config with the text model's keys at the top level: a checkpoint that nests them under
+    `text_config` (mlx-lm's kimi_k3 reads either form) has them lifted, its model_type kept."""
+    if not isinstance(config.get("text_config"), dict):
+        return config
+    lifted = {**config, **config["text_config"], "model_type": config["model_type"]}
+    del lifted["text_config"]
+    return lifted
 
 
 def store_name(info: ArchInfo, name: str) -> str:

@@ -257,3 +257,36 @@ def test_two_ranks_give_one_host_s_tokens_and_logits(kimi, tmp_path):
             got_logits = c.logits(PROMPT)
             assert c.stats()["workers"]["compute"]["distributed"]["exchanges"] > 0
     assert got == want and np.array_equal(got_logits, want_logits), arch
+
+
+def test_a_nested_text_config_and_other_models_weights(kimi, tmp_path):
+    """A Kimi K3 checkpoint as a multimodal release ships it: the text model's keys under
+    text_config, a vision tower's and a multi-token-prediction layer's tensors beside it (mlx-lm
+    reads the one and drops the others). The store has the text model alone, its keys at the top
+    level, and gives mlx-lm's logits."""
+    import shutil
+    arch, ckpt, _ = kimi
+    if arch != "kimi_k3":
+        pytest.skip("Kimi K3's release layout")
+    src = tmp_path / "nested"
+    shutil.copytree(ckpt, src)
+    flat = json.loads((ckpt / "config.json").read_text())
+    text = {k: v for k, v in flat.items() if k != "quantization"}
+    (src / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": text,
+                                                 "vision_config": {"hidden_size": 8},
+                                                 "quantization": flat["quantization"]}))
+    weights = mx.load(str(ckpt / "model.safetensors"))
+    weights.update({"vision_tower.patch_embed.weight": mx.ones((8, 8)),
+                    "language_model.model.mtp.0.proj.weight": mx.ones((8, 8))})
+    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
+    assert convert.main([str(src), str(tmp_path / "store"), "--no-progress"]) == 0
+    store = Store(tmp_path / "store")
+    assert store.config["num_hidden_layers"] == 4 and "text_config" not in store.config
+    assert not any(k.startswith(("vision", "model.mtp")) for k in store.dense_weights())
+    ref_model, _ = load_model(src)
+    ref = np.array(ref_model(mx.array(PROMPT)[None])[0].astype(mx.float32))
+    c, loader = _compute(store, len(store.records))
+    try:
+        assert np.array_equal(c.logits(PROMPT), ref)
+    finally:
+        loader.close()

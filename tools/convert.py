@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +70,7 @@ class Converter:
         cfg_path = self.src / "config.json"
         if not cfg_path.exists():
             raise ConvertError(f"{self.src}: no config.json (is this a Hugging Face or mlx-lm checkpoint?)")
-        self.config = json.loads(cfg_path.read_text())
+        self.config = archinfo.text_config(json.loads(cfg_path.read_text()))
         try:
             self.info = archinfo.arch_for(self.config)
         except archinfo.UnsupportedArchitecture as e:
@@ -87,9 +88,13 @@ class Converter:
 
     def _renamed(self, by_name: dict) -> dict:
         """Tensors or quantization overrides under the names the family's model reads
-        (archinfo.store_name: Kimi's Hugging Face layout and mlx-lm prefix)."""
+        (archinfo.store_name: Kimi's Hugging Face layout and mlx-lm prefix), without those of
+        other models (archinfo `ignored`: Kimi K3's vision tower)."""
         out = {}
+        ignored = [re.compile(p) for p in self.info.ignored]
         for name, value in by_name.items():
+            if any(p.match(name) for p in ignored):
+                continue
             new = archinfo.store_name(self.info, name)
             if new in out:
                 raise ConvertError(f"{name} and another tensor both map to {new}")
