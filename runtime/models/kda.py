@@ -71,12 +71,12 @@ class ShortConv:
 
     def __call__(self, xs: list, prev):
         """xs: each group's input [B, T, width]; prev: the state or None -> (outputs, new state)."""
-        starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
-        outs, tails = [], []
-        for x, w, s, n in zip(xs, self.weights, starts, self.widths):
+        outs, tails, s = [], [], 0
+        for x, w, n in zip(xs, self.weights, self.widths):
             full, tail = RecurrentCache.shift(None if prev is None else prev[..., s:s + n], x, self.width)
             outs.append(nn.silu(mx.conv1d(full, w, groups=n)))
             tails.append(tail)
+            s += n
         return outs, (tails[0] if len(tails) == 1 else mx.concatenate(tails, axis=-1))
 
 
@@ -120,10 +120,9 @@ class KimiDeltaAttention:
         B, T, _ = x.shape
         shape = (B, T, self.heads, self.head_dim)
         outs, conv = self.conv([p(x) for p in self.in_proj], conv)
-        qkv = outs[0] if len(outs) == 1 else None
-        if qkv is not None:
+        if len(outs) == 1:  # fused: q, k, v side by side
             P = self.heads * self.head_dim
-            outs = [qkv[..., :P], qkv[..., P:2 * P], qkv[..., 2 * P:]]
+            outs = [outs[0][..., :P], outs[0][..., P:2 * P], outs[0][..., 2 * P:]]
         q, k, v = (o.reshape(shape) for o in outs)
         q, k = normalize_qk(q, k, self.scale)
         a = self.f_b(self.f_a(x)).reshape(shape)
@@ -142,8 +141,7 @@ class KimiDeltaAttention:
     def __call__(self, x, mask, cache):
         if cache is None:
             return self.step(x, None, None)[0]
-        y, state, cache.conv = self.step(x, cache.state, cache.conv)
-        cache.set_state(state)
+        y, cache.state, cache.conv = self.step(x, cache.state, cache.conv)
         cache.advance(x.shape[1])
         return y
 
