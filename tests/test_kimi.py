@@ -290,3 +290,13 @@ def test_a_nested_text_config_and_other_models_weights(kimi, tmp_path):
         assert np.array_equal(c.logits(PROMPT), ref)
     finally:
         loader.close()
+
+
+def test_the_export_gives_mlx_lm_the_same_model(kimi, tmp_path):
+    """deltafin-export-mlx of the store loads in mlx-lm (strict) with the logits of the checkpoint
+    it came from, bitwise (the experts' activation is no projection of the export)."""
+    from deltafin.tools.export_mlx import export_mlx
+    arch, ckpt, store = kimi
+    out = export_mlx(store, tmp_path / "mlx")
+    logits = [np.array(load_model(p)[0](mx.array([PROMPT]))[0].astype(mx.float32)) for p in (out, ckpt)]
+    assert np.array_equal(*logits), arch
