@@ -331,7 +331,8 @@ PRESETS = {
     # every other value is assumed, named in PRESET_ASSUMPTIONS.
     "kimi-k3": dict(architectures=["KimiK3ForCausalLM"], model_type="kimi_k3", vocab_size=163840,
                     hidden_size=7168, intermediate_size=33792, num_hidden_layers=93, num_attention_heads=96,
-                    num_key_value_heads=96, num_experts_per_token=16, num_experts=1536, moe_intermediate_size=1792,
+                    num_key_value_heads=96, num_experts_per_token=16, num_experts=1536,
+                    moe_intermediate_size=1792,
                     routed_expert_hidden_size=3584, latent_moe_use_norm=False, num_shared_experts=1,
                     first_k_dense_replace=1, moe_layer_freq=1, num_expert_group=1, topk_group=1,
                     routed_scaling_factor=2.5, moe_renormalize=True, moe_router_activation_func="sigmoid",
