@@ -1,7 +1,8 @@
 """Kimi Linear and Kimi K3 against mlx-lm, bit for bit on the CPU.
 
-No Hugging Face class exists for Kimi K3 (nor, here, for Kimi Linear): each tiny checkpoint is
-built by mlx-lm's own model class (random weights, norms and biases perturbed so a wrong one
+No Hugging Face class exists for Kimi K3 (transformers' Kimi Linear is checked against mlx-lm
+on deltafin-synth's checkpoint in test_synth): each tiny checkpoint here is built by mlx-lm's own
+model class (random weights, norms and biases perturbed so a wrong one
 shows), cast to bfloat16 and quantized by mlx-lm's quantize_model (4-bit, its 8-bit routers),
 saved as `mlx_lm convert -q` saves one, then converted to a store by deltafin-convert. Four
 layers: KDA (linear attention with a recurrent state and a short convolution) in layers 0 and 2,
