@@ -96,6 +96,26 @@ def mla_latent_caches(config: dict) -> list[CacheKind]:
     return [LatentKV(*_mla_widths(config))] * int(config["num_hidden_layers"])
 
 
+def kimi_caches(config: dict) -> list[CacheKind]:
+    """Kimi Linear / K3: the 1-based `linear_attn_config.kda_layers` keep KDA's float32 state
+    [heads, head_dim, head_dim] and the short convolution's last kernel - 1 inputs of q, k and v;
+    the others absorbed MLA (mlx-lm's width defaults: head_dim, no rotary part)."""
+    lin = config["linear_attn_config"]
+    heads, dim = int(lin["num_heads"]), int(lin["head_dim"])
+    linear = RecurrentState((heads, dim, dim), conv_shape=(int(lin.get("short_conv_kernel_size", 4)) - 1,
+                                                            3 * heads * dim), state_itemsize=4)
+    head = config.get("head_dim")
+    n = int(config["num_attention_heads"])
+    full = LatentKV(n * int((config.get("qk_nope_head_dim") or head) + (config.get("qk_rope_head_dim") or 0)),
+                    n * int(config.get("v_head_dim") or head))
+    kda = set(lin["kda_layers"])
+    return [linear if i + 1 in kda else full for i in every_layer(config)]
+
+
+def kimi_moe_layers(config: dict) -> list[int]:
+    return deepseek_moe_layers(config) if config.get("num_experts") else []
+
+
 # ---------------------------------------------------------------- the activation of the routed experts
 
 def swiglu_experts(config: dict) -> dict | None:
@@ -107,6 +127,11 @@ def swiglu_oai_experts(config: dict) -> dict | None:
     """gpt-oss's clamped SwiGLU, as a record layout's quant names it (runtime/models/switch.py
     glu_activation; its alpha and limit are mlx-lm's constants, whatever the config says)."""
     return {"name": "swiglu_oai"}
+
+def situ_experts(config: dict) -> dict | None:
+    """Kimi K3's SiTU, as a record layout's quant names it (runtime/models/switch.py glu_activation)."""
+    return {"name": "situ", "beta": float(config.get("activation_situ_beta") or 1.0),
+            "linear_beta": config.get("activation_situ_linear_beta")}
 
 
 # ---------------------------------------------------------------- the registry
@@ -124,9 +149,22 @@ class ArchInfo:
     aliases: tuple = ()        # other model_type names of the same architecture
     activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
     stacked: str = "switch_mlp"  # module of mlx-lm's stacked experts under `block`
+    renames: tuple = ()        # (regex, replacement): checkpoint names -> the names the model reads
+    ignored: tuple = ()        # regexes of checkpoint tensors that are no part of the text model
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_KIMI_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# The names mlx-lm's kimi sanitize maps: its Kimi K3 wrapper's prefix, the Hugging Face layout's
+# MoE block, router bias, short convolutions and attention-residual weights.
+_KIMI_NAMES = ((r"^language_model\.", ""),
+               (r"\.block_sparse_moe\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
+               (r"\.block_sparse_moe\.", ".mlp."),
+               (r"\.([qkv])_conv1d\.weight$", r".\1_conv.conv.weight"),
+               (r"_res\.(proj|norm)_weight$", r"_res_\1.weight"))
+# What mlx-lm's kimi_k3 sanitize drops: the vision tower and projector, multi-token prediction.
+_KIMI_K3_IGNORED = (r"^(vision_tower|vision_model|multi_modal_projector|mm_projector|mtp)\.",
+                    r"^(language_model\.)?model\.mtp\.")
 ARCHS = {a.model_type: a for a in (
     ArchInfo("mixtral", "mixtral.Mixtral", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
              "num_local_experts", every_layer, gqa_caches),
@@ -147,6 +185,11 @@ ARCHS = {a.model_type: a for a in (
              stacked="experts", activation=swiglu_oai_experts),
     ArchInfo("minimax_m2", "minimax.MiniMax", "block_sparse_moe",
              {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}, "num_local_experts", every_layer, gqa_caches),
+    ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers,
+             kimi_caches, top_k_key="num_experts_per_token", renames=_KIMI_NAMES),
+    ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers, kimi_caches,
+             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES,
+             ignored=_KIMI_K3_IGNORED),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -160,12 +203,13 @@ def arch_for(config: dict) -> ArchInfo:
 
 
 def text_model(config: dict) -> dict:
-    """The config of a checkpoint's language model: a multimodal checkpoint's `text_config` with
-    the top-level model_type and quantization entries (names as `text_name` gives them);
-    any other config as it is."""
+    """The config of a checkpoint's language model: a checkpoint that nests it under `text_config`
+    (Qwen3.5-MoE, Kimi K3) has its keys lifted over the top-level ones, the top-level model_type
+    kept and the quantization entries named as `text_name` gives them; any other config as it is."""
     if not isinstance(config.get("text_config"), dict):
         return config
-    flat = {**config["text_config"], "model_type": config["model_type"]}
+    flat = {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"],
+            "model_type": config["model_type"]}
     for key in ("quantization", "quantization_config"):
         if isinstance(config.get(key), dict):
             flat[key] = {text_name(k) or k: v for k, v in config[key].items()}
@@ -209,6 +253,14 @@ def moe_layers(config: dict) -> list[int]:
 def layer_caches(config: dict) -> list[CacheKind]:
     """The cache kind of every layer, in layer order."""
     return arch_for(config).caches(config)
+
+
+def store_name(info: ArchInfo, name: str) -> str:
+    """A checkpoint tensor's (or quantization override's) name as the store and the model know it:
+    the family's `renames` applied in order (most families: unchanged)."""
+    for pattern, replacement in info.renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def expert_pattern(info: ArchInfo) -> re.Pattern:

@@ -45,8 +45,10 @@ def _source_expert(refs, info, layer, e):
 
 def _check_store_matches_source(src: Path, store_path: Path, bits=4, group_size=64):
     store = Store(store_path)
-    refs = {archinfo.text_name(n): r for n, r in index_checkpoint(for_mlx_lm(src)).items()}  # the language model's names
     info = archinfo.arch_for(store.config)
+    # the language model's names, as the family's model reads them
+    refs = {archinfo.store_name(info, text): ref for n, ref in index_checkpoint(for_mlx_lm(src)).items()
+            if (text := archinfo.text_name(n))}
     assert store.moe_layers == archinfo.moe_layers(store.config)
     for (layer, e), rec in store.records.items():
         assert rec.offset % ALIGN == 0

@@ -39,7 +39,7 @@ CUDA_TINY_MLA = pytest.mark.xfail(mx.cuda.is_available(), strict=False,
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   pytest.param("deepseek_v2", marks=CUDA_TINY_MLA),
                                   pytest.param("deepseek_v3", marks=CUDA_TINY_MLA), "qwen3_next", "qwen3_5_moe",
-                                  "glm4_moe", "gpt_oss", "minimax_m2"])
+                                  "glm4_moe", "gpt_oss", "minimax_m2", "kimi_linear", "kimi_k3"])
 def test_bfloat16_greedy_tokens_equal_mlx_lm(mlx_lm_stores, arch):
     ckpt, store = mlx_lm_stores(arch)  # bfloat16 checkpoint, mlx-lm quantized, and its store
     ref = mlx_lm_greedy(ckpt, PROMPT, N)

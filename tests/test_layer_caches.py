@@ -39,7 +39,7 @@ def test_the_budget_charges_each_layer_by_its_kind(arch):
     kinds = archinfo.layer_caches(c)
     assert len(kinds) == c["num_hidden_layers"]
     assert isinstance(kinds[0], LatentKV) == (arch == "deepseek_v3")
-    assert isinstance(kinds[0], RecurrentState) == (arch in ("qwen3_next", "qwen3_5_moe"))
+    assert isinstance(kinds[0], RecurrentState) == (arch in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "kimi_k3"))
     if any(isinstance(k, SlidingKV) for k in kinds):  # gpt-oss: its sliding layers hold their window only
         per = budget.kv_bytes_per_token(c, 2)
         assert budget.kv_reserve_bytes(c, 2, 512, 700) == sum(k.nbytes(700, 2) for k in kinds) < per * 700

@@ -33,7 +33,8 @@ def resident_compute_s_per_token(s: Setup, tokens: int) -> dict:
         layers[layer] = stacked
         del per
     q = store.manifest["quantization"]
-    resident = ResidentExperts(layers, q["bits"], q["group_size"])
+    act = store.layout(store.moe_layers[0])["quant"].get("activation")  # e.g. Kimi K3's SiTU
+    resident = ResidentExperts(layers, q["bits"], q["group_size"], act)
     routed = _trace_provider(resident, s) if s.trace_ids is not None else resident
     load_s = time.perf_counter() - t0
     cache = model.make_cache()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,13 +85,28 @@ class Converter:
         self.moe_layers = archinfo.moe_layers(self.config)
         self.n_experts = archinfo.n_experts(self.config)
         qc = self.config.get("quantization")
-        self.mlx_quant = qc if isinstance(qc, dict) and "bits" in qc else None
+        self.mlx_quant = self._renamed(qc) if isinstance(qc, dict) and "bits" in qc else None
         self.activation = self.info.activation(self.config)
         try:
-            self.refs = {text: ref for name, ref in index_checkpoint(self.src).items()
-                         if (text := archinfo.text_name(name))}
+            self.refs = self._renamed({text: ref for name, ref in index_checkpoint(self.src).items()
+                                       if (text := archinfo.text_name(name))})
         except TensorFileError as e:
             raise ConvertError(str(e)) from None
+
+    def _renamed(self, by_name: dict) -> dict:
+        """Tensors or quantization overrides under the names the family's model reads
+        (archinfo.store_name: Kimi's Hugging Face layout and mlx-lm prefix), without those of
+        other models (archinfo `ignored`: Kimi K3's vision tower)."""
+        out = {}
+        ignored = [re.compile(p) for p in self.info.ignored]
+        for name, value in by_name.items():
+            if any(p.match(name) for p in ignored):
+                continue
+            new = archinfo.store_name(self.info, name)
+            if new in out:
+                raise ConvertError(f"{name} and another tensor both map to {new}")
+            out[new] = value
+        return out
 
     # -- planning: find every expert and check shapes before a byte is written --------------
     def plan(self) -> tuple[dict, list[str]]:

@@ -57,9 +57,10 @@ def log(msg: str) -> None:
 class Shape:
     """What the forecast needs of a model: layers, experts, top-k, record bytes."""
 
-    def __init__(self, name, n_moe, n_dense, n_experts, top_k, record_bytes, store=None):
+    def __init__(self, name, n_moe, n_dense, n_experts, top_k, record_bytes, store=None, assumptions=()):
         self.name, self.n_moe, self.n_dense = name, n_moe, n_dense
         self.n_experts, self.top_k, self.record_bytes, self.store = n_experts, top_k, record_bytes, store
+        self.assumptions = list(assumptions)  # what a preset's shape assumes (synth.PRESET_ASSUMPTIONS)
 
     @classmethod
     def of_store(cls, store):
@@ -71,14 +72,16 @@ class Shape:
     def of_preset(cls, preset: str, layers: int | None = None, bits: int = 4, group_size: int = 64):
         from deltafin.runtime import archinfo
         from deltafin.tools.replay import expert_record_bytes
-        from deltafin.tools.synth import PRESETS
+        from deltafin.tools.synth import PRESET_ASSUMPTIONS, PRESETS
         if preset not in PRESETS:
             raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
         c = PRESETS[preset]
         n_layers = layers or int(c["num_hidden_layers"])
         n_dense = min(n_layers, int(c.get("first_k_dense_replace") or 0))
-        rec = expert_record_bytes(int(c["hidden_size"]), int(c["moe_intermediate_size"]), bits, group_size)
-        return cls(preset, n_layers - n_dense, n_dense, archinfo.n_experts(c), archinfo.top_k(c), rec)
+        width = int(c.get("routed_expert_hidden_size") or c["hidden_size"])  # Kimi K3's experts: the latent width
+        rec = expert_record_bytes(width, int(c["moe_intermediate_size"]), bits, group_size)
+        return cls(preset, n_layers - n_dense, n_dense, archinfo.n_experts(c), archinfo.top_k(c), rec,
+                   assumptions=PRESET_ASSUMPTIONS.get(preset, ()))
 
     def slots_at(self, frac: float) -> int:
         """Expert slots for a cache of `frac` of all experts (at least one token's top-k)."""
@@ -87,7 +90,8 @@ class Shape:
     def to_dict(self) -> dict:
         return {"name": self.name, "moe_layers": self.n_moe, "dense_layers": self.n_dense,
                 "experts_per_layer": self.n_experts, "top_k": self.top_k, "record_bytes": self.record_bytes,
-                "expert_bytes_total": self.record_bytes * self.n_moe * self.n_experts}
+                "expert_bytes_total": self.record_bytes * self.n_moe * self.n_experts,
+                "assumptions": self.assumptions}
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -392,7 +396,7 @@ def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, pr
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltafin-forecast", description=__doc__.splitlines()[0])
     p.add_argument("--store", help="an expert store (its shapes; calibrations measured on its records)")
-    p.add_argument("--preset", help="a preset shape instead of a store: kimi-k2, dsv2-lite, qwen3-30b-a3b")
+    p.add_argument("--preset", help="a preset shape instead of a store: kimi-k2, kimi-k3, dsv2-lite, qwen3-30b-a3b")
     p.add_argument("--layers", type=int, help="layers of the preset (default: the preset's own)")
     p.add_argument("--cache-frac", type=float, action="append",
                    help="expert slots as a share of all experts (repeatable: 0.1 --cache-frac 0.25 ...)")
@@ -462,6 +466,8 @@ def _inputs(a, report: dict | None) -> tuple | None:
         return None
     store = Store(store_path) if store_path else None
     shape = Shape.of_store(store) if store else Shape.of_preset(a.preset, a.layers)
+    for note in shape.assumptions:
+        log(f"{shape.name} assumes: {note}")
     trace_path = Path(a.trace) if a.trace else find_default_trace()
     if trace_path is None:
         log("no routing trace found: give --trace")

@@ -238,9 +238,56 @@ def _gpt_oss(c):
     return _decoder(c, layer)
 
 
+def _kda(c: dict, a: str) -> dict:
+    """Kimi Delta Attention as the Hugging Face checkpoints hold it: q/k/v projections and their
+    depthwise convolutions ([C, 1, K]) apart."""
+    h, lin = c["hidden_size"], c["linear_attn_config"]
+    nh, d = lin["num_heads"], lin["head_dim"]
+    p = nh * d
+    t = {f"{a}.A_log": (1, 1, nh, 1) if c["model_type"] == "kimi_linear" else (nh,), f"{a}.dt_bias": (p,),
+         f"{a}.o_norm.weight": (d,), **_linear(f"{a}.f_a_proj", d, h), **_linear(f"{a}.f_b_proj", p, d),
+         **_linear(f"{a}.b_proj", nh, h), **_linear(f"{a}.g_a_proj", d, h), **_linear(f"{a}.g_b_proj", p, d),
+         **_linear(f"{a}.o_proj", h, p)}
+    for x in "qkv":
+        t.update({**_linear(f"{a}.{x}_proj", p, h), f"{a}.{x}_conv1d.weight": (p, 1, lin["short_conv_kernel_size"])})
+    return t
+
+
+def _kimi(c):
+    h, k3 = c["hidden_size"], c["model_type"] == "kimi_k3"
+    kda = set(c["linear_attn_config"]["kda_layers"])
+
+    def layer(i, p, moe):
+        t = _kda(c, f"{p}.self_attn") if i + 1 in kda else _mla(c, p)
+        if k3 and i + 1 not in kda and c.get("mla_use_output_gate"):
+            t.update(_linear(f"{p}.self_attn.g_proj", c["num_attention_heads"] * c["v_head_dim"], h))
+        if k3 and c.get("attn_res_block_size"):
+            for r in ("self_attention_res", "mlp_res"):
+                t.update({f"{p}.{r}.proj_weight": (1, h), f"{p}.{r}.norm_weight": (h,)})
+        if not moe:
+            return {**t, **_glu(f"{p}.mlp", h, c["intermediate_size"])}
+        b, inter, n = f"{p}.block_sparse_moe", c["moe_intermediate_size"], c["num_experts"]
+        width = c.get("routed_expert_hidden_size") or h
+        t.update({**_linear(f"{b}.gate", n, h), f"{b}.gate.e_score_correction_bias": (n,),
+                  **_glu(f"{b}.shared_experts", h, inter * c["num_shared_experts"])})
+        for e in range(n):
+            t.update(_glu(f"{b}.experts.{e}", width, inter, ("w1", "w3", "w2")))
+        if k3 and c.get("routed_expert_hidden_size"):
+            t.update({**_linear(f"{b}.routed_expert_down_proj", width, h),
+                      **_linear(f"{b}.routed_expert_up_proj", h, width)})
+            if c.get("latent_moe_use_norm"):
+                t[f"{b}.routed_expert_norm.weight"] = (width,)
+        return t
+    t = _decoder(c, layer)
+    if k3 and c.get("attn_res_block_size"):
+        t.update({"model.output_attn_res.proj_weight": (1, h), "model.output_attn_res.norm_weight": (h,)})
+    return t
+
+
 SHAPES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
           "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "qwen3_next": _hybrid, "qwen3_5_moe": _qwen3_5_moe,
-          "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss}
+          "glm4_moe": _glm4_moe, "minimax_m2": _minimax_m2, "gpt_oss": _gpt_oss, "kimi_linear": _kimi,
+          "kimi_k3": _kimi}
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple]:
@@ -271,7 +318,7 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     arch_name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe",
                  "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "qwen3_next": "Qwen3Next",
                  "qwen3_5_moe": "Qwen3_5Moe", "glm4_moe": "Glm4Moe", "minimax_m2": "MiniMaxM2",
-                 "gpt_oss": "GptOss"}[arch]
+                 "gpt_oss": "GptOss", "kimi_linear": "KimiLinear", "kimi_k3": "KimiK3"}[arch]
     theta = {"mixtral": 1e6, "qwen2_moe": 1e6, "qwen3_moe": 1e6}.get(arch, 10000.0)
     c = {"architectures": [f"{arch_name}ForCausalLM"], "model_type": arch, "vocab_size": vocab,
          "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
@@ -303,6 +350,8 @@ def hub_config(arch: str, *, layers: int, experts: int, top_k: int, hidden: int,
     elif arch in ("qwen3_next", "qwen3_5_moe"):
         c.update(_hybrid_config(hidden, heads, layers, experts, moe_intermediate))
         c["rope_parameters"]["partial_rotary_factor"] = c["partial_rotary_factor"]
+    elif arch.startswith("kimi"):
+        c.update(_kimi_config(arch, layers, experts, top_k, heads, moe_intermediate, q_lora_rank))
     else:
         v3 = arch == "deepseek_v3"
         # v3: group-limited routing (4 groups, best 2) whenever top_k fits in the kept groups
@@ -363,6 +412,28 @@ def _glm_minimax_gptoss_config(arch: str, c: dict, experts: int, moe_intermediat
                 layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
 
 
+def _kimi_config(arch, layers, experts, top_k, heads, moe_intermediate, q_lora_rank) -> dict:
+    """Kimi Linear / K3 keys (mlx-lm's ModelArgs): KDA in every other layer from the first, MLA
+    (64 + 32 wide heads, no rotary embedding) between, the first layer dense, grouped routing; K3
+    adds SiTU, a latent expert width of 64, attention residuals in blocks of 2 and MLA's output gate."""
+    n_group = 2 if experts % 2 == 0 and top_k <= experts // 2 else 1
+    c = dict(num_key_value_heads=heads, head_dim=64, model_max_length=4096, num_experts=experts,
+             num_experts_per_token=top_k, moe_intermediate_size=moe_intermediate, num_shared_experts=1,
+             kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, mla_use_nope=True,
+             moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.5,
+             first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=n_group,
+             topk_group=max(1, n_group // 2), rms_norm_eps=1e-5,
+             linear_attn_config={"num_heads": heads, "head_dim": 64, "short_conv_kernel_size": 4,
+                                 "kda_layers": list(range(1, layers + 1, 2)),
+                                 "full_attn_layers": list(range(2, layers + 1, 2))})
+    if arch == "kimi_k3":
+        c["linear_attn_config"]["gate_lower_bound"] = -5.0
+        c.update(hidden_act="situ", activation_situ_beta=1.5, activation_situ_linear_beta=4.0,
+                 attn_res_block_size=2, q_lora_rank=q_lora_rank or 64, mla_use_output_gate=True,
+                 routed_expert_hidden_size=64, latent_moe_use_norm=True)
+    return c
+
+
 # Real model shapes for `bench` (values from the published config.json files).
 _DS = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
            moe_layer_freq=1, first_k_dense_replace=1, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -403,6 +474,32 @@ PRESETS = {
                     max_position_embeddings=131072, rope_theta=50000.0, num_nextn_predict_layers=0,
                     rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                                   "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Kimi K3: what mlx-lm 0.32.2's kimi_k3 TextArgs defaults give (93 layers, hidden 7168, 96 heads,
+    # top-16, vocab 163840, intermediate 33792) and the seed (2.8 T parameters, ~32 B active);
+    # every other value is assumed, named in PRESET_ASSUMPTIONS.
+    "kimi-k3": dict(architectures=["KimiK3ForCausalLM"], model_type="kimi_k3", vocab_size=163840,
+                    hidden_size=7168, intermediate_size=33792, num_hidden_layers=93, num_attention_heads=96,
+                    num_key_value_heads=96, num_experts_per_token=16, num_experts=1536,
+                    moe_intermediate_size=1792,
+                    routed_expert_hidden_size=3584, latent_moe_use_norm=False, num_shared_experts=1,
+                    first_k_dense_replace=1, moe_layer_freq=1, num_expert_group=1, topk_group=1,
+                    routed_scaling_factor=2.5, moe_renormalize=True, moe_router_activation_func="sigmoid",
+                    hidden_act="situ", activation_situ_beta=1.0, attn_res_block_size=8, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    mla_use_nope=True, mla_use_output_gate=False, rms_norm_eps=1e-5, rope_theta=50000.0,
+                    max_position_embeddings=1048576, tie_word_embeddings=False, initializer_range=INIT_STD,
+                    linear_attn_config={"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                                        "kda_layers": [i for i in range(1, 94) if i % 4],
+                                        "full_attn_layers": list(range(4, 94, 4))}),
+}
+PRESET_ASSUMPTIONS = {
+    "kimi-k3": ["num_experts 1536, moe_intermediate_size 1792 and routed_expert_hidden_size 3584 (latent experts "
+                "of 3 x 3584 x 1792 = 19.3 M parameters): chosen so 92 MoE layers hold 2.7 T routed parameters "
+                "and top-16 activates 28 B of them, the seed's 2.8 T / ~32 B",
+                "first_k_dense_replace 1 and one shared expert, as Kimi K2 and Kimi Linear",
+                "SiTU beta 1.0 (mlx-lm's default), attention residuals in blocks of 8 layers",
+                "KDA in 3 of every 4 layers, MLA in every 4th (Kimi Linear's 3:1), 96 KDA heads of 128",
+                "MLA widths of Kimi K2 (q_lora_rank 1536, kv_lora_rank 512, 128 + 64 / 128 per head)"],
 }
 
 
@@ -411,7 +508,7 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------
 
 def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
+    return name.endswith(("norm.weight", "norm_weight"))
 
 
 def _is_router(name: str) -> bool:
@@ -516,8 +613,9 @@ def write_tokenizer(out: Path, vocab: int) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 
 def _tensor_dtype(name: str, dtype: str) -> str:
-    # e_score_correction_bias stays float32, as in the published DeepSeek-V3 checkpoints
-    return "float32" if name.endswith("e_score_correction_bias") else dtype
+    # e_score_correction_bias stays float32, as in the published DeepSeek-V3 checkpoints (and
+    # what mlx-lm keeps as stored: the router bias, KDA's A_log and dt_bias)
+    return "float32" if name.endswith(("e_score_correction_bias", "A_log", "dt_bias")) else dtype
 
 
 def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1) -> Path:
@@ -624,8 +722,8 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
     if hidden % 64 or moe_intermediate % 64:
         print("warning: --hidden/--moe-intermediate not multiples of 64: some weights will not fit "
               "4-bit group-64 quantization", file=sys.stderr)
-    if layers is None:  # deepseek's and glm's first layer is dense: keep two MoE layers everywhere
-        layers = 3 if arch.startswith("deepseek") or arch == "glm4_moe" else 2
+    if layers is None:  # deepseek's, glm's and kimi's first layer is dense: keep two MoE layers everywhere
+        layers = 3 if arch.startswith(("deepseek", "kimi")) or arch == "glm4_moe" else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
     return write_checkpoint(Path(out), published(with_overrides(config, overrides)), dtype, seed, shards)
@@ -698,9 +796,12 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:
             config["max_window_layers"] = layers
-    shapes = tensor_shapes(config)
     info = archinfo.arch_for(config)
+    shapes = {archinfo.store_name(info, n): shape for n, shape in tensor_shapes(config).items()}
     pattern = archinfo.expert_pattern(info)
+    act = info.activation(config)
+    quant = None if act is None else {**{p: {"bits": bits, "group_size": group_size} for p in archinfo.PROJS},
+                                      "activation": act}
     experts: dict[tuple[int, int], dict[str, tuple]] = {}
     dense = {}
     for name, shape in shapes.items():
@@ -729,7 +830,7 @@ def bench(preset: str, out, *, layers: int | None = None, bits: int = 4, group_s
             rec = {}
             for proj, (o, i) in experts[(layer, e)].items():
                 rec.update({f"{proj}.{k}": v for k, v in q.tensor(o, i, 1.0 / math.sqrt(i)).items()})
-            writer.add_expert(layer, e, rec)
+            writer.add_expert(layer, e, rec, quant)
             bar.update(1)
         bar.close()
         with tempfile.TemporaryDirectory() as td:

@@ -13,8 +13,8 @@ from deltafin.runtime import dtypes
 
 # ---------------------------------------------------------------- config and dtype helpers
 
-# mlx-lm keeps these tensors as stored whatever the model dtype (cast predicates, Qwen3.5 A_log).
-_KEEP_DTYPE = ("e_score_correction_bias", "A_log")
+# mlx-lm keeps these tensors as stored whatever the model dtype (its cast_predicate).
+_KEEP_DTYPE = ("e_score_correction_bias", "A_log", "dt_bias")
 
 
 def rope_settings(config: dict, default_theta: float):
@@ -129,15 +129,35 @@ def swiglu(gate, up):
     return nn.silu(gate) * up
 
 
-class GLU:
-    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+@partial(mx.compile, shapeless=True)
+def _situ(x, gate, beta, linear_beta):
+    # Compiled like mlx-lm's kimi_k3 SiTU (its argument order, float32 inside), so it rounds the same.
+    dtype = x.dtype
+    gate, x = gate.astype(mx.float32), x.astype(mx.float32)
+    a = beta * mx.tanh(gate / beta) * mx.sigmoid(gate)
+    if linear_beta is not None:
+        x = linear_beta * mx.tanh(x / linear_beta)
+    return (a * x).astype(dtype)
 
-    def __init__(self, weights, prefix, qspec):
+
+def situ(beta: float = 1.0, linear_beta: float | None = None):
+    """SiTU as a GLU activation act(gate, up): beta*tanh(gate/beta)*sigmoid(gate) times up (up
+    itself squashed to linear_beta*tanh(up/linear_beta) where linear_beta is given)."""
+    def act(gate, up):
+        return _situ(up, gate, beta, linear_beta)
+    return act
+
+
+class GLU:
+    """Dense gated MLP: down(act(gate(x), up(x))), SwiGLU unless `act` says otherwise."""
+
+    def __init__(self, weights, prefix, qspec, act=swiglu):
         self.gate, self.up, self.down = (Linear(weights, f"{prefix}.{n}", qspec)
                                          for n in ("gate_proj", "up_proj", "down_proj"))
+        self.act = act
 
     def __call__(self, x, experts=None):
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        return self.down(self.act(self.gate(x), self.up(x)))
 
 
 # ---------------------------------------------------------------- rotary embeddings

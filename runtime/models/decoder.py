@@ -147,12 +147,18 @@ class MoETransformer:
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
         h = self.embed.lookup(tokens[None] if tokens.ndim == 1 else tokens.reshape(1, -1))
         mask = "causal" if h.shape[1] > 1 else None
-        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
-            h = h + attn(rms_norm(h, in_norm, self.eps), mask, None if cache is None else cache[i])
-            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+        h = self.run_layers(h, lambda i, attn, x: attn(x, mask, None if cache is None else cache[i]), experts)
         h = rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h).squeeze(0)
         return logits.astype(mx.float32) if float32 else logits
+
+    def run_layers(self, h, attend, experts):
+        """h [B, L, D] through every layer, before the final norm; attend(i, attn, x) runs layer
+        i's attention on x with its cache (one sequence's, or the batch's rows)."""
+        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
+            h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
+            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+        return h
 
     def forward_batch(self, tokens, caches: list, experts=None, float32: bool = True):
         """One decode step of B sequences: tokens int [B] (one per sequence), caches[b] that
@@ -177,9 +183,7 @@ class MoETransformer:
         # Each sequence's rope position: its length, the same in every layer's cache (a pass
         # advances them all by one); one small array per step, not one per layer.
         offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
-        for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
-            h = h + attn.rows(rms_norm(h, in_norm, self.eps), [c[i] for c in caches], offsets)
-            h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+        h = self.run_layers(h, lambda i, attn, x: attn.rows(x, [c[i] for c in caches], offsets), experts)
         h = rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h).squeeze(1)
         return logits.astype(mx.float32) if float32 else logits

@@ -48,6 +48,7 @@ class MLAttention(StagedAttention):
             self.q_proj = Linear(w, f"{prefix}.q_proj", qs)
         self.kv_a = Linear(w, f"{prefix}.kv_a_proj_with_mqa", qs)
         self.kv_a_norm = w[f"{prefix}.kv_a_layernorm.weight"]
+        self.kv_a_eps = LATENT_NORM_EPS
         self.o_proj = Linear(w, f"{prefix}.o_proj", qs)
         self.scale = (self.nope + self.rope_dim) ** -0.5 * yarn_attention_scale(model.rope_scaling)
         self.rope = Rope(self.rope_dim, model.rope_theta, traditional=True, scaling=model.rope_scaling)
@@ -75,7 +76,7 @@ class MLAttention(StagedAttention):
         q_nope, q_pe = mx.split(q, [self.nope], axis=-1)
         latent, k_pe = mx.split(self.kv_a(x), [self.rank], axis=-1)
         k_pe = k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
-        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
+        latent = rms_norm(latent, self.kv_a_norm, self.kv_a_eps)
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
         if self.kv_b is None:
             # decode: the query moves into latent space instead of expanding every key

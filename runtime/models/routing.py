@@ -87,3 +87,36 @@ def sigmoid_bias_topk(logits, bias, k, dtype):
     inds = mx.argpartition(-(probs + bias), kth=k - 1, axis=-1)[..., :k]
     weights = mx.take_along_axis(probs, inds, axis=-1)
     return inds, (weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)).astype(dtype)
+
+
+@mx.compile
+def _kimi_grouped(logits, bias, k, n_group, topk_group, scale, norm, score, in_float32):
+    # Compiled like mlx-lm's kimi group_expert_select (its op order, its 1e-20), so it rounds the same.
+    in_type = logits.dtype
+    if score == "softmax":
+        probs = mx.softmax(logits, axis=-1, precise=True)
+    else:
+        probs = mx.sigmoid(logits.astype(mx.float32) if in_float32 else logits)
+    pick = probs + bias.astype(probs.dtype)
+    if n_group > 1:
+        pick = mx.unflatten(pick, axis=-1, shape=(n_group, -1))
+        group_score = mx.topk(pick, 2, axis=-1).sum(axis=-1, keepdims=True)
+        drop = n_group - topk_group
+        dropped = mx.argpartition(group_score, kth=drop - 1, axis=-2)[..., :drop, :]
+        pick = mx.put_along_axis(pick, mx.stop_gradient(dropped), mx.array(0.0, dtype=pick.dtype), axis=-2)
+        pick = mx.flatten(pick, -2, -1)
+    inds = mx.stop_gradient(mx.argpartition(-pick, kth=k - 1, axis=-1)[..., :k])
+    weights = mx.take_along_axis(probs, inds, axis=-1)
+    if k > 1 and norm:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    weights = weights * scale
+    return inds, (weights.astype(in_type) if in_float32 else weights)
+
+
+def kimi_grouped_topk(logits, bias, k, n_group=1, topk_group=1, scale=1.0, norm=True, score="sigmoid",
+                      in_float32=False):
+    """Kimi's scheme (kimi_linear, kimi_k3): sigmoid (or softmax) scores, the selection adds the
+    correction bias and keeps the topk_group best groups (a group scores its two best experts);
+    weights are the raw scores renormalised (over their sum + 1e-20) and times scale. in_float32
+    (Kimi K3): the scores are taken in float32 and the weights cast back to the logits' dtype."""
+    return _kimi_grouped(logits, bias, k, n_group, topk_group, scale, norm, score, in_float32)

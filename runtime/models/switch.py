@@ -11,7 +11,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from deltafin.runtime.models.base import swiglu
+from deltafin.runtime.models.base import situ, swiglu
 
 # mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
 SORT_PAIRS = 64
@@ -55,6 +55,8 @@ def glu_activation(spec: dict | None):
         return swiglu
     if spec["name"] == "swiglu_oai":
         return swiglu_oai
+    if spec["name"] == "situ":
+        return situ(spec["beta"], spec["linear_beta"])
     raise ValueError(f"unknown expert activation {spec['name']!r}")
 
 
