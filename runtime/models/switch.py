@@ -9,6 +9,7 @@ the number of (token, expert) pairs (`sorts_pairs`), as mlx-lm decides it.
 import mlx.core as mx
 import numpy as np
 
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.models.base import swiglu
 
 # mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
@@ -22,14 +23,15 @@ def sorts_pairs(n_pairs: int) -> bool:
 
 def expert_matmul(x, w, name, idx, quant, sorted_indices):
     """One projection of the chosen experts: w holds stacked [E, out, in] tensors (or a pool of
-    resident slots), idx selects per row. quant: {"bits", "group_size"}, or None for a float
-    projection (mlx-lm leaves one float when its input does not fit the group size)."""
+    resident slots), idx selects per row. quant: {"bits", "group_size", "mode"}, or None for a
+    float projection (mlx-lm leaves one float when its input does not fit the group size); the
+    microscaling modes have no biases."""
     if quant is None:
         return mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
                             sorted_indices=sorted_indices)
     return mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
                          rhs_indices=idx, transpose=True, group_size=quant["group_size"],
-                         bits=quant["bits"], sorted_indices=sorted_indices)
+                         bits=quant["bits"], mode=quant["mode"], sorted_indices=sorted_indices)
 
 
 def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
@@ -40,10 +42,16 @@ def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
     return expert_matmul(swiglu(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
 
-def uniform_quant(w: dict, bits: int, group_size: int) -> dict:
-    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales)."""
-    return {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+def uniform_quant(w: dict, bits: int, group_size: int, mode: str = "affine") -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size/mode (float where no scales)."""
+    return {p: ({"bits": bits, "group_size": group_size, "mode": mode} if f"{p}.scales" in w else None)
             for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def pool_dtype(stored: str, dtype):
+    """MLX dtype a record tensor is held in: packed codes and uint8 scales as stored, float
+    tensors in the compute dtype."""
+    return dtype if stored in FLOAT_DTYPES else getattr(mx, stored)
 
 
 def switch_glu(x, inds, w, quant: dict):
@@ -100,9 +108,14 @@ class ResidentExperts:
 
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
-    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64):
-        self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
+    def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64,
+                 mode: str = "affine", quant: dict | None = None):
+        """quant: {layer: per-projection quant} where layers differ (mixed recipes); other layers
+        use bits/group_size/mode."""
+        self.layers, self.bits, self.group_size, self.mode = per_layer_stacked, bits, group_size, mode
+        self.quant = quant or {}
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size))
+        quant = self.quant.get(layer) or uniform_quant(w, self.bits, self.group_size, self.mode)
+        return switch_glu(x, inds, w, quant)
