@@ -128,6 +128,21 @@ def check_layouts(layouts: dict, version: int) -> None:
             if need != have:
                 raise StoreError(f"{where}: quantization {q} needs tensors {sorted(need)}, the "
                                  f"record has {sorted(have)}")
+            if q is not None:
+                _check_shapes(where, q, {t["name"].rsplit(".", 1)[-1]: t for t in layout["tensors"]
+                                         if t["name"] in need})
+
+
+def _check_shapes(where: str, q: dict, parts: dict) -> None:
+    """The packed weight and its scales fit q: as many groups as the packed width holds, scales
+    in uint8 for the microscaling modes and in a float dtype for affine."""
+    w, scales = parts["weight"], parts["scales"]
+    in_dims = w["shape"][-1] * 32 // q["bits"]
+    if w["dtype"] != "uint32" or scales["shape"][-1] * q["group_size"] != in_dims:
+        raise StoreError(f"{where}: tensors {w['dtype']} {w['shape']} and scales {scales['shape']} "
+                         f"do not fit {q['bits']} bits at group {q['group_size']}")
+    if (scales["dtype"] == "uint8") == quantmodes.has_biases(q):
+        raise StoreError(f"{where}: {q['mode']} scales cannot be {scales['dtype']}")
 
 
 class StoreWriter:
