@@ -85,6 +85,14 @@ def future_uses(ids: np.ndarray) -> np.ndarray:
     return out.reshape(-1, 2)
 
 
+def per_layer_bytes(record_bytes, n_layers: int) -> np.ndarray:
+    """Bytes of one expert read per MoE layer, from one size or a size per layer."""
+    per_layer = np.asarray(record_bytes, dtype=np.int64)
+    if per_layer.ndim and len(per_layer) != n_layers:
+        raise TraceError(f"{len(per_layer)} record sizes (one per MoE layer) for a trace of {n_layers} layers")
+    return np.broadcast_to(per_layer, (n_layers,))
+
+
 def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
            record_bytes=DSV2_LITE_RECORD_BYTES, per_step: bool = False,
            prefetch: bool | dict = False, n_experts: int | None = None,
@@ -120,10 +128,7 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
     if history and router.predictor is not None:
         router.learn_history(history, 4096)
 
-    per_layer = np.asarray(record_bytes, dtype=np.int64)
-    if per_layer.ndim and len(per_layer) != n_layers:
-        raise TraceError(f"{len(per_layer)} record sizes (one per MoE layer) for a trace of {n_layers} layers")
-    per_layer = np.broadcast_to(per_layer, (n_layers,))
+    per_layer = per_layer_bytes(record_bytes, n_layers)
     read_bytes = [0]
 
     def instant_read(r: M.Read) -> M.Loaded:
