@@ -134,6 +134,10 @@ def test_float_checkpoint_quantizes_to_mlx_lm_bytes(quantized, qwen_hf, tmp_path
     no_biases = mode in ("mxfp4", "nvfp4", "mxfp8")
     names = {t["name"] for t in store.layout(store.moe_layers[0])["tensors"]}
     assert ("gate_proj.biases" in names) is not no_biases
+    if mode in ("nvfp4", "mixed_3_6"):  # the export names each projection's mode for mlx-lm
+        from deltafin.tools.export_mlx import export_mlx
+        export_mlx(store.path, tmp_path / "export")
+        assert np.array_equal(_mlx_lm_logits(tmp_path / "export"), _deltafin_logits(store, 0))
 
 
 def _assert_sizes_are_per_layer(store: Store) -> None:
@@ -155,6 +159,24 @@ def _assert_sizes_are_per_layer(store: Store) -> None:
     got = replay(ids, len(store.records), "lru", record_bytes=sizes)  # all fit: one read per first use
     first_uses = [len(np.unique(ids[:, layer])) for layer in range(n)]
     assert got["bytes_read_per_token"] == sum(u * b for u, b in zip(first_uses, sizes)) / 6
+
+
+def _down_proj_override(path: str, _module):
+    """mxfp4 everywhere but the experts' down_proj: mxfp8 in layer 1, affine 6-bit (an override
+    without "mode") in layer 0."""
+    if path.endswith("switch_mlp.down_proj"):
+        return {"bits": 8, "group_size": 32, "mode": "mxfp8"} if ".1." in path else {"bits": 6, "group_size": 64}
+    return True
+
+
+def test_per_module_overrides_mix_modes_in_one_layer(qwen_hf, tmp_path):
+    mlx_convert(str(qwen_hf), str(tmp_path / "mlx"), quantize=True, q_mode="mxfp4",
+                quant_predicate=_down_proj_override)
+    store = _convert(tmp_path / "mlx", tmp_path / "store")
+    modes = [[store.layout(layer)["quant"][p]["mode"] for p in ("gate_proj", "down_proj")]
+             for layer in store.moe_layers]
+    assert modes == [["mxfp4", "affine"], ["mxfp4", "mxfp8"]]
+    _assert_runs_like_mlx_lm(tmp_path / "mlx", store)
 
 
 # ---------------------------------------------------------------- a mixed recipe on DeepSeek-V3
