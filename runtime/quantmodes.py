@@ -59,9 +59,8 @@ def has_biases(q: dict) -> bool:
 
 def override(qconfig: dict, path: str) -> dict | None | bool:
     """mlx-lm `quantization` entry for module `path`: a checked spec where the config names the
-    path (no "mode" there means affine; bits or group size null: the mode's default, as MLX's
-    to_quantized takes them), False where it says the path stays float, None where it does not
-    name the path."""
+    path (`from_entry`), False where it says the path stays float, None where it does not name
+    the path."""
     o = qconfig.get(path)
     if o is None or o is True:
         return None
@@ -69,8 +68,14 @@ def override(qconfig: dict, path: str) -> dict | None | bool:
         return False
     if not isinstance(o, dict):
         raise QuantError(f"quantization entry for {path} is {o!r}, not a dict or a bool")
+    return from_entry(o)
+
+
+def from_entry(o: dict) -> dict:
+    """The spec of an mlx-lm `quantization` entry: no "mode" means affine, a missing or null
+    bits or group size the mode's default (as MLX's to_quantized takes them)."""
     mode = o.get("mode", "affine")
-    bits, group = defaults(mode)  # what MLX uses for bits or a group size given as None
+    bits, group = defaults(mode)
     return spec(bits if o.get("bits") is None else o["bits"],
                 group if o.get("group_size") is None else o["group_size"], mode)
 

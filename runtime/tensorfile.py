@@ -63,17 +63,15 @@ class TensorRef:
         row = int(np.prod(inner, dtype=np.int64)) * self.itemsize
         return _pread_array(self.path, self.offset + index * row, row, self.dtype, inner)
 
-
     def bands(self, rows: int):
         """The tensor in bands of at most `rows` rows of its first axis: (first row, array)."""
         inner = self.shape[1:]
         row = int(np.prod(inner, dtype=np.int64)) * self.itemsize
-        n = self.shape[0] if self.shape else 1
-        if not self.shape or row == 0:
+        if not self.shape or row == 0:  # a scalar or an empty tensor: one band
             yield 0, self.read()
             return
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
+        for r0 in range(0, self.shape[0], rows):
+            r1 = min(self.shape[0], r0 + rows)
             yield r0, _pread_array(self.path, self.offset + r0 * row, (r1 - r0) * row, self.dtype,
                                    (r1 - r0, *inner))
 

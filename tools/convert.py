@@ -257,9 +257,7 @@ class Converter:
         q = self.spec
         if self.mlx_quant:
             try:
-                d_bits, d_group = quantmodes.defaults(self.mlx_quant.get("mode", "affine"))
-                q = quantmodes.spec(self.mlx_quant.get("bits", d_bits), self.mlx_quant.get("group_size", d_group),
-                                    self.mlx_quant.get("mode", "affine"))
+                q = quantmodes.from_entry(self.mlx_quant)
             except quantmodes.QuantError as e:
                 raise ConvertError(f"config.json quantization: {e}") from None
         try:
