@@ -161,6 +161,29 @@ def _assert_sizes_are_per_layer(store: Store) -> None:
     assert got["bytes_read_per_token"] == sum(u * b for u, b in zip(first_uses, sizes)) / 6
 
 
+def test_streaming_nvfp4_greedy_tokens_equal_mlx_lm_prefetch_on_and_off(qwen_hf, tmp_path):
+    """Real processes (supervisor, router, loader, compute over shared memory), bfloat16, 25% of
+    the experts resident: greedy tokens equal mlx-lm's on the store's own mlx-lm export."""
+    from mlx_lm.generate import generate_step
+
+    from conftest import config_flags
+    from deltafin.client import Client
+    from deltafin.tools.export_mlx import export_mlx
+    from deltafin.tools.run import running_supervisor
+    store = _convert(qwen_hf, tmp_path / "store", "--mode", "nvfp4")
+    export_mlx(store.path, tmp_path / "export")
+    model, _ = load_model(tmp_path / "export")
+    prompt, n = IDS[:6], 24
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    for prefetch in (True, False):
+        flags = config_flags(tmp_path, cache={"prefetch": prefetch, "max_slots": len(store.records) // 4},
+                             compute={"dtype": "auto"})
+        with running_supervisor(store.path, "4GiB", flags) as (ep, _):
+            with Client(ep, timeout=120) as c:
+                got = c.generate(prompt, max_tokens=n).token_ids
+        assert got == ref, f"prefetch {prefetch}: tokens differ from mlx-lm's"
+
+
 def _down_proj_override(path: str, _module):
     """mxfp4 everywhere but the experts' down_proj: mxfp8 in layer 1, affine 6-bit (an override
     without "mode") in layer 0."""
