@@ -25,12 +25,13 @@ try:  # ISA-L's CRC-32 (a dependency): the same checksum, 3-8x faster than zlib'
 except ImportError:
     from zlib import crc32
 
-from deltafin.runtime import archinfo
+from deltafin.runtime import archinfo, quantmodes
 from deltafin.runtime.directio import DirectFile, aligned_buffer, round_up
 from deltafin.runtime.tensorfile import NAME_TO_NP, SafetensorsSpool
 
 FORMAT = "deltafin-store"
-VERSION = 1
+VERSION = 2            # 2: every quant entry names its mode (docs/STORE.md)
+READABLE = (1, 2)      # version 1 stores are all affine: read with mode "affine" filled in
 ALIGN = 16384          # record start alignment: Apple SSD page, also fine for Linux O_DIRECT
 TENSOR_ALIGN = 64      # tensors inside a record start on 64 bytes for aligned numpy/MLX views
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -78,8 +79,9 @@ class ExpertRecord:
 
 def record_layout(tensors: dict[str, np.ndarray], quant: dict) -> dict:
     """Byte layout of one record: canonical tensor order, each on a 64-byte boundary.
-    A projection whose quant entry is None is stored as a float weight alone (mlx-lm leaves
-    projections unquantized when their input dimension does not fit the group size)."""
+    quant: per projection {"bits", "group_size", "mode"}, or None for a projection stored as a
+    float weight alone (mlx-lm leaves projections unquantized when their input dimension does not
+    fit the group size); biases only where the mode has them."""
     entries, pos = [], 0
     for name in RECORD_TENSORS:
         if name not in tensors:
@@ -102,13 +104,58 @@ def views_from_buffer(buf, layout: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _parts(q: dict | None) -> tuple:
+    """The tensors a projection with spec q (None: float) is stored as."""
+    if q is None:
+        return ("weight",)
+    return ("weight", "scales", "biases") if quantmodes.has_biases(q) else ("weight", "scales")
+
+
+def check_layouts(layouts: dict, version: int) -> None:
+    """Every layout's quant entries are specs MLX defines and its tensors are the ones they
+    need; version 1 entries (all affine, no "mode") get mode "affine". Raises StoreError."""
+    for lid, layout in layouts.items():
+        names = {t["name"] for t in layout["tensors"]}
+        for proj, q in layout["quant"].items():
+            where = f"layout {lid} {proj}"
+            if q is not None:
+                if version == 1:
+                    q.setdefault("mode", "affine")
+                try:
+                    layout["quant"][proj] = q = quantmodes.spec(q["bits"], q["group_size"], q["mode"])
+                except (quantmodes.QuantError, KeyError, TypeError) as e:
+                    raise StoreError(f"{where}: corrupt quantization entry {q!r} ({e})") from None
+            need = {f"{proj}.{k}" for k in _parts(q)}
+            have = {n for n in names if n.split(".")[0] == proj and n.rsplit(".", 1)[-1] in
+                    ("weight", "scales", "biases")}
+            if need != have:
+                raise StoreError(f"{where}: quantization {q} needs tensors {sorted(need)}, the "
+                                 f"record has {sorted(have)}")
+            if q is not None:
+                _check_shapes(where, q, {t["name"].rsplit(".", 1)[-1]: t for t in layout["tensors"]
+                                         if t["name"] in need})
+
+
+def _check_shapes(where: str, q: dict, parts: dict) -> None:
+    """The packed weight and its scales fit q: as many groups as the packed width holds, scales
+    in uint8 for the microscaling modes and in a float dtype for affine."""
+    w, scales = parts["weight"], parts["scales"]
+    in_dims = w["shape"][-1] * 32 // q["bits"]
+    if w["dtype"] != "uint32" or scales["shape"][-1] * q["group_size"] != in_dims:
+        raise StoreError(f"{where}: tensors {w['dtype']} {w['shape']} and scales {scales['shape']} "
+                         f"do not fit {q['bits']} bits at group {q['group_size']}")
+    if (scales["dtype"] == "uint8") == quantmodes.has_biases(q):
+        raise StoreError(f"{where}: {q['mode']} scales cannot be {scales['dtype']}")
+
+
 class StoreWriter:
     """Builds a store; the caller adds every expert record, dense tensor and tokenizer file.
     Used as a context manager: leaving the block by an exception removes the partial store, and
     `finish` (called inside the block) moves the complete one into place."""
 
     def __init__(self, out_dir, config: dict, bits: int, group_size: int,
-                 dense_quantization: dict | None = None, force: bool = False, extra: dict | None = None):
+                 dense_quantization: dict | None = None, force: bool = False, extra: dict | None = None,
+                 mode: str = "affine"):
         self.out = Path(out_dir)
         if self.out.exists() and any(self.out.iterdir()) and not force:
             raise StoreError(f"{self.out} exists and is not empty (use --force to replace it)")
@@ -118,7 +165,10 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         (self.tmp / "tokenizer").mkdir()
-        self.quantization = {"bits": bits, "group_size": group_size, "mode": "affine"}
+        try:
+            self.quantization = quantmodes.spec(bits, group_size, mode)
+        except quantmodes.QuantError as e:
+            raise StoreError(str(e)) from None
         self.dense_quantization = dense_quantization
         self.extra = extra or {}
         self._files: dict[int, object] = {}
@@ -138,11 +188,16 @@ class StoreWriter:
 
     def add_expert(self, layer: int, expert: int, tensors: dict[str, np.ndarray],
                    quant: dict | None = None) -> None:
-        """tensors: the nine canonical arrays, already quantized (bfloat16 scales as uint16 raw),
-        plus the per-expert output biases of a family that has them."""
+        """tensors: the canonical arrays, already quantized (bfloat16 scales as uint16 raw), plus the
+        per-expert output biases of a family that has them. quant: per projection a spec
+        (quantmodes.spec) or None (float); default: the store's."""
         quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
-        missing = [f"{p}.{k}" for p in archinfo.PROJS
-                   for k in (("weight", "scales", "biases") if quant.get(p) else ("weight",))
+        try:
+            quant = {p: None if q is None else quantmodes.spec(q["bits"], q["group_size"], q["mode"])
+                     for p, q in quant.items()}
+        except (quantmodes.QuantError, KeyError) as e:
+            raise StoreError(f"layer {layer} expert {expert}: bad quantization {e}") from None
+        missing = [f"{p}.{k}" for p in archinfo.PROJS for k in _parts(quant.get(p))
                    if f"{p}.{k}" not in tensors]
         if missing:
             raise StoreError(f"layer {layer} expert {expert}: record lacks {missing}")
@@ -236,9 +291,9 @@ class Store:
             raise StoreError(f"{mpath}: corrupt manifest: {e}") from None
         if m.get("format") != FORMAT:
             raise StoreError(f"{mpath}: not a deltafin store manifest")
-        if m.get("version") != VERSION:
+        if m.get("version") not in READABLE:
             raise StoreError(f"{mpath}: store format version {m.get('version')} is not supported "
-                             f"(this deltafin reads version {VERSION}); re-run deltafin-convert")
+                             f"(this deltafin reads versions {READABLE}); re-run deltafin-convert")
         self.manifest = m
         try:
             self.config = m["config"]
@@ -249,9 +304,13 @@ class Store:
             self.top_k = int(m["model"]["top_k"])
             self.bits = int(m["quantization"]["bits"])
             self.group_size = int(m["quantization"]["group_size"])
+            self.mode = m["quantization"].setdefault("mode", "affine")
             m["tokenizer"]["files"], m["dense_files"]
-        except (KeyError, TypeError, ValueError) as e:
+            check_layouts(self.layouts, m["version"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
+        except StoreError as e:
+            raise StoreError(f"{mpath}: {e}") from None
         for layer in self.moe_layers:
             for e in range(self.n_experts):
                 if (layer, e) not in self.records:

@@ -30,6 +30,7 @@ ST_DTYPES = {
     "U16": ("uint16", np.uint16),
     "U8": ("uint8", np.uint8),
     "BOOL": ("bool", np.bool_),
+    "F8_E4M3": ("float8_e4m3fn", np.uint8),  # raw e4m3 bytes (FP8 checkpoints)
 }
 NAME_TO_ST = {v[0]: k for k, v in ST_DTYPES.items()}
 NAME_TO_NP = {v[0]: v[1] for v in ST_DTYPES.values()}
@@ -61,6 +62,18 @@ class TensorRef:
         inner = self.shape[1:]
         row = int(np.prod(inner, dtype=np.int64)) * self.itemsize
         return _pread_array(self.path, self.offset + index * row, row, self.dtype, inner)
+
+    def bands(self, rows: int):
+        """The tensor in bands of at most `rows` rows of its first axis: (first row, array)."""
+        inner = self.shape[1:]
+        row = int(np.prod(inner, dtype=np.int64)) * self.itemsize
+        if not self.shape or row == 0:  # a scalar or an empty tensor: one band
+            yield 0, self.read()
+            return
+        for r0 in range(0, self.shape[0], rows):
+            r1 = min(self.shape[0], r0 + rows)
+            yield r0, _pread_array(self.path, self.offset + r0 * row, (r1 - r0) * row, self.dtype,
+                                   (r1 - r0, *inner))
 
 
 def _pread_array(path: Path, offset: int, nbytes: int, dtype: str, shape) -> np.ndarray:
@@ -137,15 +150,20 @@ class SafetensorsSpool:
         self._header: dict[str, dict] = {}
         self._pos = 0
 
-    def add(self, name: str, dtype: str, shape, data: bytes | np.ndarray) -> None:
+    def add(self, name: str, dtype: str, shape, data) -> None:
+        """data: bytes, an array, or an iterable of arrays written one after another (a tensor
+        produced band by band never needs to be whole in memory)."""
         if name in self._header:
             raise TensorFileError(f"duplicate tensor {name}")
-        raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) \
-            if isinstance(data, np.ndarray) else memoryview(data)
-        self._spool.write(raw)
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data
+        start = self._pos
+        for part in parts:
+            raw = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)) \
+                if isinstance(part, np.ndarray) else memoryview(part)
+            self._spool.write(raw)
+            self._pos += raw.nbytes
         self._header[name] = {"dtype": NAME_TO_ST[dtype], "shape": list(shape),
-                              "data_offsets": [self._pos, self._pos + raw.nbytes]}
-        self._pos += raw.nbytes
+                              "data_offsets": [start, self._pos]}
 
     def finish(self) -> None:
         self._spool.close()

@@ -13,7 +13,6 @@ which is what mlx-lm's qwen3_5_moe reads."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 

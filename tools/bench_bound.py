@@ -32,9 +32,7 @@ def resident_compute_s_per_token(s: Setup, tokens: int) -> dict:
         mx.eval(stacked)
         layers[layer] = stacked
         del per
-    q = store.manifest["quantization"]
-    act = store.layout(store.moe_layers[0])["quant"].get("activation")  # e.g. Kimi K3's SiTU
-    resident = ResidentExperts(layers, q["bits"], q["group_size"], act)
+    resident = ResidentExperts(layers, quant={layer: store.layout(layer)["quant"] for layer in store.moe_layers})
     routed = _trace_provider(resident, s) if s.trace_ids is not None else resident
     load_s = time.perf_counter() - t0
     cache = model.make_cache()

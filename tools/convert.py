@@ -1,8 +1,10 @@
 """deltafin-convert: Hugging Face or mlx-lm checkpoints -> deltafin expert store; --verify a store.
 
 Streams one expert at a time (or one expert's slice of a stacked tensor), so peak memory does
-not grow with the model. Float experts are quantized with mx.quantize itself, so the bytes are
-exactly what MLX would produce; mlx-lm quantized experts are copied untouched.
+not grow with the model. Float experts are quantized with mx.quantize itself in the chosen mode
+(affine 2-8 bit, mxfp4, nvfp4, mxfp8, or an mlx-lm mixed recipe), so the bytes are exactly what
+MLX would produce; mlx-lm quantized experts are copied untouched, each projection with the mode
+mlx-lm's config gives it; FP8 checkpoints (tools/fp8.py) are dequantized block by block first.
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from deltafin.runtime import archinfo
+from deltafin.runtime import archinfo, quantmodes
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.store import TOKENIZER_FILES, Store, StoreError, StoreWriter
 from deltafin.runtime.tensorfile import TensorFileError, TensorRef, index_checkpoint
+from deltafin.tools import fp8
 
 EXTRA_TOKENIZER_FILES = ("vocab.json", "merges.txt", "added_tokens.json")
+DENSE_BAND_ROWS = 1024  # dense tensors are copied this many rows at a time
 
 
 # transformers' GptOss keeps fused experts transposed, [E, in, out], with gate and up interleaved
@@ -51,27 +55,43 @@ def to_np(a) -> np.ndarray:
     return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
-def quantize(w: np.ndarray, dtype: str, bits: int, group_size: int) -> tuple:
+def quantize(w: np.ndarray, dtype: str, q: dict) -> dict:
+    """{"weight", "scales"[, "biases"]} of mx.quantize(w) with spec q, as numpy."""
     import mlx.core as mx
-    wq, scales, biases = mx.quantize(to_mx(w, dtype), group_size=group_size, bits=bits)
-    return to_np(wq), to_np(scales), to_np(biases)
+    parts = mx.quantize(to_mx(w, dtype), group_size=q["group_size"], bits=q["bits"], mode=q["mode"])
+    return dict(zip(("weight", "scales", "biases"), (to_np(a) for a in parts)))
 
 
-def mlx_quant_params(qconfig: dict, path: str) -> dict | None:
-    """bits/group_size mlx-lm used for module `path` (per-path overrides win)."""
-    override = qconfig.get(path)
-    if override is False:
+def mlx_spec(qconfig: dict, path: str, refs: dict, in_dims: int) -> dict | None:
+    """The spec mlx-lm loads module `path` with: its config entry where there is one, else
+    inferred from the saved tensors (refs: "weight", "scales"); None where it stays float."""
+    o = quantmodes.override(qconfig, path)
+    if o is not None:
+        return o or None
+    if "scales" not in refs:
         return None
-    if isinstance(override, dict):
-        return {"bits": int(override["bits"]), "group_size": int(override["group_size"])}
-    return {"bits": int(qconfig["bits"]), "group_size": int(qconfig["group_size"])}
+    return quantmodes.infer(refs["weight"].shape[-1], refs["scales"].shape[-1], in_dims,
+                            refs["scales"].dtype)
 
 
 class Converter:
-    def __init__(self, src, out, bits: int = 4, group_size: int = 64, force: bool = False,
-                 progress: bool = True):
+    def __init__(self, src, out, bits: int | None = None, group_size: int | None = None,
+                 force: bool = False, progress: bool = True, mode: str = "affine",
+                 recipe: str | None = None):
+        """bits/group_size/mode: how float experts are quantized (None: the mode's defaults);
+        recipe: an mlx-lm mixed recipe (mixed_3_6, ...) choosing bits per layer and projection."""
         self.src, self.out = Path(src), Path(out)
-        self.bits, self.group_size, self.force, self.progress = bits, group_size, force, progress
+        self.force, self.progress, self.recipe = force, progress, recipe
+        try:
+            d_bits, d_group = quantmodes.defaults(mode)
+            self.spec = quantmodes.spec(bits or d_bits, group_size or d_group, mode)
+            if recipe:
+                if mode != "affine":
+                    raise quantmodes.QuantError(f"recipe {recipe} is affine; it takes no --mode {mode}")
+                quantmodes.recipe_spec(recipe, 0, 1, "down_proj", self.spec["group_size"])
+        except quantmodes.QuantError as e:
+            raise ConvertError(str(e)) from None
+        self.bits, self.group_size = self.spec["bits"], self.spec["group_size"]
         cfg_path = self.src / "config.json"
         if not cfg_path.exists():
             raise ConvertError(f"{self.src}: no config.json (is this a Hugging Face or mlx-lm checkpoint?)")
@@ -88,10 +108,14 @@ class Converter:
         self.mlx_quant = self._renamed(qc) if isinstance(qc, dict) and "bits" in qc else None
         self.activation = self.info.activation(self.config)
         try:
+            self.fp8 = fp8.block_size(self.config)
             self.refs = self._renamed({text: ref for name, ref in index_checkpoint(self.src).items()
                                        if (text := archinfo.text_name(name))})
-        except TensorFileError as e:
+        except (TensorFileError, fp8.Fp8Error) as e:
             raise ConvertError(str(e)) from None
+        if self.mlx_quant and (bits or group_size or mode != "affine" or recipe):
+            raise ConvertError(f"{self.src} is already quantized by mlx-lm; its experts are copied "
+                               f"as they are (leave out --bits, --group-size, --mode, --quant-predicate)")
 
     def _renamed(self, by_name: dict) -> dict:
         """Tensors or quantization overrides under the names the family's model reads
@@ -132,7 +156,7 @@ class Converter:
                 for e in range(ref.shape[0]):
                     src = sources.setdefault((layer, e), ExpertSource("fused", index=e))
                     src.refs[m[2] + (m[3] or "")] = ref
-            else:
+            elif not (self.fp8 and name.endswith(fp8.SCALE_SUFFIX)):  # scales go with their weight
                 dense.append(name)
         # Multi-token-prediction layers (DeepSeek-V3 layer 61) are not part of the decoder.
         dense = [n for n in dense if _layer_of(n) is None or _layer_of(n) < self.n_layers]
@@ -163,12 +187,17 @@ class Converter:
         if missing:
             return [f"{where}: missing tensors {missing}"]
         if src.kind == "stacked_quantized":
-            half = [p for p in archinfo.PROJS if (f"{p}.scales" in src.refs) != (f"{p}.biases" in src.refs)]
-            return [f"{where}: {p} has scales or biases but not both" for p in half]
+            return self._check_quantized(where, layer, src)
         transposed = src.kind == "fused" and self.info.model_type in INTERLEAVED_FUSED
         for name, ref in src.refs.items():
-            if ref.dtype not in FLOAT_DTYPES:
-                return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"]
+            if ref.dtype == fp8.FP8 and self.fp8:
+                try:
+                    fp8.scale_of(self.refs, ref)
+                except fp8.Fp8Error as e:
+                    return [f"{where}: {e}"]
+            elif ref.dtype not in FLOAT_DTYPES:
+                return [f"{where}: {ref.name} has dtype {ref.dtype}; expected float16/bfloat16/float32"
+                        + ("" if self.fp8 else " (float8 weights need the config's FP8 quantization_config)")]
             if name.endswith("bias"):
                 continue
             in_dim = ref.shape[-2] if transposed else ref.shape[-1]
@@ -177,28 +206,57 @@ class Converter:
                         f"{self.group_size} (input dimension {in_dim} is not a multiple)"]
         return []
 
+    def _check_quantized(self, where: str, layer: int, src: ExpertSource) -> list[str]:
+        """mlx-lm quantized experts: each projection's spec resolves and its tensors are there."""
+        problems = []
+        for proj in archinfo.PROJS:
+            if self._expert_path(layer, proj) + ".global_scale" in self.refs:
+                problems.append(f"{where}: {proj} has an nvfp4 global scale, which deltafin does not read")
+                continue
+            try:
+                q = self._mlx_spec(layer, proj, src)
+            except quantmodes.QuantError as e:
+                problems.append(f"{where}: {proj}: {e}")
+                continue
+            need = ("weight",) if q is None else \
+                ("weight", "scales", "biases") if quantmodes.has_biases(q) else ("weight", "scales")
+            have = tuple(k for k in ("weight", "scales", "biases") if f"{proj}.{k}" in src.refs)
+            if have != need:
+                problems.append(f"{where}: {proj} quantized {q} needs {list(need)}, the checkpoint "
+                                f"has {list(have)}")
+        return problems
+
+    def _expert_path(self, layer: int, proj: str) -> str:
+        return f"model.layers.{layer}.{self.info.block}.{self.info.stacked}.{proj}"
+
+    def _mlx_spec(self, layer: int, proj: str, src: ExpertSource) -> dict | None:
+        """The spec mlx-lm gives expert projection `proj` of `layer` (None: float)."""
+        w = {p: src.refs[f"{p}.weight"] for p in archinfo.PROJS}
+        # a projection's input width: gate/up read the hidden state, which down writes, and back
+        in_dims = w["gate_proj"].shape[-2] if proj == "down_proj" else w["down_proj"].shape[-2]
+        parts = {k: src.refs[f"{proj}.{k}"] for k in ("weight", "scales") if f"{proj}.{k}" in src.refs}
+        return mlx_spec(self.mlx_quant, self._expert_path(layer, proj), parts, in_dims)
+
+    def _float_spec(self, layer: int, proj: str) -> dict:
+        """How a float expert projection is quantized: the recipe's choice, else the one spec."""
+        if self.recipe:
+            return quantmodes.recipe_spec(self.recipe, layer, self.n_layers, proj, self.group_size)
+        return self.spec
+
     # -- one record ------------------------------------------------------------------------
     def record(self, layer: int, src: ExpertSource) -> tuple[dict, dict]:
-        bits, gs = self.bits, self.group_size
         tensors: dict[str, np.ndarray] = {}
         quant = {}
         if src.kind == "stacked_quantized":
-            block = self.info.block
             for proj in archinfo.PROJS:
-                if f"{proj}.scales" not in src.refs:  # mlx-lm left it float: keep it exact
-                    tensors[f"{proj}.weight"] = src.refs[f"{proj}.weight"].read_slice0(src.index)
-                    quant[proj] = None
-                    continue
+                quant[proj] = self._mlx_spec(layer, proj, src)  # None: mlx-lm left it float
                 for part in ("weight", "scales", "biases"):
-                    tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
-                q = mlx_quant_params(self.mlx_quant, f"model.layers.{layer}.{block}.{self.info.stacked}.{proj}")
-                quant[proj] = q or {"bits": self.mlx_quant["bits"], "group_size": self.mlx_quant["group_size"]}
+                    if f"{proj}.{part}" in src.refs:
+                        tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
             return {**tensors, **self._expert_biases(src)}, quant
-        floats = self._float_projs(src)
-        for proj, (w, dtype) in floats.items():
-            wq, s, b = quantize(w, dtype, bits, gs)
-            tensors[f"{proj}.weight"], tensors[f"{proj}.scales"], tensors[f"{proj}.biases"] = wq, s, b
-            quant[proj] = {"bits": bits, "group_size": gs}
+        for proj, (w, dtype) in self._float_projs(src).items():
+            quant[proj] = self._float_spec(layer, proj)
+            tensors.update({f"{proj}.{k}": a for k, a in quantize(w, dtype, quant[proj]).items()})
         return {**tensors, **self._expert_biases(src)}, quant
 
     def _expert_biases(self, src: ExpertSource) -> dict:
@@ -215,9 +273,15 @@ class Converter:
             out["down_proj.bias"] = src.refs["down_proj_bias"].read_slice0(src.index)
         return out
 
+    def _read_float(self, ref: TensorRef) -> tuple[np.ndarray, str]:
+        """One expert's float weight, FP8 dequantized to bfloat16."""
+        if ref.dtype == fp8.FP8:
+            return fp8.dequantize(ref, fp8.scale_of(self.refs, ref)), "bfloat16"
+        return ref.read(), ref.dtype
+
     def _float_projs(self, src: ExpertSource) -> dict:
         if src.kind == "per_expert":
-            return {p: (src.refs[p].read(), src.refs[p].dtype) for p in archinfo.PROJS}
+            return {p: self._read_float(src.refs[p]) for p in archinfo.PROJS}
         if src.kind == "stacked":
             return {p: (src.refs[f"{p}.weight"].read_slice0(src.index), src.refs[f"{p}.weight"].dtype)
                     for p in archinfo.PROJS}
@@ -235,11 +299,16 @@ class Converter:
     # -- the whole run -----------------------------------------------------------------------
     def run(self) -> Path:
         sources, dense = self.plan()
-        bits = self.mlx_quant["bits"] if self.mlx_quant else self.bits
-        gs = self.mlx_quant["group_size"] if self.mlx_quant else self.group_size
+        q = self.spec
+        if self.mlx_quant:
+            try:
+                q = quantmodes.from_entry(self.mlx_quant)
+            except quantmodes.QuantError as e:
+                raise ConvertError(f"config.json quantization: {e}") from None
         try:
-            writer = StoreWriter(self.out, self.config, bits, gs, dense_quantization=self.mlx_quant,
-                                 force=self.force)
+            writer = StoreWriter(self.out, self.config, q["bits"], q["group_size"], mode=q["mode"],
+                                 dense_quantization=self.mlx_quant, force=self.force,
+                                 extra={"recipe": self.recipe} if self.recipe else None)
         except StoreError as e:
             raise ConvertError(str(e)) from None
         bar = progress_bar(len(sources) + len(dense), "convert", self.progress)
@@ -252,8 +321,7 @@ class Converter:
                     writer.add_expert(layer, e, tensors, quant)
                     bar.update(1)
                 for name in sorted(dense):
-                    ref: TensorRef = self.refs[name]
-                    writer.add_dense(name, ref.dtype, ref.shape, ref.read())
+                    self._add_dense(writer, self.refs[name])
                     bar.update(1)
                 for fname in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
                     if (self.src / fname).exists():
@@ -261,6 +329,18 @@ class Converter:
                 return writer.finish()
         finally:
             bar.close()
+
+
+    def _add_dense(self, writer: StoreWriter, ref: TensorRef) -> None:
+        """Copies one dense tensor band by band (FP8 ones dequantized to bfloat16)."""
+        if ref.dtype == fp8.FP8 and self.fp8:
+            try:
+                bands = fp8.dequantized_bands(ref, fp8.scale_of(self.refs, ref))
+            except fp8.Fp8Error as e:
+                raise ConvertError(str(e)) from None
+            writer.add_dense(ref.name, "bfloat16", ref.shape, bands)
+        else:
+            writer.add_dense(ref.name, ref.dtype, ref.shape, (band for _, band in ref.bands(DENSE_BAND_ROWS)))
 
 
 def _layer_of(name: str) -> int | None:
@@ -290,8 +370,14 @@ def main(argv=None) -> int:
                                 description="Convert a Hugging Face or mlx-lm MoE checkpoint into a "
                                             "deltafin expert store, or verify a store.")
     p.add_argument("paths", nargs="+", metavar="SRC OUT", help="SRC OUT to convert; OUT with --verify")
-    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
-    p.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    p.add_argument("--mode", default="affine", choices=quantmodes.MODES,
+                   help="how float experts are quantized (mlx-lm's --q-mode; default affine)")
+    p.add_argument("--bits", type=int, default=None, choices=quantmodes.AFFINE_BITS,
+                   help="affine bits (default 4; mxfp4/nvfp4 4, mxfp8 8)")
+    p.add_argument("--group-size", type=int, default=None, choices=(16, 32, 64, 128),
+                   help="affine 32/64/128 (default 64); mxfp4/mxfp8 32, nvfp4 16")
+    p.add_argument("--quant-predicate", default=None, choices=tuple(quantmodes.RECIPES),
+                   help="mlx-lm's mixed recipe: per layer and projection bits (affine)")
     p.add_argument("--verify", action="store_true", help="re-read every record and check checksums")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", action="store_true")
@@ -313,10 +399,11 @@ def main(argv=None) -> int:
         if len(a.paths) != 2:
             p.error("convert takes SRC and OUT")
         out = Converter(a.paths[0], a.paths[1], a.bits, a.group_size, a.force,
-                        progress=not a.no_progress).run()
+                        progress=not a.no_progress, mode=a.mode, recipe=a.quant_predicate).run()
         store = Store(out)
+        how = store.manifest.get("recipe") or f"{store.mode} {store.bits}-bit group {store.group_size}"
         print(f"wrote {out}: {store.manifest['architecture']}, {len(store.records)} expert records "
-              f"({store.expert_bytes_total / 2**20:.1f} MiB), {store.bits}-bit group {store.group_size}")
+              f"({store.expert_bytes_total / 2**20:.1f} MiB), {how}")
         return 0
     except (ConvertError, StoreError, TensorFileError, archinfo.UnsupportedArchitecture) as e:
         print(f"deltafin-convert: error: {e}", file=sys.stderr)

@@ -56,20 +56,18 @@ def expert_name(info: archinfo.ArchInfo, layer: int, part: str) -> str:
 
 def quantization_config(store: Store) -> dict:
     """mlx-lm's `quantization`: the dense default, its per-path overrides, and an override for
-    every expert projection whose bits or group size differ from that default."""
+    every expert projection whose bits, group size or mode differ from that default."""
     dq = store.manifest.get("dense_quantization") or {}
-    mode = dq.get("mode", store.manifest["quantization"].get("mode", "affine"))
     q = {"group_size": int(dq.get("group_size", store.group_size)),
-         "bits": int(dq.get("bits", store.bits)), "mode": mode}
+         "bits": int(dq.get("bits", store.bits)), "mode": dq.get("mode", store.mode)}
     q.update({k: v for k, v in dq.items() if k not in ("group_size", "bits", "mode")})
     info = archinfo.arch_for(store.config)
     for layer in store.moe_layers:
         for proj in archinfo.PROJS:
             pq = store.layout(layer)["quant"][proj]
             # A float projection needs no entry: mlx-lm quantizes only paths that have scales.
-            if pq and (pq["bits"], pq["group_size"]) != (q["bits"], q["group_size"]):
-                q[expert_name(info, layer, proj)] = {"group_size": pq["group_size"],
-                                                     "bits": pq["bits"], "mode": mode}
+            if pq and (pq["bits"], pq["group_size"], pq["mode"]) != (q["bits"], q["group_size"], q["mode"]):
+                q[expert_name(info, layer, proj)] = dict(pq)
     return q
 
 

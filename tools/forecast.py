@@ -55,18 +55,25 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------ shapes
 
 class Shape:
-    """What the forecast needs of a model: layers, experts, top-k, record bytes."""
+    """What the forecast needs of a model: layers, experts, top-k, record bytes. layer_bytes: the
+    bytes one read of an expert of each MoE layer fetches (a store's layers may differ: mixed
+    recipes quantize some layers' experts at other bits); record_bytes: their mean."""
 
-    def __init__(self, name, n_moe, n_dense, n_experts, top_k, record_bytes, store=None, assumptions=()):
+    def __init__(self, name, n_moe, n_dense, n_experts, top_k, record_bytes, store=None, layer_bytes=None,
+                 assumptions=()):
         self.name, self.n_moe, self.n_dense = name, n_moe, n_dense
-        self.n_experts, self.top_k, self.record_bytes, self.store = n_experts, top_k, record_bytes, store
+        self.n_experts, self.top_k, self.store = n_experts, top_k, store
+        self.layer_bytes = np.full(n_moe, record_bytes, dtype=np.float64) if layer_bytes is None \
+            else np.asarray(layer_bytes, dtype=np.float64)
+        self.record_bytes = int(round(self.layer_bytes.mean())) if n_moe else record_bytes
         self.assumptions = list(assumptions)  # what a preset's shape assumes (synth.PRESET_ASSUMPTIONS)
 
     @classmethod
     def of_store(cls, store):
         n_layers = int(store.config["num_hidden_layers"])
+        layer_bytes = [store.record(layer, 0).read_nbytes for layer in store.moe_layers]
         return cls(store.path.name, len(store.moe_layers), n_layers - len(store.moe_layers), store.n_experts,
-                   store.top_k, store.max_record_bytes, store)
+                   store.top_k, max(layer_bytes), store, layer_bytes)
 
     @classmethod
     def of_preset(cls, preset: str, layers: int | None = None, bits: int = 4, group_size: int = 64):
@@ -90,7 +97,7 @@ class Shape:
     def to_dict(self) -> dict:
         return {"name": self.name, "moe_layers": self.n_moe, "dense_layers": self.n_dense,
                 "experts_per_layer": self.n_experts, "top_k": self.top_k, "record_bytes": self.record_bytes,
-                "expert_bytes_total": self.record_bytes * self.n_moe * self.n_experts,
+                "expert_bytes_total": int(self.layer_bytes.sum()) * self.n_experts,
                 "assumptions": self.assumptions}
 
 
@@ -269,7 +276,7 @@ def forecast_in_situ(shape: Shape, steps: np.ndarray, compute_s: float, cal: dic
             "read_s": float(read.mean()), "prepare_s": float(prepare.mean()), "messages_s": float(messages.mean()),
             "misses_per_token": float(m.sum(axis=1).mean()),
             "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
-            "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
+            "bytes_read_per_token": float((m * shape.layer_bytes).sum(axis=1).mean())}
 
 
 def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str, tokens: slice | None) -> np.ndarray:
@@ -281,7 +288,7 @@ def routing_steps(shape: Shape, trace_ids: np.ndarray, n_slots: int, policy: str
         int(trace_ids.max()) < shape.n_experts
     if same:
         ids = trace_ids[:, :shape.n_moe, :]
-        steps = replay(ids, n_slots, policy, record_bytes=shape.record_bytes, per_step=True)["reads_per_step"]
+        steps = replay(ids, n_slots, policy, record_bytes=shape.layer_bytes, per_step=True)["reads_per_step"]
     else:
         frac = n_slots / (shape.n_moe * shape.n_experts)
         t_layers, t_k = trace_ids.shape[1], trace_ids.shape[2]
@@ -352,7 +359,7 @@ def forecast_hosts(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: flo
     m = steps.astype(np.float64)
     q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
     bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
-    cost = np.where(m > 0, m * shape.record_bytes / bw + 2 * hop_s, 0.0) + m * prepare_s  # [rank, t, layer]
+    cost = np.where(m > 0, m * shape.layer_bytes / bw + 2 * hop_s, 0.0) + m * prepare_s  # [rank, t, layer]
     slowest = cost.max(axis=0)  # the layer's all_sum waits for the last rank
     exchange_bytes = shape.top_k * hidden * act_bytes  # one decode row's partial outputs
     exchange = shape.n_moe * ring_all_sum_s(exchange_bytes, hosts, link_gbps, latency_s) + \
@@ -367,7 +374,7 @@ def forecast_hosts(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: flo
             "misses_per_token_per_rank": per_rank_misses.tolist(),
             "hit_rate_per_rank": [1.0 - float(m[r].sum()) / max(1.0, m.shape[1] * m.shape[2] * shape.top_k / hosts)
                                   for r in range(hosts)],
-            "bytes_read_per_token_per_rank": (per_rank_misses * shape.record_bytes).tolist()}
+            "bytes_read_per_token_per_rank": (m * shape.layer_bytes).sum(axis=2).mean(axis=1).tolist()}
 
 
 def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, prepare_s: float,
@@ -378,7 +385,7 @@ def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, pr
     m = steps.astype(np.float64)
     q = np.minimum(np.maximum(np.ceil(m), 1), threads).astype(int)
     bw = np.vectorize(lambda d: gbps[min(d, max(gbps))])(q) * 1e9
-    read = np.where(m > 0, m * shape.record_bytes / bw, 0.0)
+    read = np.where(m > 0, m * shape.layer_bytes / bw, 0.0)
     messages = np.where(m > 0, 2 * hop_s, 0.0)
     fills = m * prepare_s
     per_token = compute_s + (read + messages + fills).sum(axis=1)
@@ -388,7 +395,7 @@ def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, pr
             "messages_s": float(messages.sum(axis=1).mean()),
             "misses_per_token": float(m.sum(axis=1).mean()),
             "hit_rate": 1.0 - float(m.sum() / (m.shape[0] * m.shape[1] * shape.top_k)),
-            "bytes_read_per_token": float(m.sum(axis=1).mean() * shape.record_bytes)}
+            "bytes_read_per_token": float((m * shape.layer_bytes).sum(axis=1).mean())}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -580,7 +587,7 @@ def _forecast_cases(a, cfg, store, shape: Shape, trace_ids: np.ndarray, trace_pa
         from deltafin.runtime.config import parse_size
         budget = parse_size(a.memory_budget)
         base = plan_budget_for_slots(store, 0, cfg.compute.max_context, "float32")
-        n = max(0, int((budget / 1.05 - base / 1.05) // store.max_record_bytes))
+        n = max(0, int((budget / 1.05 - base / 1.05) // shape.record_bytes))
         fracs = [n / (shape.n_moe * shape.n_experts)]
     if a.hosts:
         return _main_hosts(a, shape, store, trace_ids, trace_path, fracs, policy, compute_s, calib,

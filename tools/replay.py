@@ -27,7 +27,7 @@ import numpy as np
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import POLICIES, Policy, Predictive, make_policy, policy_names
 from deltafin.runtime.directio import round_up
-from deltafin.runtime.store import ALIGN, record_layout
+from deltafin.runtime.store import ALIGN, Store, StoreError, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
 from deltafin.workers.router import PREFETCH_DEFAULTS, Router, RouterError, drive_need
 
@@ -57,6 +57,12 @@ def expert_record_bytes(hidden: int = 2048, intermediate: int = 1408, bits: int 
 DSV2_LITE_RECORD_BYTES = expert_record_bytes()
 
 
+def layer_read_bytes(store) -> list[int]:
+    """Bytes a read of one expert of each MoE layer of a store fetches (a layer's records share
+    one layout; mixed recipes give layers of other sizes)."""
+    return [store.record(layer, 0).read_nbytes for layer in store.moe_layers]
+
+
 def infer_experts(ids: np.ndarray) -> int:
     """The model's expert count from the ids: max id + 1, rounded up to a known count."""
     seen = int(ids.max()) + 1 if ids.size else 1
@@ -79,12 +85,23 @@ def future_uses(ids: np.ndarray) -> np.ndarray:
     return out.reshape(-1, 2)
 
 
+def per_layer_bytes(record_bytes, n_layers: int) -> np.ndarray:
+    """Bytes of one expert read per MoE layer, from one size or a size per layer."""
+    per_layer = np.asarray(record_bytes, dtype=np.int64)
+    if per_layer.ndim and len(per_layer) != n_layers:
+        raise TraceError(f"{len(per_layer)} record sizes (one per MoE layer) for a trace of {n_layers} layers")
+    return np.broadcast_to(per_layer, (n_layers,))
+
+
 def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
-           record_bytes: int = DSV2_LITE_RECORD_BYTES, per_step: bool = False,
+           record_bytes=DSV2_LITE_RECORD_BYTES, per_step: bool = False,
            prefetch: bool | dict = False, n_experts: int | None = None,
            policy_options: dict | None = None, predictor_options: dict | None = None,
            n_staging: int | None = None, history: str | None = None) -> dict:
     """Replays the trace through a `Router`; returns the hit rate and read volume.
+
+    `record_bytes`: the bytes of one expert read, or a sequence of them per MoE layer of the
+    trace (a store whose layers' records differ in size).
 
     `policy`: a registered name (an offline one such as "belady" is given the trace's future
     here; "predictive" the router's routing predictor) or a Policy instance. `prefetch`: True or a
@@ -111,9 +128,14 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
     if history and router.predictor is not None:
         router.learn_history(history, 4096)
 
+    per_layer = per_layer_bytes(record_bytes, n_layers)
+    read_bytes = [0]
+
     def instant_read(r: M.Read) -> M.Loaded:
+        nbytes = int(per_layer[r.layer])
+        read_bytes[0] += nbytes
         return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert,
-                        read_us=0, nbytes=record_bytes)
+                        read_us=0, nbytes=nbytes)
 
     def ignore(fill) -> None:  # no compute: nothing to copy
         pass
@@ -135,7 +157,7 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
     out = {"policy": router.policy_name, "n_slots": n_slots, "tokens": tokens, "uses": uses, "hits": hits,
            "reads": reads, "hit_rate": hits / uses if uses else None,
            "reads_per_token": reads / tokens if tokens else None,
-           "bytes_read_per_token": reads * record_bytes / tokens if tokens else None,
+           "bytes_read_per_token": read_bytes[0] / tokens if tokens else None,
            "evictions": stats.get("evictions", 0), "seconds": time.perf_counter() - t0,
            **({"reads_per_step": steps} if per_step else {})}
     if router.prefetcher is not None:
@@ -159,7 +181,7 @@ def add_recall(with_prefetch: dict, without: dict) -> None:
 
 
 def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
-                  record_bytes: int = DSV2_LITE_RECORD_BYTES, n_experts: int | None = None,
+                  record_bytes=DSV2_LITE_RECORD_BYTES, n_experts: int | None = None,
                   prefetch: bool | dict = False, policy_options: dict | None = None,
                   history: str | None = None) -> dict:
     """`policy` on the trace at a cache of `cache_frac` of all experts, with LRU and Belady on the
@@ -245,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="experts per layer (default: max id + 1, rounded up to a known model's count)")
     ap.add_argument("--record-bytes", type=int, default=DSV2_LITE_RECORD_BYTES,
                     help=f"bytes per expert read (default {DSV2_LITE_RECORD_BYTES}: DeepSeek-V2-Lite, 4-bit, group 64)")
+    ap.add_argument("--store", type=Path, default=None,
+                    help="take the bytes per expert read from this store's records, per MoE layer "
+                         "(instead of --record-bytes)")
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     ap.add_argument("--splits", action="store_true",
                     help="replay every split next to TRACE (PREFIX-train/dev/test.npz), one row each")
@@ -264,20 +289,22 @@ def main(argv=None) -> int:
     paths = sibling_splits(args.trace) if args.splits else {args.trace.stem: args.trace}
     reports = {}
     try:
+        record_bytes = layer_read_bytes(Store(args.store)) if args.store else args.record_bytes
         for label, path in paths.items():
             trace = load_trace(path)
             if args.tokens:
                 trace = trace.head(args.tokens)
             reports[label] = {"trace": str(path), **replay_report(
-                trace, args.cache_frac, args.policy, args.record_bytes, args.experts, prefetch,
+                trace, args.cache_frac, args.policy, record_bytes, args.experts, prefetch,
                 {"rank": args.rank} if args.policy == "predictive" else None,
                 str(args.history) if args.history else None)}
-    except (TraceError, RouterError) as e:
+    except (TraceError, RouterError, StoreError) as e:
         print(f"deltafin-replay: {e}", file=sys.stderr)
         return 2
     first = next(iter(reports.values()))
+    per_read = np.mean(first["record_bytes"])
     print(f"{first['n_layers']} MoE layers x {first['n_experts']} experts, top-{first['top_k']}; cache "
-          f"{args.cache_frac:g} = {first['n_slots']} slots; {first['record_bytes']} bytes per expert read")
+          f"{args.cache_frac:g} = {first['n_slots']} slots; {per_read:.0f} bytes per expert read")
     print(format_table({label[:12]: r for label, r in reports.items()}))
     if args.json:
         out = reports if args.splits else first

@@ -28,7 +28,7 @@ from deltafin.runtime.budget import kv_reserve_bytes, sequence_cache_bytes
 from deltafin.runtime.config import Config, as_config
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
-from deltafin.runtime.models.switch import switch_glu
+from deltafin.runtime.models.switch import pool_dtype, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
@@ -96,7 +96,7 @@ class Compute:
         if self.standin:
             return
         layout = self.store.layout(self.store.moe_layers[0])
-        zeros = {t["name"]: mx.zeros([1, *t["shape"]], dtype=mx.uint32 if t["dtype"] == "uint32" else self.dtype)
+        zeros = {t["name"]: mx.zeros([1, *t["shape"]], dtype=pool_dtype(t["dtype"], self.dtype))
                  for t in layout["tensors"]}
 
         def zero_experts(layer, x, inds):

@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from deltafin.runtime.dtypes import FLOAT_DTYPES
+from deltafin.runtime.models.switch import pool_dtype
 from deltafin.runtime.store import Store, views_from_buffer
 from deltafin.runtime.tiers import layer_groups, layout_of
 
@@ -94,15 +94,13 @@ def place_on_host(arrays: list) -> dict:
     return {"placed": True, "why": "pools in host memory, mapped for the GPU (cuMemAdvise)"}
 
 
-def host_write(stored: str, pool_dtype) -> str | None:
+def host_write(stored: str, held) -> str | None:
     """How a stored tensor can be written straight into a pool's host memory: "bytes" (same
     encoding), "bf16>f32" (bfloat16 is the upper half of a float32: a shift, exact), or None (a
     conversion numpy cannot do exactly: the pool is written through MLX)."""
-    if pool_dtype == mx.uint32:
-        return "bytes" if stored == "uint32" else None
-    if stored in FLOAT_DTYPES and getattr(mx, stored) == pool_dtype:
+    if getattr(mx, stored) == held:  # the same encoding (packed codes, uint8 scales, floats)
         return "bytes"
-    if stored == "bfloat16" and pool_dtype == mx.float32:
+    if stored == "bfloat16" and held == mx.float32:
         return "bf16>f32"
     return None
 
@@ -172,7 +170,7 @@ class ResidentTier:
         self.pending_writes = 0  # fills written through MLX that no graph has evaluated yet
 
     def _dtype(self, t: dict):
-        return mx.uint32 if t["dtype"] == "uint32" else self.dtype
+        return pool_dtype(t["dtype"], self.dtype)
 
     def quant(self, layer: int) -> dict:
         return self.layouts[self.group_of[layer]]["quant"]

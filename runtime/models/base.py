@@ -9,7 +9,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from deltafin.runtime import dtypes
+from deltafin.runtime import dtypes, quantmodes
 
 # ---------------------------------------------------------------- config and dtype helpers
 
@@ -55,22 +55,37 @@ def cast_weights(weights: dict, dtype) -> dict:
 
 
 class QuantSpec:
-    """mlx-lm's `quantization` dict: default bits/group_size plus per-module-path overrides."""
+    """mlx-lm's `quantization` dict: default bits/group_size/mode plus per-module-path overrides
+    (an override without "mode" is affine, as MLX's to_quantized has it)."""
 
     def __init__(self, dense_quantization: dict | None):
         self.q = dense_quantization or {}
 
-    def params(self, path: str):
-        o = self.q.get(path)
-        o = o if isinstance(o, dict) else {}
-        return (o.get("group_size", self.q.get("group_size", 64)), o.get("bits", self.q.get("bits", 4)),
-                o.get("mode", self.q.get("mode", "affine")))
+    def params(self, path: str, weight, scales) -> tuple[int, int, str]:
+        """(group_size, bits, mode) of the quantized tensor at `path`: its override, else inferred
+        from the shapes as mlx-lm infers it (uint8 scales: the microscaling mode whose bits x
+        group fits; float scales: affine at the default group size, bits from the packed width)."""
+        o = quantmodes.override(self.q, path)
+        if o:
+            return o["group_size"], o["bits"], o["mode"]
+        packed_in, n_groups = weight.shape[-1] * 32, scales.shape[-1]
+        if scales.dtype == mx.uint8:
+            for mode, (bits, group) in quantmodes.FLOAT_MODES.items():
+                if packed_in == n_groups * group * bits:
+                    return group, bits, mode
+            raise ValueError(f"{path}: uint8 scales fit no quantization mode "
+                             f"({packed_in // 32} packed words, {n_groups} groups)")
+        group = self.q.get("group_size", 64)
+        bits, rem = divmod(packed_in, n_groups * group)
+        if rem or bits not in quantmodes.AFFINE_BITS:
+            raise ValueError(f"{path}: quantized shapes do not fit group_size={group}")
+        return group, bits, "affine"
 
 
 # ---------------------------------------------------------------- layers
 
 class Linear:
-    """Float (`X.weight` [out, in]) or affine-quantized (`X.weight` uint32 + scales + biases) matmul.
+    """Float (`X.weight` [out, in]) or quantized (`X.weight` uint32 + scales [+ biases]) matmul.
 
     The weight may carry leading batch dims (per-head matrices of MLA's embed_q/unembed_out)."""
 
@@ -81,13 +96,7 @@ class Linear:
         self.scales = weights.get(f"{path}.scales")
         self.biases = weights.get(f"{path}.biases")
         if self.scales is not None:
-            self.group_size, self.bits, self.mode = qspec.params(path)
-            packed_in, groups = self.weight.shape[-1] * 32, self.scales.shape[-1] * self.group_size
-            if packed_in != groups * self.bits:
-                # No override recorded for this path: infer bits from the shapes, as mlx-lm does.
-                if packed_in % groups or packed_in // groups not in (2, 3, 4, 5, 6, 8):
-                    raise ValueError(f"{path}: quantized shapes do not fit group_size={self.group_size}")
-                self.bits = packed_in // groups
+            self.group_size, self.bits, self.mode = qspec.params(path, self.weight, self.scales)
 
     @property
     def quantized(self):

@@ -11,6 +11,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
+from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.models.base import situ, swiglu
 
 # mlx-lm sorts the (token, expert) rows by expert once a layer has this many of them
@@ -24,16 +25,17 @@ def sorts_pairs(n_pairs: int) -> bool:
 
 def expert_matmul(x, w, name, idx, quant, sorted_indices):
     """One projection of the chosen experts: w holds stacked [E, out, in] tensors (or a pool of
-    resident slots), idx selects per row. quant: {"bits", "group_size"}, or None for a float
-    projection (mlx-lm leaves one float when its input does not fit the group size). A
-    per-expert output bias `{name}.bias` [E, out] (gpt-oss) is added to each row's result."""
+    resident slots), idx selects per row. quant: {"bits", "group_size", "mode"}, or None for a
+    float projection (mlx-lm leaves one float when its input does not fit the group size); the
+    microscaling modes have no biases. A per-expert output bias `{name}.bias` [E, out] (gpt-oss)
+    is added to each row's result."""
     if quant is None:
         y = mx.gather_mm(x, w[f"{name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
                          sorted_indices=sorted_indices)
     else:
         y = mx.gather_qmm(x, w[f"{name}.weight"], w[f"{name}.scales"], w.get(f"{name}.biases"),
                           rhs_indices=idx, transpose=True, group_size=quant["group_size"],
-                          bits=quant["bits"], sorted_indices=sorted_indices)
+                          bits=quant["bits"], mode=quant["mode"], sorted_indices=sorted_indices)
     bias = w.get(f"{name}.bias")
     return y if bias is None else y + mx.expand_dims(bias[idx], -2)
 
@@ -69,12 +71,19 @@ def gather_glu(x, idx, w, quant: dict, sorted_indices: bool):
     return expert_matmul(act(gate, up), w, "down_proj", idx, quant["down_proj"], sorted_indices)
 
 
-def uniform_quant(w: dict, bits: int, group_size: int, activation: dict | None = None) -> dict:
-    """Per-projection quant for stacked tensors with one bits/group_size (float where no scales),
-    with the experts' activation where it is not SwiGLU."""
-    quant = {p: ({"bits": bits, "group_size": group_size} if f"{p}.scales" in w else None)
+def uniform_quant(w: dict, bits: int, group_size: int, mode: str = "affine",
+                  activation: dict | None = None) -> dict:
+    """Per-projection quant for stacked tensors with one bits/group_size/mode (float where no
+    scales), with the experts' activation where it is not SwiGLU."""
+    quant = {p: ({"bits": bits, "group_size": group_size, "mode": mode} if f"{p}.scales" in w else None)
              for p in ("gate_proj", "up_proj", "down_proj")}
     return quant if activation is None else {**quant, "activation": activation}
+
+
+def pool_dtype(stored: str, dtype):
+    """MLX dtype a record tensor is held in: packed codes and uint8 scales as stored, float
+    tensors in the compute dtype."""
+    return dtype if stored in FLOAT_DTYPES else getattr(mx, stored)
 
 
 def switch_glu(x, inds, w, quant: dict):
@@ -132,10 +141,14 @@ class ResidentExperts:
     keeps_shape = True  # x [..., D], inds [..., k] -> [..., k, D] (switch_glu takes any leading shape)
 
     def __init__(self, per_layer_stacked: dict, bits: int = 4, group_size: int = 64,
-                 activation: dict | None = None):
-        self.layers, self.bits, self.group_size = per_layer_stacked, bits, group_size
-        self.activation = activation  # the family's (archinfo.ArchInfo.activation)
+                 activation: dict | None = None, mode: str = "affine", quant: dict | None = None):
+        """activation: the family's (archinfo.ArchInfo.activation); quant: {layer: per-projection
+        quant} where layers differ (mixed recipes; a store's layouts); other layers use
+        bits/group_size/mode."""
+        self.layers, self.bits, self.group_size, self.mode = per_layer_stacked, bits, group_size, mode
+        self.activation, self.quant = activation, quant or {}
 
     def __call__(self, layer, x, inds):
         w = self.layers[layer]
-        return switch_glu(x, inds, w, uniform_quant(w, self.bits, self.group_size, self.activation))
+        quant = self.quant.get(layer) or uniform_quant(w, self.bits, self.group_size, self.mode, self.activation)
+        return switch_glu(x, inds, w, quant)
