@@ -20,6 +20,7 @@ from deltafin.runtime.traces import load_trace
 from deltafin.tools import replay as R
 from deltafin.workers.router import Router, RouterError
 from deltafin.workers.router_process import prefetch_setting
+from deltafin.workers.sources import drive_need
 
 SHARED_TRACES = Path(__file__).parents[2] / "shared" / "traces"
 ALWAYS = {"threshold": 0.0, "min_precision": 0.0}  # prefetch every non-resident key of the next layer
@@ -358,17 +359,6 @@ def test_a_lease_is_best_effort():
     assert [(m.layer, m.expert, m.prefetch) for m in again] == [(1, 2, False)]
 
 
-def _serve(r, out) -> None:
-    """Plays the loader and compute for the router's orders: every read lands, every fill is copied."""
-    todo = list(out)
-    while todo:
-        _, m = todo.pop(0)
-        if isinstance(m, M.Read):
-            todo += r.loaded(_loaded(m))
-        elif isinstance(m, M.Fill):
-            todo += r.filled(M.Filled(staging=m.staging, generation=m.generation))
-
-
 @pytest.mark.parametrize("case", ["guesses well", "guesses wrong", "reads are wasted"])
 def test_a_lease_reads_only_what_pays(case):
     """A lease reads a missing expert only where a prefetch would: its probability (at least the
@@ -385,11 +375,11 @@ def test_a_lease_reads_only_what_pays(case):
         other = [(e + 8) % 16 for e in used]
         hinted = {"guesses well": used, "guesses wrong": other, "reads are wasted": used + other}[case]
         leased = other if case == "reads are wasted" else hinted
-        _serve(r, r.need(4 * p, 0, [p % 2]))
+        drive_need(r, 4 * p, 0, [p % 2], _loaded, lambda fill: None)
         r.hint([(1, e) for e in hinted])
-        _serve(r, r.need(4 * p + 1, 1, leased, lease=True))
+        drive_need(r, 4 * p + 1, 1, leased, _loaded, lambda fill: None, lease=True)
         asked += len(leased)
-        _serve(r, r.need(4 * p + 2, 1, used))
+        drive_need(r, 4 * p + 2, 1, used, _loaded, lambda fill: None)
         r.end_pass()
     s = r.stats()
     if case == "guesses well":
@@ -602,7 +592,6 @@ def test_a_layer_served_by_early_fills_still_starts_the_next_prefetch():
     """A layer compute completed from fills it took early sends no need; its `used` marked
     ahead makes the router plan the prefetch a need's answer would have (Router.prefetch_ahead),
     where a plain `used` plans none."""
-    from deltafin.workers.router import drive_need
     ids = _chain_ids(1500, 6, 32)
     router = Router(16, "predictive", moe_layers=range(6), n_experts=32, prefetch=True, n_staging=16)
     req = 0

@@ -302,7 +302,8 @@ def replay_share(ids: np.ndarray, n_slots: int, policy: str, rank: int, hosts: i
     """Misses per (token, layer) of rank `rank`'s router, which only ever sees experts e % hosts ==
     rank: the trace's other experts are computed elsewhere."""
     from deltafin.protocol import messages as M
-    from deltafin.workers.router import Router, drive_need
+    from deltafin.workers.router import Router
+    from deltafin.workers.sources import drive_need
     router = Router(n_slots, policy, moe_layers=range(ids.shape[1]), n_experts=n_experts)
 
     def instant_read(r):

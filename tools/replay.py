@@ -29,7 +29,8 @@ from deltafin.runtime.cache import POLICIES, Policy, Predictive, make_policy, po
 from deltafin.runtime.directio import round_up
 from deltafin.runtime.store import ALIGN, Store, StoreError, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
-from deltafin.workers.router import PREFETCH_DEFAULTS, Router, RouterError, drive_need
+from deltafin.workers.router import PREFETCH_DEFAULTS, Router, RouterError
+from deltafin.workers.sources import drive_need
 
 # Expert counts of the MoE models deltafin knows (Mixtral 8, Qwen2-MoE 60, OLMoE/DSV2-Lite 64,
 # Qwen3 128, DeepSeek-V2 160, DeepSeek-V3 256, Kimi-K2 384): a trace may never use the

@@ -25,7 +25,7 @@ finish before its layer comes and pays for the disk time it takes from the next 
 
 `Router` is plain logic with no sockets: its methods return the messages to send as
 [(destination, message)], destination "loader" or "compute". Tests and tools drive it in-process
-(`drive_need`); `RouterProcess` (workers/router_process.py) wraps it with the data-plane socket.
+(workers/sources.py `drive_need`); `RouterProcess` (workers/router_process.py) wraps it with the data-plane socket.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from deltafin.protocol import messages as M
 from deltafin.runtime.cache import CacheError, Policy, SlotTable, make_policy
 from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
-from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredictor
+from deltafin.runtime.predictor import LeaseGate, PredictorError, Prefetcher, RoutingPredictor
 
 # Prefetcher settings unless told otherwise: tuned on the train split, chosen on dev
 # (docs/TRACES.md). threshold: a key's predicted probability of use to read it ahead; depth: layers
@@ -46,7 +46,6 @@ from deltafin.runtime.predictor import PredictorError, Prefetcher, RoutingPredic
 # (workers/router_process.py, prefetch_setting) add bandwidth=True, the per-read half of the gate, which needs a real clock;
 # in-process routers (replay, tests) go without it unless told.
 PREFETCH_DEFAULTS = {"threshold": 0.4, "depth": 1, "min_precision": 0.5, "gate": True}
-LEASE_DECAY = 0.98  # per lease key asked: the lease precision follows about the last 50
 
 
 class RouterError(RuntimeError):
@@ -99,6 +98,7 @@ class Router:
                 if prefetch:
                     options = {**PREFETCH_DEFAULTS, **(prefetch if isinstance(prefetch, dict) else {})}
                     self.prefetcher = Prefetcher(self.predictor, **options)
+                    self.lease_gate = LeaseGate(self.prefetcher.min_precision, self.prefetcher.probe_every)
             except (PredictorError, TypeError) as e:
                 raise RouterError(f"prefetch/predictor settings: {e}") from None
 
@@ -128,8 +128,7 @@ class Router:
         self.prefetch_cap = len(self.staging_free) // 2
         self.pending: dict | None = None  # the need compute waits for (and pins)
         self.leases: dict[int, dict] = {}  # req -> a lease: experts of a later layer, held
-        # lease reads' outcomes, decayed: used, resolved (used or wasted); the totals last seen
-        self.lease_score, self.lease_probes = [0.0, 0.0, 0, 0], 0
+
         self.counters = Counter()
         self.stall = Latency()  # per `need` that waited for reads: how long compute stalled
         # Routing history, the raw material of policies and predictors: how often each
@@ -400,28 +399,14 @@ class Router:
     def _lease_pays(self, key) -> bool:
         """Whether a lease reads a key it finds missing: as a prefetch would, where its probability
         (at least the lookahead's measured precision, which the hint just gave it) reaches the
-        prefetch threshold, and while the lease reads' own measured precision (used / used or
-        wasted, decayed, so it follows the workload) stays at the prefetcher's `min_precision`.
-        The lookahead can name the resident experts well and the missing ones poorly (a model
-        whose next gate differs much from this layer's: 0.58 against 0.27 on a random-init
-        qwen3_moe); gated off, a lease holds what is resident and reads only every
-        `probe_every`-th missing key, so the precision keeps being measured. Every key without
-        a prefetcher."""
+        prefetch threshold, and while lease reads pay (`LeaseGate`). Every key without a prefetcher."""
         f = self.prefetcher
         if f is None:
             return True
         if self._probability(key) < f.threshold:
             return False
-        used = sum(t.lease_used for t in self.tables.values())
-        wasted = sum(t.lease_wasted for t in self.tables.values())
-        s = self.lease_score
-        s[0] = s[0] * LEASE_DECAY + used - s[2]
-        s[1] = s[1] * LEASE_DECAY + used - s[2] + wasted - s[3]
-        s[2], s[3] = used, wasted
-        if (s[0] + 1) / (s[1] + 2) >= f.min_precision:
-            return True
-        self.lease_probes += 1
-        return self.lease_probes % f.probe_every == 0
+        tables = self.tables.values()
+        return self.lease_gate.pays(sum(t.lease_used for t in tables), sum(t.lease_wasted for t in tables))
 
     def prefetch_ahead(self) -> list[tuple[str, object]]:
         """compute completed a layer from fills it took early, without a need (`used` with
@@ -586,34 +571,6 @@ class Router:
         for layer, e in (key for t in self.tables.values() for key in t.where):
             by_layer.setdefault(layer, []).append(e)
         return [[layer, sorted(es)] for layer, es in sorted(by_layer.items())]
-
-
-def drive_need(router: Router, req: int, layer: int, experts: list[int], read, fill,
-               prefetch: bool = False, lease: bool = False) -> M.Slots:
-    """One need (or lease) served in-process: read(order) -> Loaded | LoadFailed (the loader),
-    fill(Fill) (compute applies it). Returns the `slots` answer; raises RouterError for a failed
-    read or a need that cannot be met."""
-    todo = deque(router.need(req, layer, experts, prefetch, lease))
-    reply, failure = None, None
-    while todo:
-        _, msg = todo.popleft()
-        if isinstance(msg, M.Read):
-            got = read(msg)
-            todo += router.load_failed(got) if isinstance(got, M.LoadFailed) else router.loaded(got)
-        elif isinstance(msg, M.Fill):
-            fill(msg)
-            todo += router.filled(M.Filled(staging=msg.staging, generation=msg.generation))
-        elif isinstance(msg, M.FillFailed):
-            fill(msg)
-            if msg.req == req:
-                failure = msg
-        elif isinstance(msg, M.Slots) and msg.req == req:
-            reply = msg
-    if failure is not None:
-        raise RouterError(failure.error, code=M.ErrorCode.EXPERT_READ_FAILED)
-    if reply is None:
-        raise RouterError(f"need {req} of layer {layer} ended without an answer")
-    return reply
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ class LocalExpertSource:
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None) -> Granted:
-        from deltafin.workers.router import RouterError, drive_need
+        from deltafin.workers.router import RouterError
         self.req += 1
         self.messages.add("need")
         t0 = time.perf_counter()
@@ -217,3 +217,31 @@ class RouterClient:
         from deltafin.runtime.sockets import send
         send(self.sock, M.Release(req=self.req))
 
+
+def drive_need(router, req: int, layer: int, experts: list[int], read, fill,
+               prefetch: bool = False, lease: bool = False) -> M.Slots:
+    """One need (or lease) served in-process: read(order) -> Loaded | LoadFailed (the loader),
+    fill(Fill) (compute applies it). Returns the `slots` answer; raises RouterError for a failed
+    read or a need that cannot be met."""
+    from deltafin.workers.router import RouterError
+    todo = deque(router.need(req, layer, experts, prefetch, lease))
+    reply, failure = None, None
+    while todo:
+        _, msg = todo.popleft()
+        if isinstance(msg, M.Read):
+            got = read(msg)
+            todo += router.load_failed(got) if isinstance(got, M.LoadFailed) else router.loaded(got)
+        elif isinstance(msg, M.Fill):
+            fill(msg)
+            todo += router.filled(M.Filled(staging=msg.staging, generation=msg.generation))
+        elif isinstance(msg, M.FillFailed):
+            fill(msg)
+            if msg.req == req:
+                failure = msg
+        elif isinstance(msg, M.Slots) and msg.req == req:
+            reply = msg
+    if failure is not None:
+        raise RouterError(failure.error, code=M.ErrorCode.EXPERT_READ_FAILED)
+    if reply is None:
+        raise RouterError(f"need {req} of layer {layer} ended without an answer")
+    return reply
