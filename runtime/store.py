@@ -113,11 +113,16 @@ def _parts(q: dict | None) -> tuple:
 
 def check_layouts(layouts: dict, version: int) -> None:
     """Every layout's quant entries are specs MLX defines and its tensors are the ones they
-    need; version 1 entries (all affine, no "mode") get mode "affine". Raises StoreError."""
+    need (beside them, an "activation" names the experts' gated activation where it is not
+    SwiGLU); version 1 entries (all affine, no "mode") get mode "affine". Raises StoreError."""
     for lid, layout in layouts.items():
         names = {t["name"] for t in layout["tensors"]}
         for proj, q in layout["quant"].items():
             where = f"layout {lid} {proj}"
+            if proj not in archinfo.PROJS:
+                if proj != "activation" or not isinstance(q, dict) or not isinstance(q.get("name"), str):
+                    raise StoreError(f"{where}: unknown quantization entry {proj!r}: {q!r}")
+                continue
             if q is not None:
                 if version == 1:
                     q.setdefault("mode", "affine")
@@ -192,9 +197,9 @@ class StoreWriter:
         per-expert output biases of a family that has them. quant: per projection a spec
         (quantmodes.spec) or None (float); default: the store's."""
         quant = quant or {p: dict(self.quantization) for p in archinfo.PROJS}
-        try:
-            quant = {p: None if q is None else quantmodes.spec(q["bits"], q["group_size"], q["mode"])
-                     for p, q in quant.items()}
+        try:  # each projection's spec, checked; other entries (the experts' activation) as given
+            quant = {p: q if p not in archinfo.PROJS or q is None else
+                     quantmodes.spec(q["bits"], q["group_size"], q["mode"]) for p, q in quant.items()}
         except (quantmodes.QuantError, KeyError) as e:
             raise StoreError(f"layer {layer} expert {expert}: bad quantization {e}") from None
         missing = [f"{p}.{k}" for p in archinfo.PROJS for k in _parts(quant.get(p))
