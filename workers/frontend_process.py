@@ -19,6 +19,17 @@ CHILD_STOP_GRACE_S = 3.0       # SIGTERM, then SIGKILL
 RESTART_BACKOFF_S = (0.5, 10.0)  # first and longest wait before restarting a child that died
 
 
+# Copies of a body the frontend may hold at once (bytes, text, parsed objects, the request
+# message): the budget's reserve for it is this many times http.max_body_bytes.
+BODY_COPIES = 4
+
+
+def limit_flags(http) -> dict:
+    """deltafin-http's limit flags from the configuration's [http] section."""
+    return {"header-timeout": http.header_timeout_s, "body-timeout": http.body_timeout_s,
+            "idle-timeout": http.idle_timeout_s, "max-body-bytes": http.body_bytes}
+
+
 def parse_listen(listen: str, allow_remote: bool) -> tuple[str, int]:
     """HOST:PORT ([::1]:PORT for IPv6); loopback only unless allow_remote."""
     host, sep, port = listen.rpartition(":")
@@ -37,8 +48,9 @@ class FrontendProcess:
     that started it, so that thread lives as long as any child it started."""
 
     def __init__(self, endpoint: str, listen: str, allow_remote: bool = False, keys: str | None = None,
-                 log=None, announce=None):
+                 log=None, announce=None, limits: dict | None = None):
         self.endpoint, self.allow_remote, self.keys = endpoint, allow_remote, keys
+        self.limits = limits or {}  # deltafin-http's limit flags: {"header-timeout": 10.0, ...}
         self.host, self.port = parse_listen(listen, allow_remote)
         self.log = log or (lambda m: print(f"deltafin-http: {m}", file=sys.stderr, flush=True))
         self.announce = announce or (lambda url: print(f"HTTP {url}", flush=True))
@@ -58,6 +70,8 @@ class FrontendProcess:
                "--listen", f"{host}:{self.port}", "--parent-pid", str(os.getpid())]
         cmd += ["--allow-remote"] if self.allow_remote else []
         cmd += ["--keys", self.keys] if self.keys else []
+        for flag, value in self.limits.items():
+            cmd += [f"--{flag}", str(value)]
         # Its own session: a terminal's Ctrl-C reaches the supervisor, which stops the frontend
         # itself, rather than both at once (which would look like a death to restart from).
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -107,6 +121,17 @@ class FrontendProcess:
             pause = RESTART_BACKOFF_S[0] if time.monotonic() - t0 > 30 else min(pause * 2, RESTART_BACKOFF_S[1])
             self.log(f"the HTTP frontend (pid {p.pid}) exited with code {code}; restarting it in {pause:.1f} s")
             self._stop.wait(pause)
+
+    @property
+    def running(self) -> bool:
+        """Whether it serves or is still trying to (False once it gave up or was stopped)."""
+        return self._thread.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The child serving now (None: none runs)."""
+        p = self.proc
+        return p.pid if p is not None and p.poll() is None else None
 
     def stop(self) -> None:
         self._stop.set()

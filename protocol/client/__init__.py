@@ -202,7 +202,10 @@ class Client:
                 return msg
 
     def _send(self, msg) -> None:
-        raw = M.encode(msg)
+        try:
+            raw = M.encode(msg)
+        except M.ProtocolError as e:  # a value msgpack cannot carry (an integer beyond 64 bits)
+            raise RequestError(str(e), "bad_request") from None
         limit = self.info.max_request_bytes if self.info else 0
         if limit and len(raw) > limit:  # the runtime would drop the connection, not answer
             raise RequestError(f"a {len(raw)} byte request exceeds the runtime's {limit} byte "
