@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import psutil
-
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.config import Config, format_size
 from deltafin.runtime.dtypes import FLOAT_DTYPES, itemsize as dtype_itemsize
@@ -178,16 +176,3 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     )
     plan.layouts = {g: store.layouts[g] for g in plan.group_experts}
     return plan
-
-
-def tree_memory(pids: list[int]) -> int:
-    """Proportional set size of the processes (shared pages split among their users); RSS where
-    the OS has no PSS (macOS), which over-counts shared memory and so stays on the safe side."""
-    total = 0
-    for pid in pids:
-        try:
-            info = psutil.Process(pid).memory_full_info()
-            total += getattr(info, "pss", None) or info.rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total

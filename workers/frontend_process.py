@@ -10,9 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from deltafin.runtime.procs import stop_process
-from deltafin.runtime.security import LOOPBACK_HOSTS
+from deltafin.runtime.security import LOOPBACK_HOSTS, default_keys_dir
 
 LISTENING = "LISTENING"        # the child's one stdout line once it serves: `LISTENING http://...`
 CHILD_STOP_GRACE_S = 3.0       # SIGTERM, then SIGKILL
@@ -61,8 +62,25 @@ class FrontendProcess:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="http-frontend", daemon=True)
 
+    @classmethod
+    def for_runtime(cls, endpoint: str, listen: str, config, curve: bool) -> "FrontendProcess":
+        """The supervisor's frontend: CURVE keys where the endpoint has them, the [http] limits;
+        the supervisor announces its URL itself."""
+        rc = config.runtime
+        keys = str(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir()) if curve else None
+        return cls(endpoint, listen, rc.allow_remote, keys, announce=lambda url: None,
+                   limits=limit_flags(config.http))
+
     def start(self) -> None:
         self._thread.start()
+
+    def start_answered(self, pump, timeout: float) -> None:
+        """Starts it and calls pump() (the supervisor's loop, which answers its hello) until it
+        serves, gives up (its stderr says why) or timeout seconds pass."""
+        self.start()
+        deadline = time.monotonic() + timeout
+        while self.url is None and self.running and time.monotonic() < deadline:
+            pump()
 
     def _spawn(self) -> subprocess.Popen:
         host = f"[{self.host}]" if ":" in self.host else self.host

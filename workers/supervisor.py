@@ -1,9 +1,11 @@
 """deltafin-supervisor: launches router, loader and compute, owns endpoints and shared memory.
 
-Start-up: sweep stale runs, check the store's files and the budget estimate, start the three
-workers as separate OS processes (workers/workerset.py), wait for each one's ready message while
-watching that none died, measure the tree, size and create the slot pool, hand it to the workers,
-bind the client endpoint (workers/endpoint.py), print `READY <endpoint>`. Serving: generate and
+Start-up: sweep stale runs, check the store's files and the budget estimate, bind the client
+endpoint (workers/endpoint.py; work is answered `restarting` until the pool is ready), start the
+three workers as separate OS processes (workers/workerset.py), wait for each one's ready message
+while watching that none died, with --http start the HTTP frontend (workers/frontend_process.py),
+measure the tree (the frontend included), size and create the slot pool, hand it to the workers,
+print `READY <endpoint>` (and `HTTP <url>`). Serving: generate and
 logits requests go to the request manager (workers/requests.py: the in-flight bound, all text,
 stop strings and cancels), which relays them to compute and compute's replies back; hello,
 health and stats are answered here, and the workers' metrics snapshots are merged into one that
@@ -20,7 +22,6 @@ idempotent shutdown serves every path.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import itertools
@@ -36,8 +37,9 @@ import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.benchmode import check_bench_config
-from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
+from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
+from deltafin.runtime.procmem import tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, ipc_path, is_abstract, needs_curve)
 from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
@@ -47,10 +49,10 @@ from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
 from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
-from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess, limit_flags, parse_listen
+from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.router_process import prefetch_setting
-from deltafin.workers.supervisor_args import parser, run_config
+from deltafin.workers.supervisor_args import check_http, parser, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
@@ -159,7 +161,10 @@ class Supervisor:
         self.workers.start()
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
         if not self.plan.n_slots:
-            self._start_frontend()
+            if self.http:  # measured with the tree; a frontend that cannot start is left out
+                self.frontend = FrontendProcess.for_runtime(self.client.endpoint, self.http, self.config,
+                                                            curve=self.curve is not None)
+                self.frontend.start_answered(self._pump, self.config.runtime.startup_timeout_s)
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
         # The budget counts slots per record layout; the workers get them with whole layers kept
@@ -223,21 +228,9 @@ class Supervisor:
         self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve, reply_bytes=0)
         self.poller.register(self.client.sock, zmq.POLLIN)
 
-    def _start_frontend(self) -> None:
-        """With --http: deltafin-http starts now, before the pool is sized, so that the tree
-        measured includes it; the supervisor answers its hello meanwhile. A frontend that
-        cannot start (its stderr says why) leaves the runtime serving without it."""
-        if not self.http:
-            return
-        rc = self.config.runtime
-        keys = (str(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir())
-                if self.curve is not None else None)
-        self.frontend = FrontendProcess(self.client.endpoint, self.http, rc.allow_remote, keys,
-                                        announce=lambda url: None, limits=limit_flags(self.config.http))
-        self.frontend.start()
-        deadline = time.monotonic() + rc.startup_timeout_s
-        while self.frontend.url is None and self.frontend.running and time.monotonic() < deadline:
-            self._pump()
+    def _shared_bytes(self) -> int:
+        """The run's shared-memory segment, added once to a tree measured without it (procmem)."""
+        return self.segment.size if self.segment is not None else 0
 
     def _pids(self) -> dict[str, int]:
         """The tree's processes by name: the supervisor, the workers, the HTTP frontend."""
@@ -373,7 +366,7 @@ class Supervisor:
     def _sample_processes(self) -> None:
         """Memory and CPU per process, once a second (reading PSS walks the page tables)."""
         self.processes = self.sampler.sample(self._pids())
-        tree = sum((p["pss"] or p["rss"] or 0) for p in self.processes.values())
+        tree = tree_total(self.processes.values(), self._shared_bytes())
         self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
 
     def _to_worker(self, role: str, msg) -> None:
@@ -436,14 +429,11 @@ class Supervisor:
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
             # Everything refused here is answered at once, whatever compute is busy with.
-            if self.state == "starting":
-                return self._reply(ident, M.Error(id=msg.id, code=M.ErrorCode.RESTARTING,
-                                                  message="the runtime is starting; retry in a few seconds"))
             if self.state != "serving":
                 why = f" after {self.last_death}" if self.last_death else ""
+                doing = "starting" if self.state == "starting" else f"restarting its workers{why}"
                 return self._reply(ident, M.Error(id=msg.id, code=M.ErrorCode.RESTARTING,
-                                                  message=f"the runtime is restarting its workers{why}; "
-                                                          f"retry in a few seconds"))
+                                                  message=f"the runtime is {doing}; retry in a few seconds"))
             return self.requests.submit(ident, raw, msg)
         if isinstance(msg, M.Cancel):
             return self.requests.cancel(ident, msg.id)
@@ -503,7 +493,7 @@ class Supervisor:
         parts, missing, ages = self.hub.parts()
         procs = self.processes
         memory = {"budget": self.plan.budget,
-                  "tree_bytes": sum((p["pss"] or p["rss"] or 0) for p in procs.values()),
+                  "tree_bytes": tree_total(procs.values(), self._shared_bytes()),
                   "peak_tree_bytes": self.peak_tree_bytes,
                   "n_slots": self.plan.n_slots, "resident": self.plan.resident,
                   "resident_groups": self.resident or self.plan.resident,
@@ -566,15 +556,6 @@ class Supervisor:
             self.rundir.cleanup()
 
 
-def _check_http(a: argparse.Namespace) -> None:
-    """A bad --http is refused before anything starts."""
-    if a.http:
-        try:
-            parse_listen(a.http, a.allow_remote)
-        except ValueError as e:
-            raise SecurityError(str(e)) from None
-
-
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
@@ -586,7 +567,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     sup = None
     try:
-        _check_http(a)
+        check_http(a)
         config = run_config(a)
         rank = launch_rank() if config.distributed.enabled else None
         if rank is not None and rank[0] != 0 and a.endpoint:
