@@ -7,7 +7,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import resource
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +19,8 @@ import psutil
 
 from conftest import config_flags
 from deltafin.client import Client
+from deltafin.runtime.procs import stop_process
+from deltafin.tools.monitor import memory_rows
 from deltafin.tools.run import running_supervisor
 
 BIG = "4GiB"
@@ -74,6 +80,7 @@ def test_the_frontend_is_measured_in_the_budget(tiny_stores, tmp_path):
         # the tree the pool was sized from held the frontend; its bodies are reserved on top
         assert mem["startup_tree_bytes"] > procs["frontend"]["pss"] + procs["supervisor"]["pss"]
         assert mem["reserves_bytes"] >= 4 * (256 << 10)
+        assert "frontend" in memory_rows(st)  # deltafin-monitor shows it
         peak, stop = [0], threading.Event()
 
         def sample():
@@ -164,3 +171,38 @@ def test_slow_half_open_and_idle_connections_are_closed_while_health_answers(tin
             for s in socks:
                 s.close()
         assert _request(port, "GET", "/health")[0] == 200
+
+
+def test_idle_connections_beyond_the_file_limit_leave_health_answering(tiny_stores, tmp_path):
+    """deltafin-http under a 1,024-file limit: 1,100 idle connections would take every file
+    (accept failing, /health hanging); the oldest waiting ones are closed instead, at once."""
+    with running_supervisor(tiny_stores("mixtral"), BIG) as (ep, _):
+        port = _free_port()
+        limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        front = subprocess.Popen([sys.executable, "-m", "deltafin.workers.frontend", "--endpoint", ep,
+                                  "--listen", f"127.0.0.1:{port}", "--header-timeout", "60"],
+                                 stdout=subprocess.PIPE, stderr=open(tmp_path / "http.log", "w"),
+                                 text=True, preexec_fn=limit)
+        socks = []
+        try:
+            line = []
+            reader = threading.Thread(target=lambda: line.append(front.stdout.readline()), daemon=True)
+            reader.start()
+            reader.join(timeout=60)
+            assert line and line[0].startswith("LISTENING"), line
+            for _ in range(1100):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            status, health, took = _request(port, "GET", "/health", timeout=10)
+            assert status == 200 and health["ok"] and took < 2.0, (status, took)
+            closed = 0
+            for s in socks[:600]:  # the oldest: closed by the server long before the head timeout
+                s.settimeout(5)
+                closed += s.recv(16) == b""
+            assert closed == 600, closed  # at most 1024 // 2 - 128 = 384 wait
+        finally:
+            for s in socks:
+                s.close()
+            stop_process(front, 10, signal.SIGTERM)
+            front.stdout.close()
+        # accept never failed (asyncio pauses accepting for a second each time it does)
+        assert "Too many open files" not in (tmp_path / "http.log").read_text()

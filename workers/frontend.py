@@ -53,6 +53,7 @@ from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request,
 
 RETRY_AFTER_S = 2              # Retry-After on 429 and 503
 PARSE_INLINE_BYTES = 64 << 10  # a larger body is parsed on a worker thread, off the event loop
+WAITING_RESERVE, WAITING_MIN = 128, 64  # open files kept from connections waiting for a head
 
 
 # -- the frontend ----------------------------------------------------------------------------------
@@ -415,31 +416,37 @@ class HeadTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a complete request head
     within `header_timeout` seconds of opening or of its previous answer (slow or half-open
     connections: uvicorn's own keep-alive timer restarts with every byte, so a byte every few
-    seconds would hold a connection forever)."""
+    seconds would hold a connection forever). At most `max_waiting` connections wait for a head
+    at once (`waiting`, shared by all, oldest first): a new one beyond closes the oldest, so
+    idle connections cannot take every file the process may open."""
 
-    def __init__(self, *args, header_timeout: float, **kwargs):
+    def __init__(self, *args, header_timeout: float, max_waiting: int, waiting: dict, **kwargs):
         super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
+        self.header_timeout, self.max_waiting, self.waiting = header_timeout, max_waiting, waiting
         self._head_timer: asyncio.TimerHandle | None = None
         self._timed_cycle = None
 
     def _arm(self) -> None:
         self._disarm()
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_late)
+        self.waiting[self] = None
 
     def _disarm(self) -> None:
+        self.waiting.pop(self, None)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
     def _head_late(self) -> None:
-        self._head_timer = None
+        self._disarm()
         if not self.transport.is_closing():
             self.transport.close()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
+        while len(self.waiting) > self.max_waiting:
+            next(iter(self.waiting))._head_late()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -540,11 +547,15 @@ def main(argv=None) -> int:
     shown = f"[{bound[0]}]" if info[0] == socket.AF_INET6 else bound[0]
     url = f"http://{shown}:{bound[1]}"
 
-    raise_file_limit()
-    protocol = functools.partial(HeadTimeoutProtocol, header_timeout=a.header_timeout)
+    # connections waiting for a head take at most half the files, less WAITING_RESERVE: the rest
+    # holds the interpreter's, the ZeroMQ clients of requests in flight and connections accepted
+    # in one burst (asyncio accepts up to `backlog` at once) before the oldest waiting are closed
+    most = max(WAITING_MIN, raise_file_limit() // 2 - WAITING_RESERVE)
+    protocol = functools.partial(HeadTimeoutProtocol, header_timeout=a.header_timeout,
+                                 max_waiting=most, waiting={})
     config = uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2, server_header=False, http=protocol,
-                            timeout_keep_alive=a.idle_timeout)
+                            timeout_keep_alive=a.idle_timeout, backlog=WAITING_RESERVE)
     try:
         AnnouncingServer(config, url, front.model_id).run(sockets=[sock])
     finally:
