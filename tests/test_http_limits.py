@@ -118,7 +118,8 @@ def test_bodies_too_large_deep_or_out_of_range_get_4xx_at_once(tiny_stores, tmp_
                  (400, "out of range", body(prompt=[1, 2, 2**70])),
                  (400, "nests deeper", b"[" * 100_000 + b"]" * 100_000),
                  (400, "nests deeper", body(prompt=_nested(40))),
-                 (400, "not valid JSON", b"{" * 10)]
+                 (400, "not valid JSON", b"{" * 10),
+                 (404, "does not exist", json.dumps({"model": "m" * 500_000}).encode())]
         for status, why, raw in cases:
             got, answer, took = _request(port, "POST", "/v1/completions", raw)
             assert (got, took < 2.0) == (status, True), (why, got, answer, took)

@@ -12,6 +12,7 @@ import math
 from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMismatch, RequestError,
                              RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeStopping,
                              RuntimeUnavailable)
+from deltafin.protocol.messages import MAX_ERROR_CHARS
 from deltafin.runtime.tokenizer import TOO_LONG
 
 
@@ -24,7 +25,10 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        """OpenAI's error body; the message cut at MAX_ERROR_CHARS (it never echoes a body back)."""
+        cut = len(self.message) > MAX_ERROR_CHARS
+        message = self.message[:MAX_ERROR_CHARS] + "..." if cut else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
