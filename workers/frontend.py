@@ -45,6 +45,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
+from deltafin.protocol.messages import short
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
 from deltafin.runtime.config import HttpConfig
@@ -163,7 +164,7 @@ class HttpFrontend:
         if not isinstance(model, str):
             raise ApiError(400, "'model' is required (GET /v1/models lists it)", param="model")
         if model not in (self.model_id, self.store_path):
-            raise ApiError(404, f"the model '{model}' does not exist; this server runs "
+            raise ApiError(404, f"the model {short(model)} does not exist; this server runs "
                                 f"'{self.model_id}'", "invalid_request_error", "model", "model_not_found")
         return body
 
@@ -196,7 +197,7 @@ class HttpFrontend:
 
     async def model(self, request):
         if request.path_params["model"] not in (self.model_id, self.store_path):
-            return self.error(ApiError(404, f"the model '{request.path_params['model']}' does not exist",
+            return self.error(ApiError(404, f"the model {short(request.path_params['model'])} does not exist",
                                        param="model", code="model_not_found"))
         return JSONResponse(self._model_card())
 
