@@ -114,8 +114,8 @@ def test_bodies_too_large_deep_or_out_of_range_get_4xx_at_once(tiny_stores, tmp_
         def body(**kw) -> bytes:
             return json.dumps({"model": model, "prompt": "hello", "max_tokens": 2, **kw}).encode()
         cases = [(413, "http.max_body_bytes", body(prompt="a" * (2 << 20))),
-                 (400, "out of range", body(seed=2**64)),
-                 (400, "out of range", body(prompt=[1, 2, 2**70])),
+                 (400, "out of range [-2^63, 2^64)", body(seed=2**64)),
+                 (400, "out of range [-2^63, 2^64)", body(prompt=[1, 2, 2**70])),
                  (400, "nests deeper", b"[" * 100_000 + b"]" * 100_000),
                  (400, "nests deeper", body(prompt=_nested(40))),
                  (400, "not valid JSON", b"{" * 10),
