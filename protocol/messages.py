@@ -26,6 +26,13 @@ MAX_RESULT_BYTES = MAX_MESSAGE_BYTES - ENVELOPE_BYTES
 # Elements of one msgpack array or map: token ids are bounded by max_context long before this,
 # and without a bound a small frame of one-byte elements becomes a huge Python list.
 MAX_ITEMS = 1 << 20
+# A client's request is bounded tighter, before it is decoded: a map has at most this many keys
+# (a request's fields, a chat message's), an array at most max_context or MAX_STOP_STRINGS
+# elements (decode_request), nesting at most MAX_REQUEST_DEPTH levels (a chat needs 4).
+MAX_REQUEST_KEYS = 64
+MAX_REQUEST_DEPTH = 16
+# An error message longer than this is cut (an error never echoes a large request back).
+MAX_ERROR_CHARS = 1024
 MAX_STOP_STRINGS = 64
 # A temperature below this samples greedily: dividing float32 logits by a smaller one overflows
 # to infinities, and the draw among them is near random.
@@ -60,6 +67,12 @@ def message(name: str):
     return wrap
 
 
+def short(value, n: int = 64) -> str:
+    """repr(value) cut to about n characters: what an error may echo of a client's input."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= n else repr(value[:n])
+    return text if len(text) <= n + 2 else text[:n] + "..."
+
+
 def _check(cls, data: dict):
     kwargs = {}
     for f in fields(cls):
@@ -79,7 +92,9 @@ def _check(cls, data: dict):
         kwargs[f.name] = value
     unknown = set(data) - {f.name for f in fields(cls)} - {"type"}
     if unknown:
-        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {sorted(unknown)}")
+        names = sorted(map(short, unknown))
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {', '.join(names[:8])}{more}")
     return cls(**kwargs)
 
 
@@ -98,26 +113,61 @@ def encode(msg) -> bytes:
     data = {"type": msg.TYPE}
     for f in fields(msg):
         data[f.name] = getattr(msg, f.name)
-    return msgpack.packb(data, use_bin_type=True)
+    try:
+        return msgpack.packb(data, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer beyond 64 bits
+        raise ProtocolError(f"cannot encode a {msg.TYPE} message: {e}") from None
 
 
 def decode(raw: bytes, limit: int = MAX_MESSAGE_BYTES):
+    """A message between deltafin's own processes (or a reply), bounded by the frame limit."""
+    return _message(_unpack(raw, limit, MAX_ITEMS, MAX_ITEMS))
+
+
+def decode_request(raw: bytes, limit: int, max_items: int):
+    """A client's message: every map, array and string bounded before it is built (max_items:
+    the longest array a request may hold), nesting checked, errors echoing nothing large."""
+    most = max(max_items, MAX_STOP_STRINGS)
+    try:
+        data = _unpack(raw, limit, most, MAX_REQUEST_KEYS)
+    except ProtocolError as e:
+        if "exceeds max_" not in str(e):
+            raise
+        raise ProtocolError(f"{e}: a request's arrays hold at most {most} elements (max_context), "
+                            f"its maps at most {MAX_REQUEST_KEYS} keys") from None
+    level, depth = [data] if isinstance(data, (dict, list)) else [], 0
+    while level:
+        depth += 1
+        if depth > MAX_REQUEST_DEPTH:
+            raise ProtocolError(f"a request nests deeper than {MAX_REQUEST_DEPTH} levels")
+        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(x, (dict, list))]
+    return _message(data)
+
+
+def _unpack(raw: bytes, limit: int, max_items: int, max_keys: int):
     if len(raw) > limit:
         raise ProtocolError(f"message of {len(raw)} bytes exceeds the {limit} byte limit")
     try:
-        # Explicit limits: msgpack's defaults scale with the frame, so a frame of one-byte array
-        # elements would become a list of millions of objects. Ext types are never used.
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limit,
-                               max_bin_len=limit, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS,
+        # Explicit limits, checked as each header is read: msgpack's defaults scale with the
+        # frame, so a frame of one-byte elements would become millions of objects. Ext types
+        # are never used.
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limit,
+                               max_bin_len=limit, max_array_len=max_items, max_map_len=max_keys,
                                max_ext_len=0)
+    except msgpack.StackError:
+        raise ProtocolError("not a msgpack message: nested deeper than msgpack's 1024 levels") from None
     except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"not a msgpack message: {e}") from None
+        raise ProtocolError(f"not a msgpack message: {str(e)[:200]}") from None
+
+
+def _message(data):
     if not isinstance(data, dict):
         raise ProtocolError("a message must be a msgpack map")
     name = data.get("type")
     cls = REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {name!r}")
+        raise ProtocolError(f"unknown message type {short(name)}")
     return _check(cls, data)
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import psutil
-
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.config import Config, format_size
 from deltafin.runtime.dtypes import FLOAT_DTYPES, itemsize as dtype_itemsize
@@ -66,6 +64,7 @@ class BudgetPlan:
     resident_bytes: dict    # group -> bytes of one expert in the resident tier
     min_slots: int          # resident slots each group needs at least: one token's top_k
     processes: int = PROCESS_OVERHEAD_ESTIMATE
+    frontend: int = 0       # with --http: the frontend's bodies in flight (it is measured with the tree)
     resident: dict = field(default_factory=dict)  # group -> resident slots, once sized
     layouts: dict = field(default_factory=dict, repr=False)  # group -> record layout (set_dtype)
 
@@ -79,7 +78,7 @@ class BudgetPlan:
 
     @property
     def reserves(self) -> int:
-        return self.kv_cache + self.mlx_cache + self.activations + MARGIN
+        return self.kv_cache + self.mlx_cache + self.activations + self.frontend + MARGIN
 
     @property
     def min_resident(self) -> int:
@@ -100,6 +99,7 @@ class BudgetPlan:
         per = ", ".join(format_size(b) for b in self.resident_bytes.values())
         return (f"dense weights {format_size(self.dense)} + KV cache {format_size(self.kv_cache)} + "
                 f"MLX cache {format_size(self.mlx_cache)} + activations {format_size(self.activations)} + "
+                f"{f'HTTP bodies {format_size(self.frontend)} + ' if self.frontend else ''}"
                 f"processes {format_size(self.processes)} + {self.staging_slots} staging slots of "
                 f"{format_size(self.slot_bytes)} + {self.min_slots} resident experts of {per}"
                 f"{' per layout' if len(self.resident_bytes) > 1 else ''}")
@@ -177,16 +177,3 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     )
     plan.layouts = {g: store.layouts[g] for g in plan.group_experts}
     return plan
-
-
-def tree_memory(pids: list[int]) -> int:
-    """Proportional set size of the processes (shared pages split among their users); RSS where
-    the OS has no PSS (macOS), which over-counts shared memory and so stays on the safe side."""
-    total = 0
-    for pid in pids:
-        try:
-            info = psutil.Process(pid).memory_full_info()
-            total += getattr(info, "pss", None) or info.rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total

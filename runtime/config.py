@@ -124,6 +124,19 @@ class BenchConfig:
 
 
 @dataclass
+class HttpConfig:
+    """The HTTP frontend's limits (deltafin-supervisor --http; docs/HTTP.md, "Limits")."""
+    header_timeout_s: float = 10.0  # a request's head complete within this of the connection opening or the last answer
+    body_timeout_s: float = 30.0    # a request's body complete within this of its head
+    idle_timeout_s: float = 5.0     # a kept-alive connection with nothing to say is closed after this
+    max_body_bytes: str = "4MiB"    # a larger body is refused with 413 while it arrives
+
+    @property
+    def body_bytes(self) -> int:
+        return parse_size(self.max_body_bytes)
+
+
+@dataclass
 class DistributedConfig:
     enabled: bool = False
     backend: str = "ring"
@@ -139,6 +152,7 @@ class Config:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +220,8 @@ class Config:
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES
         if not 1024 <= parse_size(self.runtime.max_request_bytes) <= MAX_MESSAGE_BYTES:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
+        if not 1024 <= self.http.body_bytes <= parse_size(self.runtime.max_request_bytes):
+            raise ConfigError("http.max_body_bytes must be within 1KiB..runtime.max_request_bytes")
         if self.distributed.backend not in ("ring", "jaccl", "mpi", "any"):
             raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, jaccl, mpi or any")
         if self.distributed.enabled:

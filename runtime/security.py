@@ -67,6 +67,20 @@ def needs_curve(endpoint: str, allow_remote: bool) -> bool:
     return allow_remote and (endpoint.startswith("tcp://") or is_abstract(endpoint))
 
 
+def ipc_path_max(platform: str | None = None) -> int:
+    """The longest ipc socket path the OS takes: sun_path less its NUL (108 bytes on Linux,
+    104 on macOS and the BSDs)."""
+    return 107 if (platform or sys.platform).startswith("linux") else 103
+
+
+def check_ipc_length(path, platform: str | None = None) -> None:
+    """Refuses a socket path longer than the OS takes (ZeroMQ would fail with a bare error)."""
+    n, most = len(os.fsencode(str(path))), ipc_path_max(platform)
+    if n > most:
+        raise SecurityError(f"the ipc socket path {path} is {n} bytes; this OS takes at most {most}: "
+                            f"use a shorter path (or set DELTAFIN_RUN_ROOT to a shorter directory)")
+
+
 def ipc_path(endpoint: str) -> Path:
     return Path(os.path.abspath(endpoint[len("ipc://"):]))
 
@@ -90,6 +104,7 @@ def check_private_dir(directory: Path, what: str) -> None:
 def check_ipc_path(path: Path) -> None:
     """Refuses a socket path in a directory others can open, and a path that exists: binding
     would replace a file, or take over the socket of a runtime that is serving it."""
+    check_ipc_length(path)
     check_private_dir(path.parent, f"ipc endpoint {path}")
     if os.path.lexists(path):
         kind = "a socket (another runtime may be serving it)" if stat.S_ISSOCK(os.lstat(path).st_mode) \

@@ -21,9 +21,11 @@ from pathlib import Path
 import _posixshmem
 
 from deltafin.runtime.config import format_size
+from deltafin.runtime.security import check_ipc_length
 
 SEGMENT_PREFIX = "dfn"  # macOS allows 30 characters per segment name
-SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (a tmpfs of its own size)
+SHM_DIR = "/dev/shm"
+LONGEST_SOCKET = "metrics-in"  # the longest of a run's socket names (control, data, metrics, client)  # where Linux keeps POSIX shared memory (a tmpfs of its own size)
 
 
 class SharedMemoryFull(RuntimeError):
@@ -117,6 +119,7 @@ class RunDir:
         os.chmod(self.root, 0o700)
         self.run_id = secrets.token_hex(4)
         self.path = self.root / self.run_id
+        check_ipc_length(self._socket(LONGEST_SOCKET))  # before anything is made
         self.path.mkdir(mode=0o700)
         self.segments: list[str] = []
         self.files: list[str] = []  # socket files outside the directory (a user-given ipc endpoint)
@@ -151,8 +154,11 @@ class RunDir:
         self._write()  # recorded before it exists, so a crash in between still gets swept
         return Segment.create(name, size)
 
+    def _socket(self, what: str) -> Path:
+        return self.path / f"{what}.ipc"
+
     def endpoint(self, what: str) -> str:
-        return f"ipc://{self.path / what}.ipc"
+        return f"ipc://{self._socket(what)}"
 
     def cleanup(self) -> None:
         for name in self.segments:

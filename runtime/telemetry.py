@@ -30,7 +30,7 @@ import psutil
 import zmq
 
 from deltafin.protocol import messages as M
-from deltafin.runtime import metrics
+from deltafin.runtime import metrics, procmem
 from deltafin.runtime.metrics import histogram_percentiles
 from deltafin.runtime.shm import pid_alive, runs_root
 from deltafin.runtime.sockets import make_socket
@@ -239,7 +239,8 @@ def window_figures(new: dict, old: dict) -> dict | None:
 
 
 class ProcessSampler:
-    """Memory (PSS where the OS has it, else RSS) and CPU of each process of the tree."""
+    """Memory (runtime/procmem.py: PSS on Linux, the process's own memory on macOS) and CPU of
+    each process of the tree."""
 
     def __init__(self):
         self._procs: dict[int, psutil.Process] = {}
@@ -253,11 +254,10 @@ class ProcessSampler:
                 if first:
                     p = self._procs[pid] = psutil.Process(pid)
                 cpu = p.cpu_percent(None)  # since the previous sample; the first call only starts it
-                info = p.memory_full_info()
-                out[name] = {"pid": pid, "rss": info.rss, "pss": getattr(info, "pss", None),
-                             "cpu_percent": None if first else cpu}
+                out[name] = {"pid": pid, **procmem.measure(p), "cpu_percent": None if first else cpu}
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                out[name] = {"pid": pid, "rss": None, "pss": None, "cpu_percent": None}
+                out[name] = {"pid": pid, "rss": None, "pss": None, "uss": None, "own": None,
+                             "private": False, "cpu_percent": None}
         return out
 
 

@@ -15,12 +15,13 @@ import psutil
 import pytest
 import zmq
 
-from deltafin.client import Client, RuntimeUnavailable
+from deltafin.client import Client, RequestError, RuntimeUnavailable
 from deltafin.protocol import messages as M
 from deltafin.runtime import shm
 from deltafin.runtime.config import ConfigError, load_config
-from deltafin.runtime.security import SecurityError, check_endpoint
+from deltafin.runtime.security import SecurityError, check_endpoint, check_ipc_length, ipc_path_max
 from deltafin.tools.run import running_supervisor
+from conftest import config_flags
 
 BIG = "4GiB"
 
@@ -190,3 +191,115 @@ def test_a_shared_memory_filesystem_without_room_is_refused_naming_the_numbers(t
         seg.close()
     finally:
         run.cleanup()
+
+
+# -- huge, deep and out-of-range messages ---------------------------------------------------------
+def _nested(depth: int):
+    out = 1
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+def test_huge_deep_and_unknown_messages_are_refused_at_once_echoing_nothing(tiny_stores):
+    """Each is answered `bad_message` within 2 s in under 2 KiB, while another client's health
+    is answered within 1 s (a 2^20-key map used to stall the loop 4-5 s and echo 11 MB)."""
+    raws = {"2^20 keys": msgpack.packb({"type": "generate", "id": 1,
+                                                **{f"k{i}": i for i in range(1 << 20)}}),
+            "6 MB of unknown names": msgpack.packb({"type": "generate", "id": 1,
+                                                    **{"x" * 100_000 + str(i): 0 for i in range(60)}}),
+            "a 5 MB type name": msgpack.packb({"type": "y" * 5_000_000, "id": 1}),
+            "100k-deep msgpack": b"\x91" * 100_000 + b"\x01",
+            "a 20-deep request": msgpack.packb({"type": "generate", "id": 1, "max_tokens": 1,
+                                                "messages": _nested(20)})}
+    with running_supervisor(tiny_stores("mixtral"), BIG) as (ep, _):
+        with Client(ep, timeout=60) as c:
+            ctx, s = _dealer(ep)
+            try:
+                for name, raw in raws.items():
+                    t0 = time.monotonic()
+                    s.send(raw)
+                    assert c.health()["ok"]
+                    health_s = time.monotonic() - t0
+                    assert s.poll(2_000), name
+                    reply = s.recv()
+                    m = msgpack.unpackb(reply)
+                    assert (m["type"], m["code"]) == ("error", "bad_message"), (name, m)
+                    assert len(reply) < 2048 and time.monotonic() - t0 < 2.0, (name, len(reply))
+                    assert health_s < 1.0, (name, health_s)
+                    if "deep" in name:
+                        assert "deeper than" in m["message"], m
+                # an integer msgpack cannot carry is the client's typed error; the largest it can
+                # carry is served
+                with pytest.raises(RequestError, match="cannot encode") as e:
+                    c.generate([1, 2, 3], max_tokens=2, seed=2**64)
+                assert e.value.code == "bad_request"
+                s.send(msgpack.packb({"type": "generate", "id": 9, "token_ids": [1, 2, 3],
+                                      "max_tokens": 2, "temperature": 1.0, "seed": 2**64 - 1}))
+                while True:
+                    assert s.poll(30_000)
+                    m = msgpack.unpackb(s.recv())
+                    if m["type"] != "token":
+                        break
+                assert m["type"] == "done", m
+            finally:
+                s.close(0)
+                ctx.term()
+
+
+# -- socket paths ---------------------------------------------------------------------------------
+def test_socket_paths_over_the_os_limit_are_refused_clearly(tiny_stores, tmp_path):
+    assert ipc_path_max("linux") == 107 and ipc_path_max("darwin") == 103
+    check_ipc_length("/" + "a" * 106, "linux")
+    with pytest.raises(SecurityError, match="107 bytes; this OS takes at most 103"):
+        check_ipc_length("/" + "a" * 106, "darwin")
+    # a run root whose sockets would not fit: an error naming it at start, not a ZMQError
+    root = tmp_path / ("r" * max(1, 100 - len(str(tmp_path))))
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model",
+                        str(tiny_stores("mixtral")), "--memory-budget", BIG], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "DELTAFIN_RUN_ROOT": str(root)})
+    assert r.returncode == 2 and "this OS takes at most" in r.stderr and "ZMQError" not in r.stderr, r.stderr
+    assert "DELTAFIN_RUN_ROOT" in r.stderr
+    # a user-given endpoint likewise
+    private = tmp_path / "p"
+    private.mkdir(mode=0o700)
+    with pytest.raises(SecurityError, match="this OS takes at most"):
+        check_endpoint(f"ipc://{private}/{'s' * 120}.ipc", allow_remote=False)
+
+
+# -- fair share -----------------------------------------------------------------------------------
+def _final(s, rid: int, timeout_ms: int = 60_000) -> dict:
+    """The next message for rid on DEALER s other than a token (None: none within timeout_ms)."""
+    while s.poll(timeout_ms):
+        m = msgpack.unpackb(s.recv())
+        if m["id"] == rid and m["type"] != "token":
+            return m
+    return None
+
+
+def test_a_flooding_client_leaves_room_for_another(tiny_stores, tmp_path):
+    """max_batch 1 + max_queue 3: a client alone fills all 4 places; another client is still
+    admitted (its fair share is 2), and the flooder gets no more while the other waits."""
+    generate = lambda rid, n: msgpack.packb({"type": "generate", "id": rid, "token_ids": [1, 2, 3],
+                                             "max_tokens": n})
+    flags = config_flags(tmp_path, compute={"max_batch": 1, "max_queue": 3, "max_context": 4096})
+    with running_supervisor(tiny_stores("mixtral"), BIG, flags) as (ep, _), Client(ep, timeout=60) as c:
+        (ca, a), (cb, b) = _dealer(ep), _dealer(ep)
+        try:
+            for rid in range(4):
+                a.send(generate(rid, 3000))
+            a.send(generate(4, 3000))
+            assert _final(a, 4, 10_000)["code"] == "queue_full"  # the bound, alone
+            b.send(generate(1, 2))
+            assert not b.poll(1_000) or msgpack.unpackb(b.recv())["type"] == "token"  # admitted
+            assert c.stats()["active_requests"] == 5
+            a.send(generate(5, 3000))
+            refused = _final(a, 5, 10_000)
+            assert refused["code"] == "queue_full" and "one holds at most 2" in refused["message"]
+            for rid in range(4):
+                a.send(msgpack.packb({"type": "cancel", "id": rid}))
+            assert _final(b, 1)["type"] == "done"
+        finally:
+            for ctx, s in ((ca, a), (cb, b)):
+                s.close(0)
+                ctx.term()

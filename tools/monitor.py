@@ -238,11 +238,13 @@ def throughput_rows(snap: dict, window: dict | None, disk_gbps: float | None) ->
 
 
 def memory_rows(snap: dict) -> dict:
-    """{process: (PSS, RSS, CPU)} and the tree against the budget."""
+    """{process: (PSS, or its own memory where the OS has no PSS; RSS; CPU)} and the tree against
+    the budget."""
     rows = {}
     for name, p in (snap.get("processes") or {}).items():
         cpu = p.get("cpu_percent")
-        rows[name] = (fmt_bytes(p.get("pss")), fmt_bytes(p.get("rss")), "–" if cpu is None else f"{cpu:.0f} %")
+        own = p.get("pss") if p.get("pss") is not None else p.get("own")  # macOS: its own memory
+        rows[name] = (fmt_bytes(own), fmt_bytes(p.get("rss")), "–" if cpu is None else f"{cpu:.0f} %")
     mem = snap["memory"]
     budget, tree = mem.get("budget"), mem.get("tree_bytes")
     rows["tree"] = (fmt_bytes(tree), f"peak {fmt_bytes(mem.get('peak_tree_bytes'))}",

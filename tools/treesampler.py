@@ -50,8 +50,8 @@ class TreeSampler:
             if sys.platform.startswith("linux"):
                 total = sum(self._pss(p) for p in pids)
             else:
-                from deltafin.runtime.budget import tree_memory
-                total = tree_memory(pids)
+                from deltafin.runtime.procmem import tree_memory
+                total = tree_memory(pids)  # no segment is known here: a shared one counts in none
             self.peak = max(self.peak, total)
             self.samples += 1
             self._stop.wait(max(0.0, self.interval - (time.perf_counter() - tick)))  # a period, not a gap

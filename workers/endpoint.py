@@ -76,6 +76,8 @@ class ClientEndpoint:
         req = ident in self.req_peers
         if req and isinstance(msg, M.Token):
             return True
+        if isinstance(msg, M.Error) and len(msg.message) > M.MAX_ERROR_CHARS:  # never echo a request
+            msg = M.Error(id=msg.id, code=msg.code, message=msg.message[:M.MAX_ERROR_CHARS] + "...")
         body = M.encode(msg)
         large = len(body) >= LARGE_REPLY_BYTES
         if large and not self._room(ident, len(body)):

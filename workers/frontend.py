@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
+import resource
 import secrets
 import socket
 import sys
@@ -40,14 +42,19 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
+from deltafin.protocol.messages import short
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
+from deltafin.runtime.config import HttpConfig
 from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, completion_request,
-                                         generate_args, usage)
+                                         generate_args, parse_body, usage)
 
 RETRY_AFTER_S = 2              # Retry-After on 429 and 503
+PARSE_INLINE_BYTES = 64 << 10  # a larger body is parsed on a worker thread, off the event loop
+WAITING_RESERVE, WAITING_MIN = 128, 64  # open files kept from connections waiting for a head
 
 
 # -- the frontend ----------------------------------------------------------------------------------
@@ -98,15 +105,17 @@ class HttpFrontend:
     """The OpenAI-compatible API over one deltafin runtime. `app` is the ASGI application."""
 
     def __init__(self, endpoint: str, timeout: float = 120.0, keys: str | None = None,
-                 connect_timeout: float = 60.0):
+                 connect_timeout: float = 60.0, max_body: int = HttpConfig().body_bytes,
+                 body_timeout: float = HttpConfig().body_timeout_s):
         self.pool = ClientPool(endpoint, timeout, keys)
         info = self.pool.connect(connect_timeout)
         self.store_path = info.model  # the runtime's store, named in `welcome`
         self.model_id = Path(info.model).name
         self.max_context = info.max_context
-        # A body larger than the runtime's request limit could not be relayed anyway; it is
-        # refused while arriving, before any of it is parsed.
-        self.max_body = info.max_request_bytes
+        # A larger body is refused while arriving, before any of it is parsed (never more than
+        # the runtime's request limit, which could not relay it).
+        self.max_body = min(max_body, info.max_request_bytes or max_body)
+        self.body_timeout = body_timeout
         self.created = int(time.time())
         self.http_counts = {"requests": {}, "cancelled": 0, "started": time.time()}
         routes = [Route("/v1/models", self.models, methods=["GET"]),
@@ -136,23 +145,26 @@ class HttpFrontend:
                                    "invalid_request_error", code="method_not_allowed"))
 
     async def _body(self, request) -> dict:
+        """The body within http.body_timeout_s (else 408) and http.max_body_bytes (else 413), then
+        parsed (off the event loop when large) and checked (workers/openai_api.parse_body)."""
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > self.max_body:
-                raise ApiError(413, f"the body exceeds the runtime's {self.max_body} byte request "
-                                    f"limit (runtime.max_request_bytes)", code="request_too_large")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+            async with asyncio.timeout(self.body_timeout):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > self.max_body:
+                        raise ApiError(413, f"the body exceeds the {self.max_body} byte limit "
+                                            f"(http.max_body_bytes)", code="request_too_large")
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.body_timeout:g} s "
+                                f"(http.body_timeout_s)", code="request_timeout") from None
+        body = (await run_in_threadpool(parse_body, bytes(raw)) if len(raw) > PARSE_INLINE_BYTES
+                else parse_body(bytes(raw)))
         model = body.get("model")
         if not isinstance(model, str):
             raise ApiError(400, "'model' is required (GET /v1/models lists it)", param="model")
         if model not in (self.model_id, self.store_path):
-            raise ApiError(404, f"the model '{model}' does not exist; this server runs "
+            raise ApiError(404, f"the model {short(model)} does not exist; this server runs "
                                 f"'{self.model_id}'", "invalid_request_error", "model", "model_not_found")
         return body
 
@@ -185,7 +197,7 @@ class HttpFrontend:
 
     async def model(self, request):
         if request.path_params["model"] not in (self.model_id, self.store_path):
-            return self.error(ApiError(404, f"the model '{request.path_params['model']}' does not exist",
+            return self.error(ApiError(404, f"the model {short(request.path_params['model'])} does not exist",
                                        param="model", code="model_not_found"))
         return JSONResponse(self._model_card())
 
@@ -207,7 +219,7 @@ class HttpFrontend:
 
     async def completions(self, request):
         try:
-            prompt, params = completion_request(await self._body(request))
+            prompt, params = completion_request(await self._body(request), self.max_context)
         except ApiError as e:
             return self.error(e)
         return await self._answer(prompt, params, chat=False)
@@ -401,6 +413,70 @@ class _CountRequests:
         await self.app(scope, receive, counted)
 
 
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a complete request head
+    within `header_timeout` seconds of opening or of its previous answer (slow or half-open
+    connections: uvicorn's own keep-alive timer restarts with every byte, so a byte every few
+    seconds would hold a connection forever). At most `max_waiting` connections wait for a head
+    at once (`waiting`, shared by all, oldest first): a new one beyond closes the oldest, so
+    idle connections cannot take every file the process may open."""
+
+    def __init__(self, *args, header_timeout: float, max_waiting: int, waiting: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout, self.max_waiting, self.waiting = header_timeout, max_waiting, waiting
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._timed_cycle = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_late)
+        self.waiting[self] = None
+
+    def _disarm(self) -> None:
+        self.waiting.pop(self, None)
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+        while len(self.waiting) > self.max_waiting:
+            next(iter(self.waiting))._head_late()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and self.cycle is not self._timed_cycle:  # a head arrived
+            self._timed_cycle = self.cycle
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self._arm()  # first: a pipelined next request's head, handled within, disarms it
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def raise_file_limit() -> int:
+    """The soft limit on open files raised to the hard one (each connection is one): returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # macOS refuses beyond OPEN_MAX
+            pass
+    return soft
+
+
 # -- the process -----------------------------------------------------------------------------------
 class AnnouncingServer(uvicorn.Server):
     """uvicorn's server that says `LISTENING <url>` on stdout once it serves (the supervisor
@@ -432,6 +508,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", help="CURVE keys for a runtime served with --allow-remote (docs/SECURITY.md)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds without a message from the runtime before a request fails (503)")
+    d = HttpConfig()
+    ap.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                    help="seconds a connection has to send a complete request head (http.header_timeout_s)")
+    ap.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                    help="seconds a request's body may take after its head; then 408 (http.body_timeout_s)")
+    ap.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
+                    help="seconds a kept-alive connection may stay silent (http.idle_timeout_s)")
+    ap.add_argument("--max-body-bytes", type=int, default=d.body_bytes,
+                    help="the largest request body; larger ones get 413 (http.max_body_bytes)")
     ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     a = ap.parse_args(argv)
     if a.parent_pid:
@@ -445,7 +530,8 @@ def main(argv=None) -> int:
     # A client that disconnects mid-stream makes asyncio log each write already queued for it.
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:
-        front = HttpFrontend(a.endpoint, timeout=a.timeout, keys=a.keys)
+        front = HttpFrontend(a.endpoint, timeout=a.timeout, keys=a.keys, max_body=a.max_body_bytes,
+                             body_timeout=a.body_timeout)
     except (DeltafinError, OSError) as e:
         print(f"deltafin-http: error: cannot reach the runtime at {a.endpoint}: {e}", file=sys.stderr)
         return 1
@@ -462,8 +548,15 @@ def main(argv=None) -> int:
     shown = f"[{bound[0]}]" if info[0] == socket.AF_INET6 else bound[0]
     url = f"http://{shown}:{bound[1]}"
 
+    # connections waiting for a head take at most half the files, less WAITING_RESERVE: the rest
+    # holds the interpreter's, the ZeroMQ clients of requests in flight and connections accepted
+    # in one burst (asyncio accepts up to `backlog` at once) before the oldest waiting are closed
+    most = max(WAITING_MIN, raise_file_limit() // 2 - WAITING_RESERVE)
+    protocol = functools.partial(HeadTimeoutProtocol, header_timeout=a.header_timeout,
+                                 max_waiting=most, waiting={})
     config = uvicorn.Config(front.app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2, server_header=False)
+                            timeout_graceful_shutdown=2, server_header=False, http=protocol,
+                            timeout_keep_alive=a.idle_timeout, backlog=WAITING_RESERVE)
     try:
         AnnouncingServer(config, url, front.model_id).run(sockets=[sock])
     finally:

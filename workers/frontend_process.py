@@ -10,13 +10,25 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from deltafin.runtime.procs import stop_process
-from deltafin.runtime.security import LOOPBACK_HOSTS
+from deltafin.runtime.security import LOOPBACK_HOSTS, default_keys_dir
 
 LISTENING = "LISTENING"        # the child's one stdout line once it serves: `LISTENING http://...`
 CHILD_STOP_GRACE_S = 3.0       # SIGTERM, then SIGKILL
 RESTART_BACKOFF_S = (0.5, 10.0)  # first and longest wait before restarting a child that died
+
+
+# Copies of a body the frontend may hold at once (bytes, text, parsed objects, the request
+# message): the budget's reserve for it is this many times http.max_body_bytes.
+BODY_COPIES = 4
+
+
+def limit_flags(http) -> dict:
+    """deltafin-http's limit flags from the configuration's [http] section."""
+    return {"header-timeout": http.header_timeout_s, "body-timeout": http.body_timeout_s,
+            "idle-timeout": http.idle_timeout_s, "max-body-bytes": http.body_bytes}
 
 
 def parse_listen(listen: str, allow_remote: bool) -> tuple[str, int]:
@@ -37,8 +49,9 @@ class FrontendProcess:
     that started it, so that thread lives as long as any child it started."""
 
     def __init__(self, endpoint: str, listen: str, allow_remote: bool = False, keys: str | None = None,
-                 log=None, announce=None):
+                 log=None, announce=None, limits: dict | None = None):
         self.endpoint, self.allow_remote, self.keys = endpoint, allow_remote, keys
+        self.limits = limits or {}  # deltafin-http's limit flags: {"header-timeout": 10.0, ...}
         self.host, self.port = parse_listen(listen, allow_remote)
         self.log = log or (lambda m: print(f"deltafin-http: {m}", file=sys.stderr, flush=True))
         self.announce = announce or (lambda url: print(f"HTTP {url}", flush=True))
@@ -49,8 +62,25 @@ class FrontendProcess:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="http-frontend", daemon=True)
 
+    @classmethod
+    def for_runtime(cls, endpoint: str, listen: str, config, curve: bool) -> "FrontendProcess":
+        """The supervisor's frontend: CURVE keys where the endpoint has them, the [http] limits;
+        the supervisor announces its URL itself."""
+        rc = config.runtime
+        keys = str(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir()) if curve else None
+        return cls(endpoint, listen, rc.allow_remote, keys, announce=lambda url: None,
+                   limits=limit_flags(config.http))
+
     def start(self) -> None:
         self._thread.start()
+
+    def start_answered(self, pump, timeout: float) -> None:
+        """Starts it and calls pump() (the supervisor's loop, which answers its hello) until it
+        serves, gives up (its stderr says why) or timeout seconds pass."""
+        self.start()
+        deadline = time.monotonic() + timeout
+        while self.url is None and self.running and time.monotonic() < deadline:
+            pump()
 
     def _spawn(self) -> subprocess.Popen:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -58,6 +88,8 @@ class FrontendProcess:
                "--listen", f"{host}:{self.port}", "--parent-pid", str(os.getpid())]
         cmd += ["--allow-remote"] if self.allow_remote else []
         cmd += ["--keys", self.keys] if self.keys else []
+        for flag, value in self.limits.items():
+            cmd += [f"--{flag}", str(value)]
         # Its own session: a terminal's Ctrl-C reaches the supervisor, which stops the frontend
         # itself, rather than both at once (which would look like a death to restart from).
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -107,6 +139,17 @@ class FrontendProcess:
             pause = RESTART_BACKOFF_S[0] if time.monotonic() - t0 > 30 else min(pause * 2, RESTART_BACKOFF_S[1])
             self.log(f"the HTTP frontend (pid {p.pid}) exited with code {code}; restarting it in {pause:.1f} s")
             self._stop.wait(pause)
+
+    @property
+    def running(self) -> bool:
+        """Whether it serves or is still trying to (False once it gave up or was stopped)."""
+        return self._thread.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The child serving now (None: none runs)."""
+        p = self.proc
+        return p.pid if p is not None and p.poll() is None else None
 
     def stop(self) -> None:
         self._stop.set()

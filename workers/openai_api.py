@@ -6,11 +6,13 @@ are, and its request manager tokenizes them (chat template included); `usage` co
 the final message's stats."""
 from __future__ import annotations
 
+import json
 import math
 
 from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMismatch, RequestError,
                              RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeStopping,
                              RuntimeUnavailable)
+from deltafin.protocol.messages import MAX_ERROR_CHARS
 from deltafin.runtime.tokenizer import TOO_LONG
 
 
@@ -23,7 +25,10 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        """OpenAI's error body; the message cut at MAX_ERROR_CHARS (it never echoes a body back)."""
+        cut = len(self.message) > MAX_ERROR_CHARS
+        message = self.message[:MAX_ERROR_CHARS] + "..." if cut else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
@@ -47,6 +52,39 @@ def api_error_from(e: Exception, param: str | None = None) -> ApiError:
 
 
 # -- request bodies ---------------------------------------------------------------------------------
+MAX_JSON_DEPTH = 32  # a body nested deeper is refused (chat messages need 4 levels)
+INT_RANGE = (-(1 << 63), 1 << 64)  # what a msgpack integer holds
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object: invalid JSON, nesting deeper than MAX_JSON_DEPTH and
+    integers msgpack cannot carry are refused with 400 naming the fault."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    level, depth = [body], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+        below = []
+        for v in level:
+            for x in (v.values() if isinstance(v, dict) else v):
+                if isinstance(x, (dict, list)):
+                    below.append(x)
+                elif isinstance(x, int) and not INT_RANGE[0] <= x < INT_RANGE[1]:
+                    raise ApiError(400, f"an integer of {x.bit_length()} bits is out of range "
+                                        f"[-2^63, 2^64)")
+        level = below
+    return body
+
+
+# -- request fields ---------------------------------------------------------------------------------
 def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, integer=False):
     v = body.get(key)
     if v is None:
@@ -124,8 +162,9 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 
-def completion_request(body: dict) -> tuple:
-    """(prompt text or token ids, generate parameters) of a /v1/completions body."""
+def completion_request(body: dict, max_context: int) -> tuple:
+    """(prompt text or token ids, generate parameters) of a /v1/completions body; token ids
+    beyond max_context are refused here (the runtime would not decode so long a list)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -136,6 +175,9 @@ def completion_request(body: dict) -> tuple:
               and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one "
                             "of either (batches are not supported)", param="prompt")
+    if isinstance(prompt, list) and len(prompt) > max_context:
+        raise ApiError(400, f"{len(prompt)} prompt tokens exceed the model's max_context "
+                            f"({max_context})", param="prompt", code="context_length_exceeded")
     for key in ("echo", "suffix", "logprobs"):
         if body.get(key) not in (None, False, 0):
             raise ApiError(400, f"'{key}' is not supported", param=key)

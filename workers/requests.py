@@ -4,6 +4,11 @@ supervisor takes it to its final message, and all of its text.
 - **The bound over all clients.** At most compute.max_inflight requests (max_batch running +
   max_queue waiting) are in flight at once; one more is answered `queue_full` at once. Compute's
   own queue keeps only its batch admission.
+- **Fair share.** A client (one connection) alone may use the whole bound; while another client
+  has requests in flight, one client holds at most half of it (`fair_share`), and its requests
+  beyond are answered `queue_full`. A client under its half is admitted even when the bound is
+  reached, if a client over its half filled it: then up to max_inflight + fair_share requests are
+  in flight (the excess waits in compute's queue, in arrival order).
 - **Text.** A prompt text or chat messages are tokenized here (chat template included) on a
   thread of their own, so a long prompt never stalls the tokens of others, while requests still
   reach compute in arrival order; compute gets token ids, and each of compute's tokens becomes the
@@ -77,12 +82,9 @@ class RequestManager:
         if key in self.inflight or key in self.stopping:
             return self._refuse(ident, msg.id, M.ErrorCode.BAD_REQUEST, f"request id {msg.id} is already in flight")
         cc = self.compute
-        n = len(self.inflight) + len(self.stopping)
-        if n >= cc.max_inflight:  # max_batch running + compute's queue, all full
-            running = "one" if cc.max_batch == 1 else f"compute.max_batch={cc.max_batch}"
-            return self._refuse(ident, msg.id, M.ErrorCode.QUEUE_FULL,
-                                f"{n} requests are in flight: {running} running and "
-                                f"compute.max_queue={cc.max_queue} waiting; retry later")
+        full = self._full(ident)
+        if full:
+            return self._refuse(ident, msg.id, M.ErrorCode.QUEUE_FULL, full)
         self.inflight[key] = time.monotonic()
         tokenized = None
         if isinstance(msg, M.Generate) and msg.token_ids is None:
@@ -90,6 +92,30 @@ class RequestManager:
             tokenized.add_done_callback(self._wake_tokenized)
         self.admitting.append((key, msg, raw, tokenized))
         self.admit()
+
+    @property
+    def fair_share(self) -> int:
+        """Requests one client may hold while others have requests in flight: half the bound."""
+        return max(1, self.compute.max_inflight // 2)
+
+    def _full(self, ident: bytes) -> str | None:
+        """Why one more request of this client is refused `queue_full` (the bound, or its fair
+        share), else None."""
+        cc, share = self.compute, self.fair_share
+        held: dict[bytes, int] = {}
+        for who, _ in (*self.inflight, *self.stopping):
+            held[who] = held.get(who, 0) + 1
+        n, mine = sum(held.values()), held.get(ident, 0)
+        if mine >= share and n > mine:
+            return (f"this client has {mine} of the {n} requests in flight: while other clients have "
+                    f"requests in flight one holds at most {share} (half of compute.max_batch + "
+                    f"compute.max_queue); retry later")
+        hogged = any(k > share for k in held.values())
+        if n >= cc.max_inflight and not (mine < share and hogged and n < cc.max_inflight + share):
+            running = "one" if cc.max_batch == 1 else f"compute.max_batch={cc.max_batch}"
+            return (f"{n} requests are in flight: {running} running and "
+                    f"compute.max_queue={cc.max_queue} waiting; retry later")
+        return None
 
     def cancel(self, ident: bytes, rid: int) -> None:
         """The client's `cancel`."""

@@ -1,9 +1,11 @@
 """deltafin-supervisor: launches router, loader and compute, owns endpoints and shared memory.
 
-Start-up: sweep stale runs, check the store's files and the budget estimate, start the three
-workers as separate OS processes (workers/workerset.py), wait for each one's ready message while
-watching that none died, measure the tree, size and create the slot pool, hand it to the workers,
-bind the client endpoint (workers/endpoint.py), print `READY <endpoint>`. Serving: generate and
+Start-up: sweep stale runs, check the store's files and the budget estimate, bind the client
+endpoint (workers/endpoint.py; work is answered `restarting` until the pool is ready), start the
+three workers as separate OS processes (workers/workerset.py), wait for each one's ready message
+while watching that none died, with --http start the HTTP frontend (workers/frontend_process.py),
+measure the tree (the frontend included), size and create the slot pool, hand it to the workers,
+print `READY <endpoint>` (and `HTTP <url>`). Serving: generate and
 logits requests go to the request manager (workers/requests.py: the in-flight bound, all text,
 stop strings and cancels), which relays them to compute and compute's replies back; hello,
 health and stats are answered here, and the workers' metrics snapshots are merged into one that
@@ -20,7 +22,6 @@ idempotent shutdown serves every path.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import itertools
@@ -36,8 +37,9 @@ import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.benchmode import check_bench_config
-from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget, tree_memory
+from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
+from deltafin.runtime.procmem import tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, ipc_path, is_abstract, needs_curve)
 from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
@@ -47,9 +49,10 @@ from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSampler, merge
 from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
+from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.router_process import prefetch_setting
-from deltafin.workers.supervisor_args import parser, run_config
+from deltafin.workers.supervisor_args import check_http, parser, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
@@ -59,7 +62,8 @@ REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpo
 
 
 class Supervisor:
-    def __init__(self, store_path: str, config, endpoint: str | None = None, log=None):
+    def __init__(self, store_path: str, config, endpoint: str | None = None, log=None,
+                 http: str | None = None):
         self.config = config
         rc = config.runtime
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
@@ -67,6 +71,10 @@ class Supervisor:
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.plan: BudgetPlan = plan_budget(self.store, config)
+        self.http = http  # --http HOST:PORT: the frontend runs (and is measured) in the budget
+        if http:
+            self.plan.frontend = BODY_COPIES * config.http.body_bytes
+        self.frontend: FrontendProcess | None = None
         self.resident: dict = {}  # slots per group handed to the workers (whole layers split off)
         self.plan.check_before_start()
         self.endpoint_arg = endpoint or rc.endpoint
@@ -132,8 +140,8 @@ class Supervisor:
         self.poller = zmq.Poller()
         for sock in (self.control, self.hub.sub, self.workers.wake_fd, self.requests.tokenized_fd):
             self.poller.register(sock, zmq.POLLIN)
+        self._bind_client()  # first: the HTTP frontend connects to it before the pool is sized
         self._start_workers()
-        self._bind_client()
         self.state = "serving"
         self._sample_processes()
         self._synchronize()  # the first stats answer already sees the workers with their pool
@@ -153,6 +161,10 @@ class Supervisor:
         self.workers.start()
         self._await(lambda m: isinstance(m, M.WorkerReady), "ready", self.config.runtime.startup_timeout_s)
         if not self.plan.n_slots:
+            if self.http:  # measured with the tree; a frontend that cannot start is left out
+                self.frontend = FrontendProcess.for_runtime(self.client.endpoint, self.http, self.config,
+                                                            curve=self.curve is not None)
+                self.frontend.start_answered(self._pump, self.config.runtime.startup_timeout_s)
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
         # The budget counts slots per record layout; the workers get them with whole layers kept
@@ -181,7 +193,7 @@ class Supervisor:
     def _size_pool(self) -> None:
         """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,
         then the resident tier at the bytes compute's dtype gives a resident expert."""
-        measured = self.startup_tree_bytes = tree_memory([os.getpid(), *self.workers.pids().values()])
+        measured = self.startup_tree_bytes = tree_memory(list(self._pids().values()))
         self.plan.set_dtype(self.ready_info.get("compute", {}).get("dtype", ""))
         try:
             self.plan.size_pool(measured, cap=self.config.cache.max_slots)
@@ -194,6 +206,8 @@ class Supervisor:
         # plus what the plan leaves unused.
         self.requests.limits = dataclasses.replace(self.requests.limits, max_result_bytes=min(
             M.MAX_RESULT_BYTES, (self.plan.activations + self.plan.unplanned()) // LOGITS_COPIES))
+        # Large replies unsent over all connections: the socket queues' share of those copies.
+        self.client.reply_bytes = REPLY_COPIES_QUEUED * self.requests.limits.max_result_bytes
         if min(self.plan.resident.values()) < self.plan.min_slots:
             raise BudgetError(f"{min(self.plan.resident.values())} resident expert slots cannot hold one "
                               f"token's {self.plan.min_slots} experts of a layer; raise cache.max_slots "
@@ -210,43 +224,62 @@ class Supervisor:
         if self.endpoint_arg and endpoint.startswith("ipc://") and not is_abstract(endpoint):
             check_endpoint(endpoint, rc.allow_remote)  # again: the path may have appeared since
             self.rundir.record_file(ipc_path(endpoint))
-        # Large replies unsent over all connections: the socket queues' share of the copies a
-        # logits reply is admitted for (_size_pool).
-        reply_bytes = REPLY_COPIES_QUEUED * self.requests.limits.max_result_bytes
-        self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve, reply_bytes)
+        # large replies are bounded once the pool is sized (_size_pool); none is made before
+        self.client = ClientEndpoint(self.ctx, endpoint, rc.request_bytes, self.curve, reply_bytes=0)
         self.poller.register(self.client.sock, zmq.POLLIN)
+
+    def _shared_bytes(self) -> int:
+        """The run's shared-memory segment, added once to a tree measured without it (procmem)."""
+        return self.segment.size if self.segment is not None else 0
+
+    def _pids(self) -> dict[str, int]:
+        """The tree's processes by name: the supervisor, the workers, the HTTP frontend."""
+        pids = {"supervisor": os.getpid(), **self.workers.pids()}
+        if self.frontend is not None and self.frontend.pid:
+            pids["frontend"] = self.frontend.pid
+        return pids
 
     def _await(self, match, what: str, timeout_s: float) -> None:
         """Waits for every worker's `what`, failing at once when one dies. Clients keep being
-        answered meanwhile (during a restart: `restarting` for work, the rest as usual)."""
+        answered meanwhile (starting or restarting: `restarting` for work, the rest as usual)."""
         waiting = set(ROLES)
         deadline = time.monotonic() + timeout_s
         while waiting:
-            self._check_workers()
             if time.monotonic() > deadline:
                 raise SupervisorError(f"timed out after {timeout_s:.0f} s waiting for {what} from "
                                       f"{', '.join(sorted(waiting))}")
-            events = dict(self.poller.poll(100))
-            if self.workers.wake_fd in events:
-                self.workers.drain_wake()
-            if self.hub.sub in events:
-                self.hub.drain()
-            if self.client is not None and self.client.sock in events:
-                self._on_client()
-            self._answer_stats()
-            if self.control in events:
-                try:
-                    sender, msg = recv(self.control, routed=True)
-                except M.ProtocolError as e:
-                    self.log(f"dropped a bad control message: {e}")
-                    continue
-                role = sender.decode(errors="replace")
-                if match(msg):
-                    waiting.discard(role)
-                    if isinstance(msg, M.WorkerReady):
-                        self.ready_info[role] = {"pid": msg.pid, **msg.info}
-                elif isinstance(msg, M.Metrics):
-                    self.hub.offer(msg)
+            got = self._pump()
+            if got is None:
+                continue
+            role, msg = got
+            if match(msg):
+                waiting.discard(role)
+                if isinstance(msg, M.WorkerReady):
+                    self.ready_info[role] = {"pid": msg.pid, **msg.info}
+
+    def _pump(self) -> tuple[str, object] | None:
+        """One turn of the start-up loop: clients answered, metrics taken, a worker's death
+        raised; returns a control message other than metrics as (role, message)."""
+        self._check_workers()
+        events = dict(self.poller.poll(100))
+        if self.workers.wake_fd in events:
+            self.workers.drain_wake()
+        if self.hub.sub in events:
+            self.hub.drain()
+        if self.client is not None and self.client.sock in events:
+            self._on_client()
+        self._answer_stats()
+        if self.control not in events:
+            return None
+        try:
+            sender, msg = recv(self.control, routed=True)
+        except M.ProtocolError as e:
+            self.log(f"dropped a bad control message: {e}")
+            return None
+        if isinstance(msg, M.Metrics):
+            self.hub.offer(msg)
+            return None
+        return sender.decode(errors="replace"), msg
 
     def _check_workers(self) -> None:
         death = self.workers.first_death()
@@ -332,8 +365,8 @@ class Supervisor:
 
     def _sample_processes(self) -> None:
         """Memory and CPU per process, once a second (reading PSS walks the page tables)."""
-        self.processes = self.sampler.sample({"supervisor": os.getpid(), **self.workers.pids()})
-        tree = sum((p["pss"] or p["rss"] or 0) for p in self.processes.values())
+        self.processes = self.sampler.sample(self._pids())
+        tree = tree_total(self.processes.values(), self._shared_bytes())
         self.peak_tree_bytes = max(self.peak_tree_bytes, tree)
 
     def _to_worker(self, role: str, msg) -> None:
@@ -356,7 +389,7 @@ class Supervisor:
         if problem:
             return self._reply(ident, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE, message=problem))
         try:
-            msg = M.decode(raw, limit=self.client.max_bytes)
+            msg = M.decode_request(raw, self.client.max_bytes, self.requests.limits.max_context)
         except M.ProtocolError as e:
             return self._reply(ident, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE, message=str(e)))
         try:
@@ -398,9 +431,9 @@ class Supervisor:
             # Everything refused here is answered at once, whatever compute is busy with.
             if self.state != "serving":
                 why = f" after {self.last_death}" if self.last_death else ""
+                doing = "starting" if self.state == "starting" else f"restarting its workers{why}"
                 return self._reply(ident, M.Error(id=msg.id, code=M.ErrorCode.RESTARTING,
-                                                  message=f"the runtime is restarting its workers{why}; "
-                                                          f"retry in a few seconds"))
+                                                  message=f"the runtime is {doing}; retry in a few seconds"))
             return self.requests.submit(ident, raw, msg)
         if isinstance(msg, M.Cancel):
             return self.requests.cancel(ident, msg.id)
@@ -460,7 +493,7 @@ class Supervisor:
         parts, missing, ages = self.hub.parts()
         procs = self.processes
         memory = {"budget": self.plan.budget,
-                  "tree_bytes": sum((p["pss"] or p["rss"] or 0) for p in procs.values()),
+                  "tree_bytes": tree_total(procs.values(), self._shared_bytes()),
                   "peak_tree_bytes": self.peak_tree_bytes,
                   "n_slots": self.plan.n_slots, "resident": self.plan.resident,
                   "resident_groups": self.resident or self.plan.resident,
@@ -499,6 +532,8 @@ class Supervisor:
             return
         self.closed = True
         self.refuse_all()
+        if self.frontend is not None:
+            self.frontend.stop()
         if self.workers is not None:
             if self.clean_stop and hasattr(self, "control"):
                 for role in ROLES:
@@ -521,29 +556,6 @@ class Supervisor:
             self.rundir.cleanup()
 
 
-def _check_http(a: argparse.Namespace) -> None:
-    """A bad --http is refused before anything starts."""
-    if a.http:
-        from deltafin.workers.frontend_process import parse_listen
-        try:
-            parse_listen(a.http, a.allow_remote)
-        except ValueError as e:
-            raise SecurityError(str(e)) from None
-
-
-def _start_http(a: argparse.Namespace, config, sup: Supervisor, endpoint: str):
-    """deltafin-http as a child process, a client of the endpoint; it prints `HTTP <url>` once
-    it serves. None without --http."""
-    if not a.http:
-        return None
-    from deltafin.workers.frontend_process import FrontendProcess
-    keys = (str(Path(config.runtime.keys_dir).expanduser() if config.runtime.keys_dir
-                else default_keys_dir()) if sup.curve is not None else None)
-    http = FrontendProcess(endpoint, a.http, a.allow_remote, keys)
-    http.start()
-    return http
-
-
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
@@ -553,9 +565,9 @@ def main(argv=None) -> int:
         stop["flag"] = True
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    sup = http = None
+    sup = None
     try:
-        _check_http(a)
+        check_http(a)
         config = run_config(a)
         rank = launch_rank() if config.distributed.enabled else None
         if rank is not None and rank[0] != 0 and a.endpoint:
@@ -566,12 +578,13 @@ def main(argv=None) -> int:
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config)  # a trace that does not fit: refused now
-        sup = Supervisor(a.model, config, a.endpoint, log=log)
+        sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http)
         endpoint = sup.start()
         if stop["flag"]:
             return 0
         print(f"READY {endpoint}", flush=True)
-        http = _start_http(a, config, sup, endpoint)
+        if sup.frontend is not None and sup.frontend.url:
+            print(f"HTTP {sup.frontend.url}", flush=True)
         sup.serve_forever(lambda: stop["flag"])
         log("shutting down")
         return 0
@@ -586,10 +599,6 @@ def main(argv=None) -> int:
         log(f"error: {e}")
         return 2
     finally:
-        if sup is not None:
-            sup.refuse_all()  # the HTTP frontend's requests too, before it stops
-        if http is not None:
-            http.stop()
         if sup is not None:
             sup.shutdown()
 

@@ -6,6 +6,8 @@ import os
 
 from deltafin.runtime.config import load_config
 from deltafin.runtime.dtypes import FLOAT_DTYPES
+from deltafin.runtime.security import SecurityError
+from deltafin.workers.frontend_process import parse_listen
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,3 +68,12 @@ def run_config(a: argparse.Namespace):
                                   "bench.standin": True if a.standin else None,
                                   "bench.standin_moe_ms": a.standin_moe_ms,
                                   "bench.standin_dense_ms": a.standin_dense_ms})
+
+
+def check_http(a: argparse.Namespace) -> None:
+    """A bad --http is refused before anything starts."""
+    if a.http:
+        try:
+            parse_listen(a.http, a.allow_remote)
+        except ValueError as e:
+            raise SecurityError(str(e)) from None

@@ -202,7 +202,10 @@ class Client:
                 return msg
 
     def _send(self, msg) -> None:
-        raw = M.encode(msg)
+        try:
+            raw = M.encode(msg)
+        except M.ProtocolError as e:  # a value msgpack cannot carry (an integer beyond 64 bits)
+            raise RequestError(str(e), "bad_request") from None
         limit = self.info.max_request_bytes if self.info else 0
         if limit and len(raw) > limit:  # the runtime would drop the connection, not answer
             raise RequestError(f"a {len(raw)} byte request exceeds the runtime's {limit} byte "
@@ -276,7 +279,8 @@ class Client:
         return {"ok": r.ok, "workers": r.workers, "state": r.state, "restarts": r.restarts}
 
     def wait_until_serving(self, timeout: float = 60.0) -> dict:
-        """After a worker death: returns health once the restarted workers serve again."""
+        """While the runtime starts, or after a worker death: returns health once the workers
+        serve (again)."""
         deadline = time.monotonic() + timeout
         while True:
             h = self.health()
@@ -289,14 +293,23 @@ class Client:
 
 
 def wait_until_ready(endpoint: str, timeout: float = 60.0) -> Client:
-    """Connects once the runtime answers hello (for scripts that start the supervisor themselves)."""
+    """Connects once the runtime serves: it answers hello, and health says ok (the endpoint
+    answers hello and health while the runtime starts; for scripts that start the supervisor
+    themselves)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return Client(endpoint, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            c = Client(endpoint, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            break
         except RuntimeUnavailable:
             if time.monotonic() > deadline:
                 raise
+    try:
+        c.wait_until_serving(max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        c.close()
+        raise
+    return c
 
 
 __all__ = ["Client", "Generation", "Stream", "DeltafinError", "RequestError", "RuntimeDeadError",
