@@ -321,7 +321,7 @@ class Converter:
                     writer.add_expert(layer, e, tensors, quant)
                     bar.update(1)
                 for name in sorted(dense):
-                    self._add_dense(writer, self.refs[name])
+                    self._add_dense(writer, name, self.refs[name])
                     bar.update(1)
                 for fname in TOKENIZER_FILES + EXTRA_TOKENIZER_FILES:
                     if (self.src / fname).exists():
@@ -331,16 +331,17 @@ class Converter:
             bar.close()
 
 
-    def _add_dense(self, writer: StoreWriter, ref: TensorRef) -> None:
-        """Copies one dense tensor band by band (FP8 ones dequantized to bfloat16)."""
+    def _add_dense(self, writer: StoreWriter, name: str, ref: TensorRef) -> None:
+        """Copies one dense tensor band by band under its name in the store (the language
+        model's, as the family's model reads it); FP8 ones dequantized to bfloat16."""
         if ref.dtype == fp8.FP8 and self.fp8:
             try:
                 bands = fp8.dequantized_bands(ref, fp8.scale_of(self.refs, ref))
             except fp8.Fp8Error as e:
                 raise ConvertError(str(e)) from None
-            writer.add_dense(ref.name, "bfloat16", ref.shape, bands)
+            writer.add_dense(name, "bfloat16", ref.shape, bands)
         else:
-            writer.add_dense(ref.name, ref.dtype, ref.shape, (band for _, band in ref.bands(DENSE_BAND_ROWS)))
+            writer.add_dense(name, ref.dtype, ref.shape, (band for _, band in ref.bands(DENSE_BAND_ROWS)))
 
 
 def _layer_of(name: str) -> int | None:
