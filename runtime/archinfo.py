@@ -150,21 +150,16 @@ class ArchInfo:
     activation: Callable[[dict], dict | None] = swiglu_experts  # config -> the experts' activation
     stacked: str = "switch_mlp"  # module of mlx-lm's stacked experts under `block`
     renames: tuple = ()        # (regex, replacement): checkpoint names -> the names the model reads
-    ignored: tuple = ()        # regexes of checkpoint tensors that are no part of the text model
 
 
 _STD = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 _KIMI_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# The names mlx-lm's kimi sanitize maps: its Kimi K3 wrapper's prefix, the Hugging Face layout's
-# MoE block, router bias, short convolutions and attention-residual weights.
-_KIMI_NAMES = ((r"^language_model\.", ""),
-               (r"\.block_sparse_moe\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
+# The names mlx-lm's kimi sanitize maps: the Hugging Face layout's MoE block, router bias, short
+# convolutions and attention-residual weights (Kimi K3's language_model. wrapper: `text_name`).
+_KIMI_NAMES = ((r"\.block_sparse_moe\.gate\.e_score_correction_bias$", ".mlp.e_score_correction_bias"),
                (r"\.block_sparse_moe\.", ".mlp."),
                (r"\.([qkv])_conv1d\.weight$", r".\1_conv.conv.weight"),
                (r"_res\.(proj|norm)_weight$", r"_res_\1.weight"))
-# What mlx-lm's kimi_k3 sanitize drops: the vision tower and projector, multi-token prediction.
-_KIMI_K3_IGNORED = (r"^(vision_tower|vision_model|multi_modal_projector|mm_projector|mtp)\.",
-                    r"^(language_model\.)?model\.mtp\.")
 ARCHS = {a.model_type: a for a in (
     ArchInfo("mixtral", "mixtral.Mixtral", "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
              "num_local_experts", every_layer, gqa_caches),
@@ -188,8 +183,7 @@ ARCHS = {a.model_type: a for a in (
     ArchInfo("kimi_linear", "kimi_linear.KimiLinear", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers,
              kimi_caches, top_k_key="num_experts_per_token", renames=_KIMI_NAMES),
     ArchInfo("kimi_k3", "kimi_k3.KimiK3", "mlp", _KIMI_EXPERTS, "num_experts", kimi_moe_layers, kimi_caches,
-             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES,
-             ignored=_KIMI_K3_IGNORED),
+             top_k_key="num_experts_per_token", activation=situ_experts, renames=_KIMI_NAMES),
 )}
 _BY_NAME = {name: a for a in ARCHS.values() for name in (a.model_type, *a.aliases)}
 
@@ -218,7 +212,10 @@ def text_model(config: dict) -> dict:
 
 _WRAPPERS = (("language_model.model.", "model."), ("model.language_model.", "model."),
              ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT = ("model.visual.", "vision_tower.", "mtp.", "model.mtp.")
+# what a multimodal checkpoint holds beside its language model (vision towers and projectors of
+# Qwen3.5 and Kimi K3) and multi-token-prediction heads, which the decoder never runs
+_NOT_TEXT = ("model.visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.",
+             "mtp.", "model.mtp.", "language_model.model.mtp.")
 
 
 def text_name(name: str) -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +108,7 @@ class Converter:
         self.activation = self.info.activation(self.config)
         try:
             self.fp8 = fp8.block_size(self.config)
-            self.refs = self._renamed({text: ref for name, ref in index_checkpoint(self.src).items()
-                                       if (text := archinfo.text_name(name))})
+            self.refs = self._renamed(index_checkpoint(self.src))
         except (TensorFileError, fp8.Fp8Error) as e:
             raise ConvertError(str(e)) from None
         if self.mlx_quant and (bits or group_size or mode != "affine" or recipe):
@@ -118,15 +116,15 @@ class Converter:
                                f"as they are (leave out --bits, --group-size, --mode, --quant-predicate)")
 
     def _renamed(self, by_name: dict) -> dict:
-        """Tensors or quantization overrides under the names the family's model reads
-        (archinfo.store_name: Kimi's Hugging Face layout and mlx-lm prefix), without those of
-        other models (archinfo `ignored`: Kimi K3's vision tower)."""
+        """Tensors or quantization overrides of the language model (archinfo.text_name: none of a
+        vision tower or a multi-token-prediction head) under the names the family's model reads
+        (archinfo.store_name: Kimi's Hugging Face layout)."""
         out = {}
-        ignored = [re.compile(p) for p in self.info.ignored]
         for name, value in by_name.items():
-            if any(p.match(name) for p in ignored):
+            text = archinfo.text_name(name)
+            if text is None:
                 continue
-            new = archinfo.store_name(self.info, name)
+            new = archinfo.store_name(self.info, text)
             if new in out:
                 raise ConvertError(f"{name} and another tensor both map to {new}")
             out[new] = value
