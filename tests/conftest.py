@@ -129,6 +129,31 @@ def greedy_alone(c, prompt: list, steps: int) -> list:
     return out
 
 
+def batched_equals_alone(c, prompts: list, steps: int, alone: list | None = None) -> list:
+    """Decodes `prompts` together by a Compute `c` (prompt[:-1] prefilled per sequence, then
+    `steps` passes of forward_batch over all rows) and asserts each row's logits equal, bitwise,
+    what its sequence gives alone (`greedy_alone`, or `alone` where given). Returns the caches."""
+    import mlx.core as mx
+    import numpy as np
+    m = c.model
+    alone = alone or [greedy_alone(c, p, steps) for p in prompts]
+    caches = [m.make_cache() for _ in prompts]
+    for p, cache in zip(prompts, caches):
+        if len(p) > 1:
+            c.forward(p[:-1], cache)
+    toks = [p[-1] for p in prompts]
+    for s in range(steps):
+        pno = c.experts.begin_pass(len(prompts))
+        lg = m.forward_batch(mx.array(toks, dtype=mx.int32), caches, c.experts)
+        mx.eval(lg)
+        c.experts.commit(pno, rows=False)
+        got = np.array(lg)
+        for b in range(len(prompts)):
+            assert np.array_equal(got[b], alone[b][s]), (s, b, np.abs(got[b] - alone[b][s]).max())
+        toks = [int(t) for t in np.argmax(got, axis=-1)]
+    return caches
+
+
 def config_flags(tmp_path, **sections) -> list[str]:
     """`--config FILE` flags for a supervisor: a TOML file in tmp_path with the given sections."""
     text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())

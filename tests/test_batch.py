@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import threading
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 from deltafin.client import Client
 from deltafin.protocol import messages as M
 from deltafin.tools.run import running_supervisor
-from conftest import config_flags, greedy_alone  # noqa: E402
+from conftest import batched_equals_alone, config_flags  # noqa: E402
 
 BIG = "4GiB"
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [100, 200, 300, 400], [5, 6]]
@@ -78,25 +76,8 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(request, ar
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
         if not slots:
             c.preload()
-        m = c.model
         prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 6)] for i in range(rows)]
-        steps = 5
-
-        alone = [greedy_alone(c, p, steps) for p in prompts]
-        caches = [m.make_cache() for _ in prompts]
-        for p, cache in zip(prompts, caches):
-            if len(p) > 1:
-                c.forward(p[:-1], cache)
-        toks = [p[-1] for p in prompts]
-        for s in range(steps):
-            pno = c.experts.begin_pass(rows)
-            lg = m.forward_batch(mx.array(toks, dtype=mx.int32), caches, c.experts)
-            mx.eval(lg)
-            c.experts.commit(pno, rows=False)
-            got = np.array(lg)
-            for b in range(rows):
-                assert np.array_equal(got[b], alone[b][s]), (arch, s, b, np.abs(got[b] - alone[b][s]).max())
-            toks = [int(t) for t in np.argmax(got, axis=-1)]
+        batched_equals_alone(c, prompts, 5)
         if slots:
             assert c.experts.counters.get("miss_bytes") > 0 and c.experts.counters.get("gate_syncs") > 0
     finally:

@@ -32,7 +32,7 @@ from deltafin.tools import convert  # noqa: E402
 from deltafin.tools.inprocess import local_router  # noqa: E402
 from deltafin.tools.synth import write_tokenizer  # noqa: E402
 from deltafin.workers.engine import Compute  # noqa: E402
-from conftest import config_flags, greedy_alone  # noqa: E402
+from conftest import batched_equals_alone, config_flags  # noqa: E402
 
 INTERVAL = 2  # layers 0 and 2 linear, 1 and 3 full attention
 TINY = dict(vocab_size=384, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -214,27 +214,11 @@ def test_a_batched_step_gives_each_row_what_its_sequence_gives_alone(case):
     store = Store(case.store)
     c, loader = _compute(store, len(store.records) // 2)
     try:
-        m = c.model
-        prompts = [TOKENS[:1], TOKENS[:4], TOKENS[3:9]]
         steps = 4
-        alone = [greedy_alone(c, p, steps) for p in prompts]
-        caches = [m.make_cache() for _ in prompts]
-        for p, cache in zip(prompts, caches):
-            if len(p) > 1:
-                c.forward(p[:-1], cache)
-        toks = [p[-1] for p in prompts]
-        for s in range(steps):
-            pno = c.experts.begin_pass(len(prompts))
-            lg = m.forward_batch(mx.array(toks, dtype=mx.int32), caches, c.experts)
-            mx.eval(lg)
-            c.experts.commit(pno, rows=False)
-            got = np.array(lg)
-            for b in range(len(prompts)):
-                assert np.array_equal(got[b], alone[b][s]), (case.family, s, b)
-            toks = [int(t) for t in np.argmax(got, axis=-1)]
+        caches = batched_equals_alone(c, [TOKENS[:1], TOKENS[:4], TOKENS[3:9]], steps)
         assert caches[0][0].offset == steps and caches[0][0].state.dtype == mx.float32
         # what the budget and admission charge a linear layer (bfloat16 model) is what it holds
-        assert all(cache[0].nbytes == m.layer_kinds[0].nbytes(1, 2) for cache in caches)
+        assert all(cache[0].nbytes == c.model.layer_kinds[0].nbytes(1, 2) for cache in caches)
     finally:
         loader.close()
 

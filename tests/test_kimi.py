@@ -24,7 +24,7 @@ from deltafin.runtime.config import Config
 from deltafin.runtime.store import Store
 from deltafin.tools import convert, synth
 from deltafin.tools.run import running_supervisor
-from conftest import greedy_alone  # noqa: E402
+from conftest import batched_equals_alone, greedy_alone  # noqa: E402
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -162,21 +162,7 @@ def test_decode_steps_are_mlx_lm_s_and_batched_rows_their_own(kimi):
                 ref = np.array(ref_model(mx.array([[tok]]), cache=cache)[0, -1].astype(mx.float32))
                 assert np.array_equal(alone[0][s], ref), (arch, n_slots, s, np.abs(alone[0][s] - ref).max())
                 tok = int(np.argmax(ref))
-            m = c.model
-            caches = [m.make_cache() for _ in prompts]
-            for p, cache in zip(prompts, caches):
-                if len(p) > 1:
-                    c.forward(p[:-1], cache)
-            toks = [p[-1] for p in prompts]
-            for s in range(6):
-                pno = c.experts.begin_pass(len(prompts))
-                lg = m.forward_batch(mx.array(toks, dtype=mx.int32), caches, c.experts)
-                mx.eval(lg)
-                c.experts.commit(pno, rows=False)
-                got = np.array(lg)
-                for b in range(len(prompts)):
-                    assert np.array_equal(got[b], alone[b][s]), (arch, n_slots, s, b)
-                toks = [int(t) for t in np.argmax(got, axis=-1)]
+            batched_equals_alone(c, prompts, 6, alone)
         finally:
             loader.close()
 

@@ -5,7 +5,7 @@ import mlx.core as mx
 
 from deltafin.runtime import archinfo
 
-from .base import (Embedding, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype, rms_norm,
+from .base import (GLU, Embedding, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype, rms_norm,
                    rope_settings)
 from .caches import make_cache
 
@@ -85,6 +85,17 @@ class SparseMoE:
         if self.expert_bias is not None:
             y = y + self.expert_bias[flat]
         return (y * scores.reshape(-1, k)[..., None]).sum(axis=-2).astype(y.dtype).reshape(x.shape)
+
+
+def gated_shared_moe(model, i: int, prefix: str):
+    """Layer i's MLP in the Qwen MoE families with a shared expert under a sigmoid gate (Qwen2-MoE,
+    Qwen3-Next, Qwen3.5-MoE): routed experts plus `shared_expert` scaled by
+    sigmoid(`shared_expert_gate`); a dense GLU where the layer has no routed experts."""
+    if i not in model.sparse:
+        return GLU(model.w, prefix, model.qspec)
+    return SparseMoE(i, Linear(model.w, f"{prefix}.gate", model.qspec), model.route,
+                     shared=GLU(model.w, f"{prefix}.shared_expert", model.qspec),
+                     shared_gate=Linear(model.w, f"{prefix}.shared_expert_gate", model.qspec))
 
 
 class MoETransformer:

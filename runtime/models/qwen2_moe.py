@@ -4,8 +4,7 @@ scaled by a sigmoid gate."""
 from functools import partial
 
 from . import routing
-from .base import GLU, Linear
-from .decoder import GQAModel, SparseMoE
+from .decoder import GQAModel, gated_shared_moe
 
 
 class Qwen2Moe(GQAModel):
@@ -18,8 +17,4 @@ class Qwen2Moe(GQAModel):
         self.route = partial(routing.softmax_topk, k=self.top_k, norm=False)
 
     def make_mlp(self, i, prefix):
-        if i not in self.sparse:
-            return GLU(self.w, prefix, self.qspec)
-        return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.route,
-                         shared=GLU(self.w, f"{prefix}.shared_expert", self.qspec),
-                         shared_gate=Linear(self.w, f"{prefix}.shared_expert_gate", self.qspec))
+        return gated_shared_moe(self, i, prefix)

@@ -9,8 +9,8 @@ import mlx.core as mx
 from deltafin.runtime.layerkinds import RecurrentState
 
 from . import routing
-from .base import GLU, Linear, Rope, rope_settings
-from .decoder import GQAModel, SparseMoE
+from .base import Rope, rope_settings
+from .decoder import GQAModel, gated_shared_moe
 from .gated_delta import GatedAttention, GatedDeltaNet
 
 # Norms Hugging Face checkpoints store zero-centred (the layer scales by 1 + weight); mlx-lm
@@ -56,8 +56,4 @@ class Qwen3Next(GQAModel):
                               self.rope, qk_norm="head", eps=self.eps)
 
     def make_mlp(self, i, prefix):
-        if i not in self.sparse:
-            return GLU(self.w, prefix, self.qspec)
-        return SparseMoE(i, Linear(self.w, f"{prefix}.gate", self.qspec), self.route,
-                         shared=GLU(self.w, f"{prefix}.shared_expert", self.qspec),
-                         shared_gate=Linear(self.w, f"{prefix}.shared_expert_gate", self.qspec))
+        return gated_shared_moe(self, i, prefix)
