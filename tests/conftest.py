@@ -154,6 +154,23 @@ def batched_equals_alone(c, prompts: list, steps: int, alone: list | None = None
     return caches
 
 
+def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
+    """mlx-lm's greedy tokens, ending before an end-of-sequence token as its generate does (and
+    the runtime: a random tiny model may well pick one)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+    model, _ = load_model(ckpt)
+    eos = json.loads((Path(ckpt) / "config.json").read_text()).get("eos_token_id")
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    out = []
+    for t, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        if int(t) in eos:
+            break
+        out.append(int(t))
+    return out
+
+
 def config_flags(tmp_path, **sections) -> list[str]:
     """`--config FILE` flags for a supervisor: a TOML file in tmp_path with the given sections."""
     text = "".join(f"[{s}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())

@@ -26,6 +26,7 @@ from deltafin.tools import convert, synth
 pytest.importorskip("mlx_lm")
 from mlx_lm import convert as mlx_convert  # noqa: E402
 from mlx_lm.utils import load_model  # noqa: E402
+from conftest import mlx_lm_greedy  # noqa: E402
 
 FAMILIES = ("glm4_moe", "gpt_oss", "minimax_m2")
 # gpt-oss's published rope: yarn, factor 32 over 4096 positions, theta 150000
@@ -124,12 +125,6 @@ def test_float_checkpoint_converts_to_mlx_s_own_quantization(family):
         for key in ours.records:
             np.testing.assert_array_equal(np.frombuffer(again.read_record(again.record(*key)), np.uint8),
                                           np.frombuffer(ours.read_record(ours.record(*key)), np.uint8))
-
-
-def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
-    from mlx_lm.generate import generate_step
-    model, _ = load_model(ckpt)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def test_greedy_tokens_equal_mlx_lm_in_process(family):

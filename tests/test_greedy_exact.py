@@ -16,16 +16,10 @@ from deltafin.runtime.config import load_config
 from deltafin.tools.mmap_baseline import run_inprocess
 
 pytest.importorskip("mlx_lm")
+from conftest import mlx_lm_greedy  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 200 + 1 for i in range(32)]
 N = 96
-
-
-def mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
-    from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_model
-    model, _ = load_model(ckpt)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 # On the lent H200 (MLX 0.32.4 CUDA) the tiny DeepSeek checkpoints' kv_b_proj (4-bit, input 64 =

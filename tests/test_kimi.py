@@ -24,10 +24,9 @@ from deltafin.runtime.config import Config
 from deltafin.runtime.store import Store
 from deltafin.tools import convert, synth
 from deltafin.tools.run import running_supervisor
-from conftest import batched_equals_alone, greedy_alone  # noqa: E402
+from conftest import batched_equals_alone, greedy_alone, mlx_lm_greedy  # noqa: E402
 
 pytest.importorskip("mlx_lm")
-from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load_model, quantize_model  # noqa: E402
 
@@ -167,11 +166,6 @@ def test_decode_steps_are_mlx_lm_s_and_batched_rows_their_own(kimi):
             loader.close()
 
 
-def _mlx_lm_greedy(ckpt, prompt, n) -> list[int]:
-    model, _ = load_model(ckpt)
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
 def _agrees(got: list, ref: list, eos: int = synth.EOS_ID) -> bool:
     """The runtime stops at EOS, mlx-lm's generate_step does not."""
     return got == ref[:len(got)] and (len(got) == len(ref) or got[-1] == eos)
@@ -183,7 +177,7 @@ def test_real_processes_give_mlx_lm_s_greedy_tokens_alone_and_together(kimi):
     leaves them exact, and every sequence's recurrent state and KV cache are given back."""
     arch, ckpt, path = kimi
     prompts = [PROMPT, PROMPT[2:7]]
-    refs = [_mlx_lm_greedy(ckpt, p, 24) for p in prompts]
+    refs = [mlx_lm_greedy(ckpt, p, 24) for p in prompts]
     n_slots = len(Store(path).records) // 4
     with running_supervisor(path, "4GiB", ["--max-slots", str(n_slots)]) as (ep, _):
         with Client(ep, timeout=120) as c:
