@@ -196,7 +196,9 @@ class Welcome:
 @message("generate")
 class Generate:
     """One of prompt, token_ids and messages ({role, content} maps, rendered with the chat
-    template). max_tokens nil: the rest of the context (max_context - prompt tokens)."""
+    template; an assistant's may carry `tool_calls`, a tool's `tool_call_id`). max_tokens nil:
+    the rest of the context (max_context - prompt tokens). tools: OpenAI function tools
+    ({type, function: {name, description, parameters}}) given to the chat template as `tools`."""
     id: int
     prompt: str | None = None
     token_ids: list | None = None
@@ -208,6 +210,7 @@ class Generate:
     chat: bool = False
     stream: bool = True
     messages: list | None = None
+    tools: list | None = None
 
 
 @message("cancel")
@@ -359,6 +362,9 @@ def check_request(msg, limits: RequestLimits) -> None:
             raise BadRequest("generate takes exactly one of prompt, token_ids and messages")
         if msg.prompt == "":
             raise BadRequest("empty prompt")
+        if msg.tools is not None and (msg.messages is None
+                                      or not all(isinstance(t, dict) for t in msg.tools)):
+            raise BadRequest("tools go with chat messages, as a list of maps")
         text = msg.prompt if msg.messages is None else _messages_text(msg.messages)
         if text is not None and (why := prompt_too_long(text, limits.max_prompt_bytes)):
             raise BadRequest(why)

@@ -25,7 +25,7 @@ def prompt_ids(tokenizer: Tokenizer, req: M.Generate, max_context: int) -> list[
     if req.token_ids is not None:
         ids = list(req.token_ids)
     elif req.messages is not None:
-        ids = tokenizer.encode(req.messages, chat=True, max_tokens=max_context)
+        ids = tokenizer.encode(req.messages, chat=True, max_tokens=max_context, tools=req.tools)
     else:
         ids = tokenizer.encode(req.prompt, chat=req.chat, max_tokens=max_context)
     if req.max_tokens is None and len(ids) >= max_context:
@@ -38,8 +38,8 @@ def as_token_ids(req: M.Generate, ids: list[int], max_context: int) -> M.Generat
     """The request as compute takes it: ids in place of the prompt text or messages, and
     max_tokens nil made the rest of the context."""
     max_tokens = max_context - len(ids) if req.max_tokens is None else req.max_tokens
-    return dataclasses.replace(req, prompt=None, messages=None, token_ids=list(ids), chat=False,
-                               max_tokens=max_tokens)
+    return dataclasses.replace(req, prompt=None, messages=None, tools=None, token_ids=list(ids),
+                               chat=False, max_tokens=max_tokens)
 
 
 class TextSide:
@@ -63,6 +63,7 @@ class TextSide:
         self.sent = 0  # characters of text the client was sent in token messages
         self.last: M.Token | None = None  # compute's latest token
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the answer
 
     @property
     def token_ids(self) -> list[int]:
@@ -101,6 +102,7 @@ class TextSide:
         for s in self.stops:
             at = self.text.find(s, start)
             if at >= 0:
+                self.stop_string = s
                 return at
         return None
 
@@ -115,12 +117,14 @@ class TextSide:
     def done(self, done: M.Done | None = None) -> M.Done:
         """The client's final message: compute's `done` (its ids and stats) with the text; after
         a stop, finish_reason "stop" with the ids up to the one that completed the stop string
-        (without compute's `done`: the stats say prompt and generated tokens only)."""
+        (without compute's `done`: the stats say prompt and generated tokens only), and the
+        stop string in stats["stop_string"]."""
         if not self.stopped:
             return dataclasses.replace(done, text=self.text)
         ids = list(self.token_ids)
         stats = dict(done.stats) if done is not None else {"prompt_tokens": self.prompt_tokens}
         stats["generated_tokens"] = len(ids)
+        stats["stop_string"] = self.stop_string
         return M.Done(id=self.req.id, text=self.text, token_ids=ids, finish_reason="stop", stats=stats)
 
 
