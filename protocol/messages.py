@@ -34,6 +34,7 @@ MAX_REQUEST_DEPTH = 16
 # An error message longer than this is cut (an error never echoes a large request back).
 MAX_ERROR_CHARS = 1024
 MAX_STOP_STRINGS = 64
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a token message may list (OpenAI's bound)
 # A temperature below this samples greedily: dividing float32 logits by a smaller one overflows
 # to infinities, and the draw among them is near random.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -211,6 +212,7 @@ class Generate:
     stream: bool = True
     messages: list | None = None
     tools: list | None = None
+    logprobs: int | None = None
 
 
 @message("cancel")
@@ -224,10 +226,14 @@ class Cancel:
 
 @message("token")
 class Token:
+    """logprobs (requests that ask): entries {token_id, logprob, top: [[id, logprob], ...]} of
+    the tokens whose text this message carries (the supervisor adds each token's text as
+    `token`, and the top tokens' as a third item)."""
     id: int
     index: int
     token_id: int
     text: str
+    logprobs: list | None = None
 
 
 @message("done")
@@ -237,6 +243,7 @@ class Done:
     token_ids: list
     finish_reason: str
     stats: dict
+    logprobs: list | None = None  # every generated token's entry (as in `token`), when asked
 
 
 @message("logits")
@@ -380,6 +387,8 @@ def check_request(msg, limits: RequestLimits) -> None:
             raise BadRequest(f"temperature must be a finite number >= 0, got {msg.temperature}")
         if not (math.isfinite(msg.top_p) and 0 < msg.top_p <= 1):
             raise BadRequest(f"top_p must be within (0, 1], got {msg.top_p}")
+        if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {msg.logprobs}")
         if msg.seed is not None and msg.seed < 0:
             raise BadRequest(f"seed must be an integer >= 0, got {msg.seed}")
         if msg.stop is not None:

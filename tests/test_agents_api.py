@@ -46,6 +46,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 ANTHROPIC_WEATHER = {"name": "get_weather", "description": "the weather in a city",
                      "input_schema": WEATHER["function"]["parameters"]}
+PROMPT = "the quick brown fox"
 CALL_TEXT = ('<think>\nthe user wants weather\n</think>\n\nLet me look.\n<tool_call>\n'
              '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
@@ -234,3 +235,45 @@ def test_anthropic_messages_round_trip(tool_store):
         assert "".join(b.text for b in r.content if b.type == "text") == text[:k].strip()
         with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
             ac.messages.create(model=model, max_tokens=None, messages=history)
+
+
+def test_logprobs_match_the_teacher_forced_logits(tiny_stores):
+    """Each generated token's log-probability (and the top ones') as the runtime's logits request
+    gives them for the prompt plus the answer, log-softmaxed; greedy picks the most likely."""
+    import numpy as np
+    store = tiny_stores("qwen3_moe")
+    s = Store(store)
+    prompt_ids = Tokenizer(s.tokenizer_dir, s.config).encode(PROMPT)
+    with http_runtime(store) as (endpoint, url, _):
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = oa.models.list().data[0].id
+        r = oa.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+        lp = r.choices[0].logprobs
+        with Client(endpoint, timeout=60) as c:
+            ids = c.generate(PROMPT, max_tokens=8).token_ids
+            logits = c.logits(prompt_ids + ids[:-1]).astype(np.float64)
+        ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        ref = ref[len(prompt_ids) - 1:]
+        assert len(lp.token_logprobs) == len(ids) == 8
+        for i, tok in enumerate(ids):
+            assert lp.token_logprobs[i] == pytest.approx(ref[i, tok], abs=1e-3)
+            assert lp.token_logprobs[i] == max(lp.top_logprobs[i].values())  # greedy: the most likely
+            top3 = sorted(ref[i])[::-1][:3]  # (the legacy map has one entry per distinct text)
+            assert all(any(v == pytest.approx(t, abs=1e-3) for t in top3) for v in lp.top_logprobs[i].values())
+        chunks = list(oa.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            logprobs=3, stream=True))
+        streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+        assert streamed == lp.token_logprobs
+
+        msgs = [{"role": "user", "content": "hi there"}]
+        r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens
+        assert all(e.logprob == e.top_logprobs[0].logprob and len(e.top_logprobs) == 2 for e in content)
+        chunks = list(oa.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True))
+        streamed = [e for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        assert all(e.top_logprobs == [] for e in streamed)

@@ -109,7 +109,7 @@ def messages_request(body: dict) -> tuple[list[dict], dict]:
                   "temperature": float(_number(body, "temperature", 1.0, 0, 1)),
                   "top_p": float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)), "seed": None,
                   "stop": [s for s in stop if s] or None if stop else None, "stream": stream,
-                  "include_usage": False, "tools": tools, "parse_tools": tools,
+                  "include_usage": False, "tools": tools, "parse_tools": tools, "logprobs": None,
                   "parallel_tool_calls": parallel}
 
 
@@ -211,7 +211,8 @@ class MessagesShape:
                                                       "delta": delta}))
         return out
 
-    def piece(self, text: str) -> list[str]:
+    def piece(self, text: str, lps: list | None = None) -> list[str]:
+        """lps: log-probabilities, which the Messages API has no place for."""
         return self._events(self.splitter.feed(text))
 
     def end(self, gen) -> list[str]:

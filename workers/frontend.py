@@ -276,7 +276,7 @@ class HttpFrontend:
                 yield part
             while True:
                 kind, value = event
-                parts = (shape.piece(value) if kind == "piece" else shape.end(value) if kind == "done"
+                parts = (shape.piece(*value) if kind == "piece" else shape.end(value) if kind == "done"
                          else shape.failed(api_error_from(value)))  # mid-stream: the status is sent
                 for part in parts:
                     yield part
@@ -294,7 +294,7 @@ class HttpFrontend:
 
 class _StreamPump:
     """Runs Client.stream on a thread of its own (the Client's socket never leaves it) and hands
-    ("piece", text), then ("done", Generation) or ("error", exception) to the event loop."""
+    ("piece", (text, its tokens' logprobs or None)), then ("done", Generation) or ("error", exception) to the event loop."""
 
     def __init__(self, pool: ClientPool, prompt, args: dict, loop, events: asyncio.Queue):
         self.pool, self.prompt, self.args, self.loop, self.events = pool, prompt, args, loop, events
@@ -323,7 +323,7 @@ class _StreamPump:
             for piece in pieces:
                 if self.stop.is_set():
                     break
-                self._put(("piece", piece))
+                self._put(("piece", (piece, getattr(pieces, "logprobs", None))))
             if self.stop.is_set():
                 self._cancel(c, pieces)
             else:

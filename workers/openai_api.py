@@ -241,12 +241,14 @@ def completion_request(body: dict, max_context: int) -> tuple:
     if isinstance(prompt, list) and len(prompt) > max_context:
         raise ApiError(400, f"{len(prompt)} prompt tokens exceed the model's max_context "
                             f"({max_context})", param="prompt", code="context_length_exceeded")
-    for key in ("echo", "suffix", "logprobs"):
+    for key in ("echo", "suffix"):
         if body.get(key) not in (None, False, 0):
             raise ApiError(400, f"'{key}' is not supported", param=key)
     if _number(body, "best_of", 1, 1, integer=True) != 1:
         raise ApiError(400, "only best_of = 1 is supported", param="best_of")
-    return (prompt if isinstance(prompt, str) else list(prompt)), sampling(body, 16)  # OpenAI's default
+    p = sampling(body, 16)  # OpenAI's default
+    p["logprobs"] = _number(body, "logprobs", None, 0, 5, integer=True)
+    return (prompt if isinstance(prompt, str) else list(prompt)), p
 
 
 def chat_request(body: dict) -> tuple[list[dict], dict]:
@@ -254,22 +256,27 @@ def chat_request(body: dict) -> tuple[list[dict], dict]:
     the rest of the context (None: the runtime counts it once the messages are tokenized)."""
     if body.get("functions"):
         raise ApiError(400, "'functions' is not supported (use 'tools')", param="functions")
-    if body.get("logprobs"):
-        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise ApiError(400, "only response_format {'type': 'text'} is supported",
                        param="response_format")
     p = sampling(body, None)
     p["tools"], p["parse_tools"], p["parallel_tool_calls"] = chat_tools(body)
+    if not isinstance(body.get("logprobs", False), bool):
+        raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+    top = _number(body, "top_logprobs", None, 0, 20, integer=True)
+    if top is not None and not body.get("logprobs"):
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    p["logprobs"] = (top or 0) if body.get("logprobs") else None
     return chat_messages(body), p
 
 
 def generate_args(p: dict) -> dict:
     """The Client.generate / Client.stream keywords of the request's parameters."""
     args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
-    if p.get("tools"):
-        args["tools"] = p["tools"]
+    for key in ("tools", "logprobs"):
+        if p.get(key) is not None:
+            args[key] = p[key]
     return args
 
 

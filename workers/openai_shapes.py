@@ -28,6 +28,27 @@ def openai_call(call: dict, cid: str) -> dict:
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
 
+def _token(text: str, lp: float) -> dict:
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list) -> dict:
+    """The runtime's log-probability entries as a chat choice's `logprobs`."""
+    return {"content": [{**_token(e["token"], e["logprob"]),
+                         "top_logprobs": [_token(t, lp) for _, lp, t in e["top"]]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list, offset: int = 0) -> dict:
+    """The entries as a completion choice's legacy `logprobs` (text_offset from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for _, lp, t in e["top"]} for e in entries], "text_offset": offsets}
+
+
 class CompletionShape:
     """/v1/completions: text as generated."""
 
@@ -37,6 +58,7 @@ class CompletionShape:
         self.model_id, self.p = model_id, p
         self.rid = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
+        self.offset = 0  # characters of text streamed (the logprobs' text_offset)
 
     @staticmethod
     def error_body(e: ApiError) -> dict:
@@ -47,18 +69,23 @@ class CompletionShape:
                 "choices": choices, **extra}
 
     def whole(self, gen) -> dict:
-        choice = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None}
+        lps = completion_logprobs(gen.logprobs) if gen.logprobs is not None else None
+        choice = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": lps}
         return self._frame(self.obj_whole, [choice], usage=usage(gen))
 
     def _chunk(self, choice: dict) -> str:
         extra = {"usage": None} if self.p["include_usage"] else {}
-        return sse(self._frame(self.obj_chunk, [{"index": 0, **choice, "logprobs": None}], **extra))
+        return sse(self._frame(self.obj_chunk, [{"index": 0, "logprobs": None, **choice}], **extra))
 
     def start(self) -> list[str]:
         return []
 
-    def piece(self, text: str) -> list[str]:
-        return [self._chunk({"text": text, "finish_reason": None})]
+    def piece(self, text: str, lps: list | None = None) -> list[str]:
+        choice = {"text": text, "finish_reason": None}
+        if lps is not None:
+            choice["logprobs"] = completion_logprobs(lps, self.offset)
+        self.offset += len(text)
+        return [self._chunk(choice)]
 
     def _finish(self, gen) -> list[str]:
         return [self._chunk({"text": "", "finish_reason": gen.finish_reason})]
@@ -82,6 +109,7 @@ class ChatShape(CompletionShape):
         super().__init__(model_id, p)
         self.splitter = ReplySplitter(p["parse_tools"])
         self.calls = 0
+        self.unsent: list | None = None  # logprob entries not yet sent (requests that ask)
 
     def _reason(self, gen, calls: int) -> str:
         return "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
@@ -96,7 +124,7 @@ class ChatShape(CompletionShape):
         if calls:
             message["tool_calls"] = [openai_call(c, call_id()) for c in calls]
         choice = {"index": 0, "message": message, "finish_reason": self._reason(gen, len(calls)),
-                  "logprobs": None}
+                  "logprobs": chat_logprobs(gen.logprobs) if gen.logprobs is not None else None}
         return self._frame(self.obj_whole, [choice], usage=usage(gen))
 
     def start(self) -> list[str]:
@@ -112,12 +140,22 @@ class ChatShape(CompletionShape):
                 self.calls += 1
             else:
                 delta = {"content" if kind == "content" else "reasoning_content": value}
-            out.append(self._chunk({"delta": delta, "finish_reason": None}))
+            out.append(self._chunk({"delta": delta, "finish_reason": None, **self._logprobs()}))
         return out
 
-    def piece(self, text: str) -> list[str]:
+    def _logprobs(self) -> dict:
+        """The entries not yet sent, for the next chunk (the splitter may hold a token's text)."""
+        if not self.unsent:
+            return {}
+        entries, self.unsent = self.unsent, []
+        return {"logprobs": chat_logprobs(entries)}
+
+    def piece(self, text: str, lps: list | None = None) -> list[str]:
+        if lps is not None:
+            self.unsent = (self.unsent or []) + lps
         return self._deltas(self.splitter.feed(text))
 
     def _finish(self, gen) -> list[str]:
         out = self._deltas(self.splitter.finish())
-        return out + [self._chunk({"delta": {}, "finish_reason": self._reason(gen, self.calls)})]
+        return out + [self._chunk({"delta": {}, "finish_reason": self._reason(gen, self.calls),
+                                   **self._logprobs()})]
