@@ -34,6 +34,7 @@ MAX_REQUEST_DEPTH = 16
 # An error message longer than this is cut (an error never echoes a large request back).
 MAX_ERROR_CHARS = 1024
 MAX_STOP_STRINGS = 64
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a token message may list (OpenAI's bound)
 # A temperature below this samples greedily: dividing float32 logits by a smaller one overflows
 # to infinities, and the draw among them is near random.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -196,7 +197,9 @@ class Welcome:
 @message("generate")
 class Generate:
     """One of prompt, token_ids and messages ({role, content} maps, rendered with the chat
-    template). max_tokens nil: the rest of the context (max_context - prompt tokens)."""
+    template; an assistant's may carry `tool_calls`, a tool's `tool_call_id`). max_tokens nil:
+    the rest of the context (max_context - prompt tokens). tools: OpenAI function tools
+    ({type, function: {name, description, parameters}}) given to the chat template as `tools`."""
     id: int
     prompt: str | None = None
     token_ids: list | None = None
@@ -208,6 +211,8 @@ class Generate:
     chat: bool = False
     stream: bool = True
     messages: list | None = None
+    tools: list | None = None
+    logprobs: int | None = None
 
 
 @message("cancel")
@@ -221,10 +226,14 @@ class Cancel:
 
 @message("token")
 class Token:
+    """logprobs (requests that ask): entries {token_id, logprob, top: [[id, logprob], ...]} of
+    the tokens whose text this message carries (the supervisor adds each token's text as
+    `token`, and the top tokens' as a third item)."""
     id: int
     index: int
     token_id: int
     text: str
+    logprobs: list | None = None
 
 
 @message("done")
@@ -234,6 +243,7 @@ class Done:
     token_ids: list
     finish_reason: str
     stats: dict
+    logprobs: list | None = None  # every generated token's entry (as in `token`), when asked
 
 
 @message("logits")
@@ -359,6 +369,9 @@ def check_request(msg, limits: RequestLimits) -> None:
             raise BadRequest("generate takes exactly one of prompt, token_ids and messages")
         if msg.prompt == "":
             raise BadRequest("empty prompt")
+        if msg.tools is not None and (msg.messages is None
+                                      or not all(isinstance(t, dict) for t in msg.tools)):
+            raise BadRequest("tools go with chat messages, as a list of maps")
         text = msg.prompt if msg.messages is None else _messages_text(msg.messages)
         if text is not None and (why := prompt_too_long(text, limits.max_prompt_bytes)):
             raise BadRequest(why)
@@ -374,6 +387,8 @@ def check_request(msg, limits: RequestLimits) -> None:
             raise BadRequest(f"temperature must be a finite number >= 0, got {msg.temperature}")
         if not (math.isfinite(msg.top_p) and 0 < msg.top_p <= 1):
             raise BadRequest(f"top_p must be within (0, 1], got {msg.top_p}")
+        if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {msg.logprobs}")
         if msg.seed is not None and msg.seed < 0:
             raise BadRequest(f"seed must be an integer >= 0, got {msg.seed}")
         if msg.stop is not None:

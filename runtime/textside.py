@@ -25,7 +25,7 @@ def prompt_ids(tokenizer: Tokenizer, req: M.Generate, max_context: int) -> list[
     if req.token_ids is not None:
         ids = list(req.token_ids)
     elif req.messages is not None:
-        ids = tokenizer.encode(req.messages, chat=True, max_tokens=max_context)
+        ids = tokenizer.encode(req.messages, chat=True, max_tokens=max_context, tools=req.tools)
     else:
         ids = tokenizer.encode(req.prompt, chat=req.chat, max_tokens=max_context)
     if req.max_tokens is None and len(ids) >= max_context:
@@ -38,8 +38,8 @@ def as_token_ids(req: M.Generate, ids: list[int], max_context: int) -> M.Generat
     """The request as compute takes it: ids in place of the prompt text or messages, and
     max_tokens nil made the rest of the context."""
     max_tokens = max_context - len(ids) if req.max_tokens is None else req.max_tokens
-    return dataclasses.replace(req, prompt=None, messages=None, token_ids=list(ids), chat=False,
-                               max_tokens=max_tokens)
+    return dataclasses.replace(req, prompt=None, messages=None, tools=None, token_ids=list(ids),
+                               chat=False, max_tokens=max_tokens)
 
 
 class TextSide:
@@ -63,6 +63,10 @@ class TextSide:
         self.sent = 0  # characters of text the client was sent in token messages
         self.last: M.Token | None = None  # compute's latest token
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the answer
+        self.tokenizer = tokenizer
+        self.logprobs: list = []  # each token's entry (requests that ask), its text added
+        self.unsent = 0           # entries not yet sent in a token message
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,6 +79,8 @@ class TextSide:
         if self.stopped:
             return None
         self.last = token
+        for e in token.logprobs or []:
+            self.logprobs.append(self._named(e))
         before = len(self.text)
         self.text += self.decoder.add(token.token_id)
         cut = self._stop_at(max(0, before - self.longest + 1))
@@ -85,15 +91,28 @@ class TextSide:
         return self._piece(token)
 
     def flush(self) -> M.Token | None:
-        """At the end of an answer no stop string ended: the text still held back, as a message
-        of the last token (None when there is none to send)."""
-        return self._piece(self.last) if self.last is not None and not self.stopped else None
-
-    def _piece(self, token: M.Token) -> M.Token | None:
-        piece, self.sent = self.text[self.sent:], len(self.text)
-        if not (piece and self.req.stream):
+        """At the end of an answer no stop string ended: the text (and log-probabilities) still
+        held back, as a message of the last token (None when there is none to send)."""
+        if self.last is None or self.stopped:
             return None
-        return M.Token(id=self.req.id, index=token.index, token_id=token.token_id, text=piece)
+        return self._piece(self.last, final=True)
+
+    def _named(self, entry: dict) -> dict:
+        """A log-probability entry with each token's text: `token`, and a third item of `top`'s."""
+        text = self.tokenizer.decode
+        return {**entry, "token": text([entry["token_id"]]),
+                "top": [[i, lp, text([i])] for i, lp in entry["top"]]}
+
+    def _piece(self, token: M.Token, final: bool = False) -> M.Token | None:
+        """The text not yet sent, as token's message; at the end (final) also no text, where
+        log-probability entries are still unsent (tokens whose text decoding held back)."""
+        piece, self.sent = self.text[self.sent:], len(self.text)
+        unsent = final and self.req.logprobs is not None and self.unsent < len(self.logprobs)
+        if not ((piece or unsent) and self.req.stream):
+            return None
+        lps, self.unsent = self.logprobs[self.unsent:], len(self.logprobs)
+        return M.Token(id=self.req.id, index=token.index, token_id=token.token_id, text=piece,
+                       logprobs=lps if self.req.logprobs is not None else None)
 
     def _stop_at(self, start: int) -> int | None:
         """Where the first stop string (in the request's order) that occurs from `start` on
@@ -101,6 +120,7 @@ class TextSide:
         for s in self.stops:
             at = self.text.find(s, start)
             if at >= 0:
+                self.stop_string = s
                 return at
         return None
 
@@ -115,13 +135,17 @@ class TextSide:
     def done(self, done: M.Done | None = None) -> M.Done:
         """The client's final message: compute's `done` (its ids and stats) with the text; after
         a stop, finish_reason "stop" with the ids up to the one that completed the stop string
-        (without compute's `done`: the stats say prompt and generated tokens only)."""
+        (without compute's `done`: the stats say prompt and generated tokens only), and the
+        stop string in stats["stop_string"]."""
+        lps = self.logprobs if self.req.logprobs is not None else None
         if not self.stopped:
-            return dataclasses.replace(done, text=self.text)
+            return dataclasses.replace(done, text=self.text, logprobs=lps)
         ids = list(self.token_ids)
         stats = dict(done.stats) if done is not None else {"prompt_tokens": self.prompt_tokens}
         stats["generated_tokens"] = len(ids)
-        return M.Done(id=self.req.id, text=self.text, token_ids=ids, finish_reason="stop", stats=stats)
+        stats["stop_string"] = self.stop_string
+        return M.Done(id=self.req.id, text=self.text, token_ids=ids, finish_reason="stop", stats=stats,
+                      logprobs=lps)
 
 
 def generate(compute, tokenizer: Tokenizer, req: M.Generate, emit=None) -> M.Done:

@@ -133,7 +133,8 @@ class Tokenizer:
     def prompt_bytes_bound(self, max_tokens: int) -> int:
         return max_tokens * max(1, self.max_token_bytes)
 
-    def encode(self, text, chat: bool = False, max_tokens: int | None = None) -> list[int]:
+    def encode(self, text, chat: bool = False, max_tokens: int | None = None,
+               tools: list | None = None) -> list[int]:
         """text: a string, or (chat) a list of {role, content} messages. max_tokens: refuse
         (PromptTooLong) a text longer in bytes than that many tokens can hold before tokenizing
         anything; then a long text's tokens are counted in pieces (`pieces`), refusing as soon
@@ -156,7 +157,7 @@ class Tokenizer:
                                             f"characters hold more than max_context={max_tokens} "
                                             f"(counted in pieces)")
         if chat:
-            ids = self.tok.encode(self.render_chat(text), add_special_tokens=False).ids
+            ids = self.tok.encode(self.render_chat(text, tools), add_special_tokens=False).ids
         else:
             ids = self.tok.encode(text).ids
         if max_tokens is not None and len(ids) > max_tokens:
@@ -166,8 +167,9 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, prompt) -> str:
-        """prompt: one user message, or a list of {role, content} messages (the HTTP frontend)."""
+    def render_chat(self, prompt, tools: list | None = None) -> str:
+        """prompt: one user message, or a list of {role, content} messages (the HTTP frontend).
+        tools: function tools, passed to the template as `tools` (as transformers does)."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; run without --chat")
         from jinja2.exceptions import TemplateError
@@ -181,7 +183,7 @@ class Tokenizer:
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         return env.from_string(self.chat_template).render(
             messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
-            add_generation_prompt=True,
+            add_generation_prompt=True, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 

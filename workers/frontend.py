@@ -3,8 +3,9 @@
 Like vLLM's API server in front of its engine core, the frontend holds no model: it speaks HTTP
 (Starlette on uvicorn) to editors, agents and chat front ends, and the deltafin protocol
 (deltafin.client) to the runtime, so either side can be restarted alone. It serves
-GET /v1/models, POST /v1/completions and /v1/chat/completions (server-sent events, one event per
-token as the runtime produces it), GET /health and GET /metrics (Prometheus text exposition of
+GET /v1/models, POST /v1/completions and /v1/chat/completions (OpenAI's API), POST /v1/messages
+(Anthropic's Messages API; streamed answers as server-sent events, one event per token as the
+runtime produces it), GET /health and GET /metrics (Prometheus text exposition of
 the runtime's metrics snapshot). docs/HTTP.md describes the endpoints.
 
 - No store and no tokenizer here: a prompt text or a chat's messages go to the runtime as they
@@ -26,11 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import logging
 import os
 import resource
-import secrets
 import socket
 import sys
 import threading
@@ -49,8 +48,10 @@ from deltafin.protocol.messages import short
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
 from deltafin.runtime.config import HttpConfig
+from deltafin.workers.anthropic_api import MessagesShape, messages_request
 from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, completion_request,
-                                         generate_args, parse_body, usage)
+                                         generate_args, parse_body)
+from deltafin.workers.openai_shapes import ChatShape, CompletionShape
 
 RETRY_AFTER_S = 2              # Retry-After on 429 and 503
 PARSE_INLINE_BYTES = 64 << 10  # a larger body is parsed on a worker thread, off the event loop
@@ -122,6 +123,7 @@ class HttpFrontend:
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/messages", self.messages, methods=["POST"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics, methods=["GET"])]
         self.app = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -132,9 +134,10 @@ class HttpFrontend:
 
     # -- helpers ------------------------------------------------------------------------------------
     @staticmethod
-    def error(e: ApiError):
+    def error(e: ApiError, shape=CompletionShape):
+        """e in the API's error body (shape: its answer's class or instance)."""
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return JSONResponse(shape.error_body(e), status_code=e.status, headers=headers)
 
     async def _not_found(self, request, exc):
         return self.error(ApiError(404, f"no route {request.method} {request.url.path}",
@@ -222,35 +225,36 @@ class HttpFrontend:
             prompt, params = completion_request(await self._body(request), self.max_context)
         except ApiError as e:
             return self.error(e)
-        return await self._answer(prompt, params, chat=False)
+        return await self._answer(prompt, params, CompletionShape(self.model_id, params), "prompt")
 
     async def chat_completions(self, request):
         try:
             messages, params = chat_request(await self._body(request))
         except ApiError as e:
             return self.error(e)
-        return await self._answer(messages, params, chat=True)
+        return await self._answer(messages, params, ChatShape(self.model_id, params), "messages")
+
+    async def messages(self, request):
+        try:
+            messages, params = messages_request(await self._body(request))
+        except ApiError as e:
+            return self.error(e, MessagesShape)
+        return await self._answer(messages, params, MessagesShape(self.model_id, params), "messages")
 
     # -- generation ---------------------------------------------------------------------------------
-    async def _answer(self, prompt, p: dict, chat: bool):
+    async def _answer(self, prompt, p: dict, shape, param: str):
         """prompt: a text or token ids (completions), or chat messages: sent as they are, the
-        runtime tokenizes them."""
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        param = "messages" if chat else "prompt"
+        runtime tokenizes them. shape: the API's answer (workers/openai_shapes.py,
+        workers/anthropic_api.py); param: the body's prompt field, named by a prompt too long."""
         if p["stream"]:
-            return await self._stream(rid, prompt, p, chat, param)
+            return await self._stream(prompt, p, shape, param)
         try:
             gen = await self._call(lambda c: c.generate(prompt, **generate_args(p)), param=param)
         except ApiError as e:
-            return self.error(e)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": gen.text},
-                   "finish_reason": gen.finish_reason, "logprobs": None} if chat else
-                  {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model_id, "choices": [choice],
-                             "usage": usage(gen)})
+            return self.error(e, shape)
+        return JSONResponse(shape.whole(gen))
 
-    async def _stream(self, rid: str, prompt, p: dict, chat: bool, param: str):
+    async def _stream(self, prompt, p: dict, shape, param: str):
         """Server-sent events, one per token message of the runtime. The first piece (or the
         error) is awaited before the response starts, so a refused request still gets its HTTP
         status (400, 429, 503) rather than a 200 stream holding an error."""
@@ -264,41 +268,21 @@ class HttpFrontend:
             pump.cancel()
             raise
         if first[0] == "error":
-            return self.error(api_error_from(first[1], param))
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(piece: str | None, finish: str | None, role: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
-            data = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
-            if p["include_usage"]:
-                data["usage"] = None
-            return f"data: {json.dumps(data)}\n\n"
+            return self.error(api_error_from(first[1], param), shape)
 
         async def body():
             event = first
-            if chat:
-                yield chunk(None, None, role=True)
+            for part in shape.start():
+                yield part
             while True:
                 kind, value = event
-                if kind == "piece":
-                    yield chunk(value, None)
-                elif kind == "done":
-                    yield chunk(None, value.finish_reason)
-                    if p["include_usage"]:
-                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                                     "model": self.model_id, "choices": [],
-                                                     "usage": usage(value)}) + "\n\n"
-                    break
-                else:  # the runtime failed mid-stream: the status is sent already
-                    yield f"data: {json.dumps(api_error_from(value).body())}\n\n"
+                parts = (shape.piece(*value) if kind == "piece" else shape.end(value) if kind == "done"
+                         else shape.failed(api_error_from(value)))  # mid-stream: the status is sent
+                for part in parts:
+                    yield part
+                if kind != "piece":
                     break
                 event = await events.get()
-            yield "data: [DONE]\n\n"
 
         return _EventStream(body(), on_close=lambda finished: self._closed(pump, finished))
 
@@ -310,7 +294,7 @@ class HttpFrontend:
 
 class _StreamPump:
     """Runs Client.stream on a thread of its own (the Client's socket never leaves it) and hands
-    ("piece", text), then ("done", Generation) or ("error", exception) to the event loop."""
+    ("piece", (text, its tokens' logprobs or None)), then ("done", Generation) or ("error", exception) to the event loop."""
 
     def __init__(self, pool: ClientPool, prompt, args: dict, loop, events: asyncio.Queue):
         self.pool, self.prompt, self.args, self.loop, self.events = pool, prompt, args, loop, events
@@ -339,7 +323,7 @@ class _StreamPump:
             for piece in pieces:
                 if self.stop.is_set():
                     break
-                self._put(("piece", piece))
+                self._put(("piece", (piece, getattr(pieces, "logprobs", None))))
             if self.stop.is_set():
                 self._cancel(c, pieces)
             else:
@@ -395,7 +379,8 @@ class _EventStream(StreamingResponse):
 class _CountRequests:
     """ASGI middleware counting answered requests by path and status, for /metrics."""
 
-    PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+    PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/health",
+             "/metrics"}
 
     def __init__(self, app, counts: dict):
         self.app, self.counts = app, counts
@@ -496,7 +481,8 @@ class AnnouncingServer(uvicorn.Server):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deltafin-http", description=(
-        "OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
+        "OpenAI- and Anthropic-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
+        "/v1/messages, /health, "
         "/metrics) in front of a running deltafin runtime."))
     ap.add_argument("--endpoint", required=True, help="the runtime's endpoint (the READY line of "
                                                       "deltafin-supervisor)")

@@ -146,7 +146,30 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}
 
 
+def _tool_call_in(call, where: str) -> dict:
+    """An assistant message's tool call as chat templates take it: OpenAI's shape, its
+    arguments a JSON object (templates write them with `tojson` or iterate over them)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+        raise ApiError(400, f"{where} must be {{'type': 'function', 'function': {{'name', "
+                            f"'arguments'}}}}", param=where)
+    args = fn.get("arguments") or "{}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments must be a JSON object", param=where) from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object", param=where)
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
 def chat_messages(body: dict) -> list[dict]:
+    """The body's messages as the runtime takes them: {role, content}, with an assistant's
+    `tool_calls` and a tool result's `tool_call_id` (and `name`) kept for the chat template."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -156,10 +179,50 @@ def chat_messages(body: dict) -> list[dict]:
             raise ApiError(400, f"messages[{i}] must be an object with a role among "
                                 f"{', '.join(ROLES)}", param=f"messages[{i}].role")
         content = m.get("content")
-        out.append({"role": ROLES[m["role"]],
-                    "content": "" if content is None and m["role"] == "assistant" else message_text(content, i)})
+        msg = {"role": ROLES[m["role"]],
+               "content": "" if content is None and m["role"] == "assistant" else message_text(content, i)}
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls:
+            if not isinstance(calls, list):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [_tool_call_in(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        for key in ("tool_call_id", "name"):
+            if m["role"] == "tool" and isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
+
+def chat_tools(body: dict) -> tuple[list | None, list | None, bool]:
+    """(tools for the chat template, tools whose calls are parsed out of the answer, parallel
+    calls allowed) of a body's `tools`, `tool_choice` and `parallel_tool_calls`. tool_choice
+    "none" shows no tools and parses none; a named function shows that one alone; "required"
+    shows them all (the answer is not constrained: a reply without a call stays content)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None, True
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {'name', "
+                            "'description', 'parameters'}}", param="tools")
+    choice = body.get("tool_choice", "auto")
+    if choice == "none":
+        return None, None, True
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise ApiError(400, "'tool_choice' names no function among the tools", param="tool_choice")
+    elif choice not in ("auto", "required"):
+        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
+                            "{'type': 'function', 'function': {'name'}}", param="tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    return tools, tools, parallel
 
 
 def completion_request(body: dict, max_context: int) -> tuple:
@@ -178,32 +241,43 @@ def completion_request(body: dict, max_context: int) -> tuple:
     if isinstance(prompt, list) and len(prompt) > max_context:
         raise ApiError(400, f"{len(prompt)} prompt tokens exceed the model's max_context "
                             f"({max_context})", param="prompt", code="context_length_exceeded")
-    for key in ("echo", "suffix", "logprobs"):
+    for key in ("echo", "suffix"):
         if body.get(key) not in (None, False, 0):
             raise ApiError(400, f"'{key}' is not supported", param=key)
     if _number(body, "best_of", 1, 1, integer=True) != 1:
         raise ApiError(400, "only best_of = 1 is supported", param="best_of")
-    return (prompt if isinstance(prompt, str) else list(prompt)), sampling(body, 16)  # OpenAI's default
+    p = sampling(body, 16)  # OpenAI's default
+    p["logprobs"] = _number(body, "logprobs", None, 0, 5, integer=True)
+    return (prompt if isinstance(prompt, str) else list(prompt)), p
 
 
 def chat_request(body: dict) -> tuple[list[dict], dict]:
     """(messages, generate parameters) of a /v1/chat/completions body; max_tokens defaults to
     the rest of the context (None: the runtime counts it once the messages are tokenized)."""
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise ApiError(400, f"'{key}' is not supported", param=key)
-    if body.get("logprobs"):
-        raise ApiError(400, "'logprobs' is not supported", param="logprobs")
+    if body.get("functions"):
+        raise ApiError(400, "'functions' is not supported (use 'tools')", param="functions")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise ApiError(400, "only response_format {'type': 'text'} is supported",
                        param="response_format")
-    return chat_messages(body), sampling(body, None)
+    p = sampling(body, None)
+    p["tools"], p["parse_tools"], p["parallel_tool_calls"] = chat_tools(body)
+    if not isinstance(body.get("logprobs", False), bool):
+        raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+    top = _number(body, "top_logprobs", None, 0, 20, integer=True)
+    if top is not None and not body.get("logprobs"):
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    p["logprobs"] = (top or 0) if body.get("logprobs") else None
+    return chat_messages(body), p
 
 
 def generate_args(p: dict) -> dict:
-    """The Client.generate / Client.stream keywords of sampling's parameters."""
-    return {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+    """The Client.generate / Client.stream keywords of the request's parameters."""
+    args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+    for key in ("tools", "logprobs"):
+        if p.get(key) is not None:
+            args[key] = p[key]
+    return args
 
 
 def usage(gen) -> dict:

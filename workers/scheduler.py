@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.metrics import Counter, Latency
+from deltafin.workers import logprobs
 from deltafin.workers.sources import ExpertUnavailable, RequestError
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class Step:
     tokens: object      # [B] on the device
     pass_no: int | None
     t0: float
+    logprobs: list | None = None  # per row: workers/logprobs.on_device's arrays, or None
 
 
 class Scheduler:
@@ -221,7 +223,7 @@ class Scheduler:
             self.ahead = self.launch(step.seqs, step.tokens)
         toks = self.read(step)
         t0, produced = time.perf_counter(), 0
-        for seq, tok in zip(step.seqs, toks):
+        for seq, tok, lp in zip(step.seqs, toks, step.logprobs):
             if seq.finish is not None:
                 continue  # left while this pass ran ahead: its row is not wanted
             produced += 1
@@ -229,7 +231,7 @@ class Scheduler:
                 seq.t_first = t0
                 seq.ttft_s = t0 - seq.t_request
                 seq.marks["first"] = (c._split(), dict(self.loop))
-            self.accept(seq, tok)
+            self.accept(seq, tok, logprobs.to_host(tok, lp) if lp else None)
             seq.pending = tok
             if seq.finish is not None or len(seq.out_ids) >= seq.req.max_tokens:
                 self.leave(seq, "length")
@@ -252,14 +254,16 @@ class Scheduler:
         logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
         toks = [sample_on_device(logits if len(seqs) == 1 else logits[b:b + 1], s.req.temperature,
                                  s.req.top_p, s.next_key(), c.dtype) for b, s in enumerate(seqs)]
+        lps = [logprobs.on_device(logits if len(seqs) == 1 else logits[b:b + 1], t, s.req.logprobs, c.dtype)
+               if s.req.logprobs is not None else [] for b, (s, t) in enumerate(zip(seqs, toks))]
         toks = toks[0] if len(toks) == 1 else mx.concatenate(toks)
         ids = c.experts.seal_pass()
-        mx.async_eval(toks) if ids is None else mx.async_eval(toks, ids)
+        mx.async_eval(toks, *(a for row in lps for a in row), *([] if ids is None else [ids]))
         self.loop["launch"] += time.perf_counter() - t0
         self.counters.add("steps")
         self.counters.add("rows", len(seqs))
         self.max_rows = max(self.max_rows, len(seqs))
-        return Step(list(seqs), toks, p, t0)
+        return Step(list(seqs), toks, p, t0, lps)
 
     def read(self, step: Step) -> list[int]:
         t0 = time.perf_counter()
@@ -278,7 +282,7 @@ class Scheduler:
         self.loop["commit"] += time.perf_counter() - t1
         return toks
 
-    def accept(self, seq: Sequence, tok: int) -> None:
+    def accept(self, seq: Sequence, tok: int, lp: dict | None = None) -> None:
         c, req = self.compute, seq.req
         # The stand-in's zero logits say nothing: its length is max_tokens, whatever token 0 is.
         if tok in c.eos_ids and not c.standin:
@@ -286,7 +290,8 @@ class Scheduler:
             return
         seq.out_ids.append(tok)
         if seq.emit:  # every token: the text side needs each id to detokenize and find stops
-            seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text=""))
+            seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text="",
+                             logprobs=[lp] if lp else None))
 
     def stats(self) -> dict:
         steps, rows = self.counters.get("steps"), self.counters.get("rows")

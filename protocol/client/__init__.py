@@ -112,17 +112,20 @@ class Generation:
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    logprobs: list | None = None  # each token's {token_id, token, logprob, top}, when asked
 
 
 class Stream:
     """A streamed generation in flight: iterate it for the text pieces as they come; `id` is the
-    request's id, `result` the final Generation once the iteration ended (also `client.last`).
+    request's id, `result` the final Generation once the iteration ended (also `client.last`),
+    `logprobs` the log-probability entries of the tokens of the latest piece (when asked).
     `cancel()` stops it (queued: at once; running: within a token); the iteration then ends
     with `result.finish_reason == "cancelled"`."""
 
     def __init__(self, client: "Client", msg: M.Generate):
         self.client, self.id = client, msg.id
         self.result: Generation | None = None
+        self.logprobs: list | None = None
         client._send(msg)
 
     def __iter__(self):
@@ -132,10 +135,12 @@ class Stream:
         while self.result is None:
             reply = self.client._recv(self.id)
             if isinstance(reply, M.Token):
+                self.logprobs = reply.logprobs
                 return reply.text
             if isinstance(reply, M.Done):
                 self.result = self.client.last = Generation(reply.text, list(reply.token_ids),
-                                                            reply.finish_reason, reply.stats)
+                                                            reply.finish_reason, reply.stats,
+                                                            reply.logprobs)
         raise StopIteration
 
     def cancel(self) -> None:
@@ -216,7 +221,8 @@ class Client:
         self._send(msg)
         return self._recv(msg.id)
 
-    def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
+    def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream,
+                      tools=None, logprobs=None):
         prompt, ids, messages = None, None, None
         if isinstance(prompt_or_ids, str):
             prompt = prompt_or_ids
@@ -237,23 +243,30 @@ class Client:
             raise RequestError(why, "bad_request")
         return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, messages=messages,
                           max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream)
+                          seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream,
+                          tools=list(tools) if tools else None, logprobs=logprobs)
 
     # -- API ----------------------------------------------------------------------------------------
     def generate(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Generation:
+                 top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
+                 tools=None, logprobs: int | None = None) -> Generation:
         """prompt_or_token_ids: a prompt text, token ids, or chat messages ({role, content} maps,
-        rendered with the model's chat template). max_tokens None: the rest of the context."""
-        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, False)
+        rendered with the model's chat template, with `tools` where given). max_tokens None: the
+        rest of the context. logprobs k: each token's log-probability and the k most likely
+        tokens' (Generation.logprobs)."""
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat,
+                                 False, tools, logprobs)
         done = self._call(msg)
-        return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats)
+        return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats, done.logprobs)
 
     def stream(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Stream:
+               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
+               tools=None, logprobs: int | None = None) -> Stream:
         """Sends the request now and returns a Stream: iterating it yields text pieces as they
         are produced; `self.last` (and the stream's `result`) holds the final Generation;
         `cancel()` stops it."""
-        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True)
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat,
+                                 True, tools, logprobs)
         self.last = None
         return Stream(self, msg)
 

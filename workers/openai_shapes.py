@@ -1,0 +1,161 @@
+"""The OpenAI API's answers: a whole response, or server-sent events as the runtime's pieces
+arrive, for /v1/completions and /v1/chat/completions. The frontend (workers/frontend.py) drives
+any shape alike: `whole(gen)` for a non-streamed answer; `start()`, `piece(text)` per token
+message, then `end(gen)` or `failed(error)` for a streamed one, each a list of SSE strings;
+`error_body(ApiError)` for a refused request. A chat's text is split into content,
+`reasoning_content` and `tool_calls` (workers/toolcalls)."""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from deltafin.workers.openai_api import ApiError, usage
+from deltafin.workers.toolcalls import ReplySplitter, split_reply
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def openai_call(call: dict, cid: str) -> dict:
+    """A parsed tool call as OpenAI's: its arguments a JSON string."""
+    return {"id": cid, "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+
+
+def _token(text: str, lp: float) -> dict:
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list) -> dict:
+    """The runtime's log-probability entries as a chat choice's `logprobs`."""
+    return {"content": [{**_token(e["token"], e["logprob"]),
+                         "top_logprobs": [_token(t, lp) for _, lp, t in e["top"]]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list, offset: int = 0) -> dict:
+    """The entries as a completion choice's legacy `logprobs` (text_offset from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for _, lp, t in e["top"]} for e in entries], "text_offset": offsets}
+
+
+class CompletionShape:
+    """/v1/completions: text as generated."""
+
+    prefix, obj_whole, obj_chunk = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, model_id: str, p: dict):
+        self.model_id, self.p = model_id, p
+        self.rid = self.prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.offset = 0  # characters of text streamed (the logprobs' text_offset)
+
+    @staticmethod
+    def error_body(e: ApiError) -> dict:
+        return e.body()
+
+    def _frame(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model_id,
+                "choices": choices, **extra}
+
+    def whole(self, gen) -> dict:
+        lps = completion_logprobs(gen.logprobs) if gen.logprobs is not None else None
+        choice = {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": lps}
+        return self._frame(self.obj_whole, [choice], usage=usage(gen))
+
+    def _chunk(self, choice: dict) -> str:
+        extra = {"usage": None} if self.p["include_usage"] else {}
+        return sse(self._frame(self.obj_chunk, [{"index": 0, "logprobs": None, **choice}], **extra))
+
+    def start(self) -> list[str]:
+        return []
+
+    def piece(self, text: str, lps: list | None = None) -> list[str]:
+        choice = {"text": text, "finish_reason": None}
+        if lps is not None:
+            choice["logprobs"] = completion_logprobs(lps, self.offset)
+        self.offset += len(text)
+        return [self._chunk(choice)]
+
+    def _finish(self, gen) -> list[str]:
+        return [self._chunk({"text": "", "finish_reason": gen.finish_reason})]
+
+    def end(self, gen) -> list[str]:
+        out = self._finish(gen)
+        if self.p["include_usage"]:
+            out.append(sse(self._frame(self.obj_chunk, [], usage=usage(gen))))
+        return out + ["data: [DONE]\n\n"]
+
+    def failed(self, e: ApiError) -> list[str]:
+        return [sse(e.body()), "data: [DONE]\n\n"]
+
+
+class ChatShape(CompletionShape):
+    """/v1/chat/completions: the answer split into content, reasoning and tool calls."""
+
+    prefix, obj_whole, obj_chunk = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model_id: str, p: dict):
+        super().__init__(model_id, p)
+        self.splitter = ReplySplitter(p["parse_tools"])
+        self.calls = 0
+        self.unsent: list | None = None  # logprob entries not yet sent (requests that ask)
+
+    def _reason(self, gen, calls: int) -> str:
+        return "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
+
+    def whole(self, gen) -> dict:
+        reasoning, content, calls = split_reply(gen.text, self.p["parse_tools"])
+        if not self.p["parallel_tool_calls"]:
+            calls = calls[:1]
+        message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [openai_call(c, call_id()) for c in calls]
+        choice = {"index": 0, "message": message, "finish_reason": self._reason(gen, len(calls)),
+                  "logprobs": chat_logprobs(gen.logprobs) if gen.logprobs is not None else None}
+        return self._frame(self.obj_whole, [choice], usage=usage(gen))
+
+    def start(self) -> list[str]:
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})]
+
+    def _deltas(self, events: list) -> list[str]:
+        out = []
+        for kind, value in events:
+            if kind == "tool_call":
+                if self.calls and not self.p["parallel_tool_calls"]:
+                    continue
+                delta = {"tool_calls": [{"index": self.calls, **openai_call(value, call_id())}]}
+                self.calls += 1
+            else:
+                delta = {"content" if kind == "content" else "reasoning_content": value}
+            out.append(self._chunk({"delta": delta, "finish_reason": None, **self._logprobs()}))
+        return out
+
+    def _logprobs(self) -> dict:
+        """The entries not yet sent, for the next chunk (the splitter may hold a token's text)."""
+        if not self.unsent:
+            return {}
+        entries, self.unsent = self.unsent, []
+        return {"logprobs": chat_logprobs(entries)}
+
+    def piece(self, text: str, lps: list | None = None) -> list[str]:
+        if lps is not None:
+            self.unsent = (self.unsent or []) + lps
+        return self._deltas(self.splitter.feed(text))
+
+    def _finish(self, gen) -> list[str]:
+        out = self._deltas(self.splitter.finish())
+        return out + [self._chunk({"delta": {}, "finish_reason": self._reason(gen, self.calls),
+                                   **self._logprobs()})]

@@ -1,0 +1,24 @@
+"""Qwen3 / Qwen2.5 / Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+one JSON object per block."""
+from __future__ import annotations
+
+import json
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def accepts(body: str) -> bool:
+    return body.lstrip().startswith("{")
+
+
+def parse(body: str, tools: list | None) -> list[dict]:
+    """[{name, arguments}] of one block; ValueError when it is not such an object."""
+    call = json.loads(body)
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        raise ValueError("a tool call must be a JSON object with a string 'name'")
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError("a tool call's arguments must be a JSON object")
+    return [{"name": call["name"], "arguments": args}]
