@@ -29,6 +29,7 @@ from pathlib import Path
 import zmq
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.cli import Help
 from deltafin.runtime.shm import pid_alive
 from deltafin.runtime.telemetry import STAGES, WINDOW_S, WINDOW_SERIES, RunInfo, live_runs, window_figures
 
@@ -342,7 +343,7 @@ def _no_snapshot(feed: Feed, timeout: float) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-monitor",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-monitor",
                                 description="Live view of a running deltafin supervisor: stage latencies, "
                                             "throughput, cache, SSD, memory, resident experts.")
     p.add_argument("--endpoint", help="metrics endpoint (default: the one running supervisor, found in "

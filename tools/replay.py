@@ -26,6 +26,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import POLICIES, Policy, Predictive, make_policy, policy_names
+from deltafin.runtime.cli import Help
 from deltafin.runtime.directio import round_up
 from deltafin.runtime.store import ALIGN, Store, StoreError, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
@@ -238,7 +239,7 @@ def format_table(reports: dict[str, dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deltafin-replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="routing trace .npz (docs/TRACES.md)")
     ap.add_argument("--cache-frac", type=float, required=True,
                     help="cache size as a share of all experts (n_layers x n_experts), e.g. 0.25")

@@ -46,6 +46,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
 from deltafin.protocol.messages import short
+from deltafin.runtime.cli import Help
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
 from deltafin.runtime.config import HttpConfig
@@ -495,7 +496,7 @@ class AnnouncingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="deltafin-http", description=(
+    ap = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-http", description=(
         "OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
         "/metrics) in front of a running deltafin runtime."))
     ap.add_argument("--endpoint", required=True, help="the runtime's endpoint (the READY line of "

@@ -37,7 +37,7 @@ import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.benchmode import check_bench_config
-from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget
+from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
 from deltafin.runtime.procmem import tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
@@ -70,10 +70,11 @@ class Supervisor:
         self.store = Store(store_path)
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
-        self.plan: BudgetPlan = plan_budget(self.store, config)
         self.http = http  # --http HOST:PORT: the frontend runs (and is measured) in the budget
-        if http:
-            self.plan.frontend = BODY_COPIES * config.http.body_bytes
+        frontend = BODY_COPIES * config.http.body_bytes if http else 0
+        self.context_note = fit_context(self.store, config, frontend)
+        self.plan: BudgetPlan = plan_budget(self.store, config)
+        self.plan.frontend = frontend
         self.frontend: FrontendProcess | None = None
         self.resident: dict = {}  # slots per group handed to the workers (whole layers split off)
         self.plan.check_before_start()
@@ -145,12 +146,11 @@ class Supervisor:
         self.state = "serving"
         self._sample_processes()
         self._synchronize()  # the first stats answer already sees the workers with their pool
-        n_slots = self.plan.n_slots
-        per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
-        self.log(f"{n_slots} expert slots of {per} in the resident tier "
-                 f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
-                 f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
-                 f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(self.startup_tree_bytes)}")
+        cc = self.config.compute
+        for line in self.plan.explain(cc.max_context, cc.max_batch, cc.prefill_chunk, self.context_note):
+            self.log(line)
+        self.log(f"{self.plan.n_slots} expert slots in the resident tier; tree measured "
+                 f"{format_size(self.startup_tree_bytes)}")
         return self.client.endpoint
 
     def _start_workers(self) -> None:
