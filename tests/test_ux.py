@@ -150,3 +150,87 @@ def test_every_flag_of_every_command_has_help_showing_its_default(monkeypatch):
             if re.search(r"issue \d+", p.format_help(), re.I):
                 missing.append(f"{p.prog}: internal words")
     assert not missing, "\n".join(missing)
+
+
+# -- sampling users expect ----------------------------------------------------------------------
+def test_penalties_and_filters_equal_mlx_lm_definitions():
+    """The penalties against mlx-lm's logits processors (last 20 tokens, prompt included), top_k
+    and min_p against mlx-lm's filters: the same logits out, the same tokens kept."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
+
+    from deltafin.protocol import messages as M
+    from deltafin.workers.scheduler import PENALTY_CONTEXT, penalize
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(0, 3, (1, 300)).astype(np.float32)).astype(mx.bfloat16)
+    tokens = [int(t) for t in rng.integers(0, 40, 50)]  # repeats among them
+    for kw in ({"repetition_penalty": 1.3}, {"presence_penalty": 0.7}, {"frequency_penalty": -0.4},
+               {"repetition_penalty": 0.8, "presence_penalty": 1.1, "frequency_penalty": 0.5}):
+        ref = mx.array(logits)  # mlx-lm's processors write into the array they are given
+        for proc in make_logits_processors(**kw):
+            ref = proc(mx.array(tokens), ref)
+        req = M.Generate(id=0, prompt="x", **kw)
+        ours = penalize(logits, req, mx.array(tokens[-PENALTY_CONTEXT:], dtype=mx.uint32))
+        assert ours.dtype == ref.dtype and np.array_equal(np.array(ours.astype(mx.float32)),
+                                                          np.array(ref.astype(mx.float32))), kw
+    z = logits.astype(mx.float32)
+    logprobs = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    from deltafin.workers.scheduler import sample_on_device
+    for kw, ref in (({"top_k": 5}, apply_top_k(logprobs, 5)), ({"min_p": 0.1}, apply_min_p(logprobs, 0.1))):
+        keep = set(np.flatnonzero(np.isfinite(np.array(ref[0]))))
+        req = M.Generate(id=0, prompt="x", temperature=1.0, **kw)
+        drawn = {int(sample_on_device(logits, req, mx.random.key(s)).item()) for s in range(300)}
+        assert drawn <= keep and len(drawn) > 1, (kw, drawn, keep)
+
+
+def test_sampling_options_on_zeromq_and_http_with_an_api_key(tiny_stores):
+    """Real processes: top_k=1 samples the greedy answer, a seeded penalized request repeats
+    itself and differs from the plain one, bad values are refused; HTTP takes the same options
+    and, with --api-key, only requests carrying the key."""
+    import json
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from deltafin.client import Client, RequestError
+    from deltafin.tools.run import running_supervisor
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "s3cret-key"
+    store = tiny_stores(ARCH)
+    with running_supervisor(store, "4GiB", ["--http", f"127.0.0.1:{port}", "--api-key", key]) \
+            as (endpoint, proc):
+        with Client(endpoint) as c:
+            greedy = c.generate("hello there", max_tokens=12)
+            assert c.generate("hello there", max_tokens=12, temperature=1.5, top_k=1).token_ids == greedy.token_ids
+            pen = dict(max_tokens=12, repetition_penalty=3.0, frequency_penalty=2.0)
+            a = c.generate("hello there", **pen)
+            assert a.token_ids == c.generate("hello there", **pen).token_ids != greedy.token_ids
+            b = c.generate("hello there", temperature=0.9, seed=5, min_p=0.05, presence_penalty=1.0, max_tokens=12)
+            assert b.token_ids == c.generate("hello there", temperature=0.9, seed=5, min_p=0.05,
+                                              presence_penalty=1.0, max_tokens=12).token_ids
+            for bad in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0.0}, {"presence_penalty": 3.0}):
+                with pytest.raises(RequestError):
+                    c.generate("hello", max_tokens=2, **bad)
+        url = f"http://127.0.0.1:{port}"
+        for line in proc.stdout:
+            if line.startswith("HTTP "):
+                break
+        body = json.dumps({"model": store.name, "prompt": "hello there", "max_tokens": 12, "temperature": 0,
+                           "repetition_penalty": 3.0, "frequency_penalty": 2.0}).encode()
+
+        def post(headers):
+            req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+        assert post({})[0] == 401 and post({"Authorization": "Bearer wrong"})[0] == 401
+        status, answer = post({"Authorization": f"Bearer {key}"})
+        assert status == 200 and answer["choices"][0]["text"] == a.text
+        with urllib.request.urlopen(f"{url}/health", timeout=60) as r:
+            assert r.status == 200

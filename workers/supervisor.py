@@ -50,6 +50,7 @@ from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSa
 from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
+from deltafin.workers.http_auth import API_KEY_ENV
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import check_http, parser, run_config
@@ -63,7 +64,7 @@ REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpo
 
 class Supervisor:
     def __init__(self, store_path: str, config, endpoint: str | None = None, log=None,
-                 http: str | None = None):
+                 http: str | None = None, api_key: str | None = None):
         self.config = config
         rc = config.runtime
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
@@ -71,6 +72,7 @@ class Supervisor:
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
         self.http = http  # --http HOST:PORT: the frontend runs (and is measured) in the budget
+        self.api_key = api_key  # --api-key: the frontend's bearer token
         frontend = BODY_COPIES * config.http.body_bytes if http else 0
         self.context_note = fit_context(self.store, config, frontend)
         self.plan: BudgetPlan = plan_budget(self.store, config)
@@ -163,7 +165,8 @@ class Supervisor:
         if not self.plan.n_slots:
             if self.http:  # measured with the tree; a frontend that cannot start is left out
                 self.frontend = FrontendProcess.for_runtime(self.client.endpoint, self.http, self.config,
-                                                            curve=self.curve is not None)
+                                                            curve=self.curve is not None,
+                                                            api_key=self.api_key)
                 self.frontend.start_answered(self._pump, self.config.runtime.startup_timeout_s)
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
@@ -578,7 +581,8 @@ def main(argv=None) -> int:
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config)  # a trace that does not fit: refused now
-        sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http)
+        sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http,
+                         api_key=a.api_key or os.environ.get(API_KEY_ENV))
         endpoint = sup.start()
         if stop["flag"]:
             return 0

@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http", metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API (deltafin-http, docs/HTTP.md) "
                         "as a child process, restarted if it dies; loopback unless --allow-remote")
+    p.add_argument("--api-key", help="with --http: require `Authorization: Bearer KEY` on every request "
+                                      "but /health (default: $DELTAFIN_API_KEY, else none)")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens; given, it is kept "
                    "(default: config, 2048, lowered where its KV reserve would starve the expert slots)")
     p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES),

@@ -216,7 +216,12 @@ class Client:
         self._send(msg)
         return self._recv(msg.id)
 
-    def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream):
+    def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream,
+                      sampling: dict):
+        unknown = set(sampling) - set(M.SAMPLING_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(M.SAMPLING_OPTIONS)}")
         prompt, ids, messages = None, None, None
         if isinstance(prompt_or_ids, str):
             prompt = prompt_or_ids
@@ -237,23 +242,30 @@ class Client:
             raise RequestError(why, "bad_request")
         return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, messages=messages,
                           max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream)
+                          seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream,
+                          **sampling)
 
     # -- API ----------------------------------------------------------------------------------------
     def generate(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Generation:
+                 top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
+                 **sampling) -> Generation:
         """prompt_or_token_ids: a prompt text, token ids, or chat messages ({role, content} maps,
-        rendered with the model's chat template). max_tokens None: the rest of the context."""
-        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, False)
+        rendered with the model's chat template). max_tokens None: the rest of the context.
+        sampling: any of M.SAMPLING_OPTIONS (top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty; docs/PROTOCOL.md)."""
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, False,
+                                 sampling)
         done = self._call(msg)
         return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats)
 
     def stream(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False) -> Stream:
+               top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
+               **sampling) -> Stream:
         """Sends the request now and returns a Stream: iterating it yields text pieces as they
         are produced; `self.last` (and the stream's `result`) holds the final Generation;
         `cancel()` stops it."""
-        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True)
+        msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat, True,
+                                 sampling)
         self.last = None
         return Stream(self, msg)
 
