@@ -234,3 +234,28 @@ def test_sampling_options_on_zeromq_and_http_with_an_api_key(tiny_stores):
         assert status == 200 and answer["choices"][0]["text"] == a.text
         with urllib.request.urlopen(f"{url}/health", timeout=60) as r:
             assert r.status == 200
+
+
+# -- deltafin chat --------------------------------------------------------------------------------
+def test_chat_converts_a_checkpoint_once_and_keeps_the_conversation(tmp_path):
+    """Real processes, stdin a pipe: a checkpoint directory is converted into the cache (its
+    size said), the REPL answers each turn with tok/s and the hit rate, /stats, /budget, /quit;
+    a second start reuses the store."""
+    import os
+
+    from deltafin.tools.synth import tiny
+    src = tiny(ARCH, tmp_path / "ckpt", seed=3)
+    env = {**os.environ, "DELTAFIN_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "deltafin.tools.chat", "chat", str(src), "--memory-budget", "2GiB",
+           "--max-tokens", "6"]
+    r = subprocess.run(cmd, input="hello\nand again\n/stats\n/budget\n/quit\nnot read\n",
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is a checkpoint: converting it once" in r.stderr and re.search(r"converted: [\d.]+ \w+ store", r.stderr)
+    assert "memory plan for a 2.00 GiB budget" in r.stderr
+    answers = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, hit rate \d+%, prefill (\d+) tokens\]", r.stdout)
+    assert len(answers) == 2
+    assert int(answers[1][1]) > int(answers[0][1]) + int(answers[0][0])  # the first turn is in the second's prompt
+    assert "stage latencies" in r.stdout and "resident expert slots" in r.stdout
+    again = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and "using the store converted before" in again.stderr
