@@ -96,13 +96,10 @@ class TextSide:
         return M.Token(id=self.req.id, index=token.index, token_id=token.token_id, text=piece)
 
     def _stop_at(self, start: int) -> int | None:
-        """Where the first stop string (in the request's order) that occurs from `start` on
-        begins; the text before `start` was scanned at earlier tokens."""
-        for s in self.stops:
-            at = self.text.find(s, start)
-            if at >= 0:
-                return at
-        return None
+        """Where the earliest stop string occurring from `start` on begins (whichever of the
+        request's stops it is); the text before `start` was scanned at earlier tokens."""
+        found = [at for at in (self.text.find(s, start) for s in self.stops) if at >= 0]
+        return min(found) if found else None
 
     def _may_stop(self) -> bool:
         """True when the unsent text ends with the start of a stop string."""

@@ -259,3 +259,79 @@ def test_chat_converts_a_checkpoint_once_and_keeps_the_conversation(tmp_path):
     assert "stage latencies" in r.stdout and "resident expert slots" in r.stdout
     again = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0 and "using the store converted before" in again.stderr
+
+
+# -- streams equal their final text -------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_streamed_pieces_join_to_the_final_text_for_random_texts_and_stops(tiny_stores, arch):
+    """Property: for random token sequences (any text the tokenizer can spell, half characters
+    included) and random stop strings (pieces of that text, across token boundaries, and
+    strangers), the streamed pieces join to exactly the final text, which ends before the first
+    stop string."""
+    import random
+
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.textside import TextSide
+    from deltafin.runtime.tokenizer import Tokenizer
+    store = Store(tiny_stores(arch))
+    tok = Tokenizer(store.tokenizer_dir, store.config)
+    vocab = int(store.config["vocab_size"])
+    rng = random.Random(29)
+    for case in range(400):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 24))]
+        full = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(0, 3)):
+            if full and rng.random() < 0.7:
+                at = rng.randrange(len(full))
+                stops.append(full[at:at + rng.randint(1, 5)])
+            else:
+                stops.append("".join(rng.choice("ab \n.é") for _ in range(rng.randint(1, 3))))
+        req = M.Generate(id=1, prompt="x", stop=stops, stream=True)
+        side, pieces = TextSide(tok, req, 1), []
+        for i, t in enumerate(ids):
+            out = side.accept(M.Token(id=1, index=i, token_id=t, text=""))
+            pieces.append(out.text if out else "")
+            if side.stopped:
+                break
+        last = side.flush()
+        pieces.append(last.text if last else "")
+        done = side.done(M.Done(id=1, text="", token_ids=ids, finish_reason="length", stats={}))
+        assert "".join(pieces) == done.text, (case, ids, stops)
+        assert not any(s in done.text for s in stops if s), (case, ids, stops)
+        if not side.stopped:  # all of it, but for a last character still incomplete
+            assert full.startswith(done.text) and not full[len(done.text):].strip("\ufffd"), (case, ids)
+
+
+def test_openai_streams_equal_their_final_text_for_random_stops(tiny_stores):
+    """Completions and chat over HTTP: for stop strings drawn from the greedy answer, the
+    streamed text equals the non-streamed text."""
+    import random
+
+    openai = pytest.importorskip("openai")
+    from deltafin.tools.run import running_supervisor
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tiny_stores("qwen3_moe")
+    rng = random.Random(7)
+    with running_supervisor(store, "2GiB", ["--http", f"127.0.0.1:{port}"]) as (_ep, proc):
+        for line in proc.stdout:
+            if line.startswith("HTTP "):
+                break
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        for case in range(6):
+            prompt = " ".join(rng.choice(["once", "upon", "a", "time", "fox", "é", "\n"]) for _ in range(5))
+            base = api.completions.create(model=store.name, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+            at = rng.randrange(max(1, len(base)))
+            stop = [base[at:at + rng.randint(1, 3)] or "zz"]
+            plain = api.completions.create(model=store.name, prompt=prompt, max_tokens=16, temperature=0, stop=stop)
+            streamed = "".join(c.choices[0].text for c in api.completions.create(
+                model=store.name, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True) if c.choices)
+            assert streamed == plain.choices[0].text, (prompt, stop)
+            msgs = [{"role": "user", "content": prompt}]
+            plain = api.chat.completions.create(model=store.name, messages=msgs, max_tokens=16, temperature=0, stop=stop)
+            streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+                model=store.name, messages=msgs, max_tokens=16, temperature=0, stop=stop, stream=True) if c.choices)
+            assert streamed == plain.choices[0].message.content, (prompt, stop)
