@@ -335,3 +335,40 @@ def test_openai_streams_equal_their_final_text_for_random_stops(tiny_stores):
             streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
                 model=store.name, messages=msgs, max_tokens=16, temperature=0, stop=stop, stream=True) if c.choices)
             assert streamed == plain.choices[0].message.content, (prompt, stop)
+
+
+# -- monitor and replay ---------------------------------------------------------------------------
+def test_replay_defaults_to_the_runtimes_policy_and_shows_progress(tmp_path, capsys):
+    import json
+
+    import numpy as np
+
+    from deltafin.runtime.traces import save_trace
+    from deltafin.tools import replay
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(2)]) for _ in range(600)])
+    save_trace(tmp_path / "t.npz", ids.astype(np.uint8), [600], ["a"])
+    out = tmp_path / "r.json"
+    assert replay.main([str(tmp_path / "t.npz"), "--cache-frac", "0.5", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policy"]["policy"] == load_config().cache.policy == "predictive"
+    err = capsys.readouterr().err
+    assert "predictive: 600 of 600 tokens" in err and "lru: 600 of 600 tokens" in err
+
+
+def test_monitor_takes_the_client_endpoint_or_the_run_directory(tiny_stores):
+    import json
+
+    from deltafin.runtime.telemetry import live_runs, metrics_endpoint
+    from deltafin.tools.run import running_supervisor
+    with running_supervisor(tiny_stores(ARCH), "2GiB") as (endpoint, proc):
+        run = next(r for r in live_runs() if r.pid == proc.pid)
+        rundir = next(p for p in __import__("deltafin.runtime.shm", fromlist=["x"]).runs_root().iterdir()
+                      if p.name == run.run_id)
+        assert metrics_endpoint(endpoint) == metrics_endpoint(str(rundir)) == run.metrics != endpoint
+        for given in (endpoint, str(rundir)):
+            r = subprocess.run([sys.executable, "-m", "deltafin.tools.monitor", "--endpoint", given,
+                                "--once", "--json"], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert "memory" in json.loads(r.stdout.splitlines()[-1])
+    with pytest.raises(ValueError, match="not a deltafin run directory"):
+        metrics_endpoint(str(ROOT))

@@ -133,7 +133,8 @@ class Supervisor:
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
                "eos_ids": sorted(self.requests.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
-               "endpoints": {"control": self.rundir.endpoint("control"),
+               "endpoints": {"client": self.endpoint_arg or self.rundir.endpoint("client"),
+                             "control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),
                              "metrics": self.rundir.endpoint("metrics")},
@@ -218,7 +219,7 @@ class Supervisor:
 
     def _bind_client(self) -> None:
         rc = self.config.runtime
-        endpoint = self.endpoint_arg or self.rundir.endpoint("client")
+        endpoint = self.endpoint_arg or self.rundir.endpoint("client")  # run-config.json names it too
         if needs_curve(endpoint, rc.allow_remote):
             keys = KeyDir(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir())
             self.curve = CurveServer(self.ctx, keys)
