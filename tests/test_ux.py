@@ -143,7 +143,7 @@ def test_every_flag_of_every_command_has_help_showing_its_default(monkeypatch):
                 if not action.option_strings or isinstance(action, argparse._HelpAction):
                     continue
                 text = formatter._get_help_string(action) if action.help else ""
-                if not action.help or "default" not in text:
+                if not action.help or ("default" not in text and not action.required):
                     missing.append(f"{p.prog} {action.option_strings[0]}")
                 if re.search(r"issue \d+", text, re.I):
                     missing.append(f"{p.prog} {action.option_strings[0]}: internal words")
