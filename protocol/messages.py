@@ -213,6 +213,11 @@ class Generate:
     messages: list | None = None
     tools: list | None = None
     logprobs: int | None = None
+    top_k: int = 0                    # 0: off
+    min_p: float = 0.0                # 0: off
+    repetition_penalty: float = 1.0   # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @message("cancel")
@@ -391,6 +396,7 @@ def check_request(msg, limits: RequestLimits) -> None:
             raise BadRequest(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {msg.logprobs}")
         if msg.seed is not None and msg.seed < 0:
             raise BadRequest(f"seed must be an integer >= 0, got {msg.seed}")
+        _check_sampling(msg)
         if msg.stop is not None:
             if len(msg.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in msg.stop):
                 raise BadRequest(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
@@ -403,6 +409,22 @@ def check_request(msg, limits: RequestLimits) -> None:
                              f"would be a {need} byte reply, over the {limits.max_result_bytes} byte "
                              f"limit (the message limit, or the memory budget's reserve for replies); "
                              f"ask for at most {most} tokens per request")
+
+
+SAMPLING_OPTIONS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _check_sampling(msg: Generate) -> None:
+    if msg.top_k < 0:
+        raise BadRequest(f"top_k must be an integer >= 0 (0: off), got {msg.top_k}")
+    if not (math.isfinite(msg.min_p) and 0 <= msg.min_p <= 1):
+        raise BadRequest(f"min_p must be within [0, 1], got {msg.min_p}")
+    if not (math.isfinite(msg.repetition_penalty) and msg.repetition_penalty > 0):
+        raise BadRequest(f"repetition_penalty must be a finite number > 0, got {msg.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not (math.isfinite(value) and -2 <= value <= 2):
+            raise BadRequest(f"{name} must be within [-2, 2], got {value}")
 
 
 # --------------------------------------------------------------------------------------------

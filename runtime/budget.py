@@ -20,6 +20,9 @@ from deltafin.runtime.tensorfile import read_header
 PROCESS_OVERHEAD_FLOOR = 64 << 20  # the smallest tree measured (no metrics threads, small MLX heap)
 PROCESS_OVERHEAD_ESTIMATE = 128 << 20  # 4 interpreters + MLX + metrics threads, before dense weights: measured 98-105 MiB PSS on Linux
 MARGIN = 32 << 20
+MEASURE_QUANTUM = 8 << 20  # the measured tree is rounded up to this, so launches alike size the pool alike
+FEW_SLOTS = 0.25  # a share of the experts below which the plan says what would give more
+CONTEXT_FLOOR = 512  # compute.fit_context lowers max_context no further than this
 
 
 class BudgetError(RuntimeError):
@@ -125,7 +128,8 @@ class BudgetPlan:
     def size_pool(self, measured_tree: int, cap: int = 0) -> int:
         """Resident slots that fit once the workers are up (measured_tree already holds the dense
         weights), after the reserves and the staging tier; cap bounds them (0: none)."""
-        self.processes = max(0, measured_tree - self.dense)
+        measured = -(-measured_tree // MEASURE_QUANTUM) * MEASURE_QUANTUM
+        self.processes = max(0, measured - self.dense)
         self.check()
         room = self.budget - measured_tree - self.reserves - self.staging
         self.resident = tiers.split_resident(self.group_experts, self.resident_bytes, room, cap)
@@ -143,13 +147,83 @@ class BudgetPlan:
         per = sum(self.group_experts[g] * self.resident_bytes[g] for g in self.group_experts) / max(1, total)
         return int(self.dense + self.processes + self.reserves + self.staging + n_resident * per)
 
+    def estimated_slots(self) -> int:
+        """Resident slots before the workers exist: the process tree at its estimate."""
+        room = self.budget - self.dense - self.processes - self.reserves - self.staging
+        return sum(tiers.split_resident(self.group_experts, self.resident_bytes, room).values())
+
+    def explain(self, max_context: int, max_batch: int, chunk: int, note: str = "") -> list[str]:
+        """The plan as lines a person reads at start: each part of the budget, the expert slots as
+        a count and a share of all experts, and where the share is below FEW_SLOTS what gives
+        more (a smaller max_context, a larger budget). The same inputs give the same lines."""
+        total = sum(self.group_experts.values())
+        slots = self.n_slots or self.estimated_slots()
+        per = ", ".join(format_size(b) for b in self.resident_bytes.values())
+        lines = [f"memory plan for a {format_size(self.budget)} budget:",
+                 f"  dense weights      {format_size(self.dense)}",
+                 f"  KV cache           {format_size(self.kv_cache)} (max_context {max_context} "
+                 f"positions, shared by up to {max_batch} sequences)",
+                 f"  activations        {format_size(self.activations)} (prefill chunk {chunk} tokens)",
+                 f"  MLX buffer cache   {format_size(self.mlx_cache)}",
+                 f"  staging            {self.staging_slots} slots of {format_size(self.slot_bytes)}",
+                 f"  processes          {format_size(self.processes)}"
+                 + (f" + HTTP bodies {format_size(self.frontend)}" if self.frontend else ""),
+                 f"  expert slots       {slots} of {total} experts ({slots / max(1, total):.0%}), {per} each"]
+        if note:
+            lines.append(f"  {note}")
+        if slots < FEW_SLOTS * total:
+            lines.append("  few slots: every miss reads from disk; more slots with "
+                         + "; ".join(self.more_slots(max_context)))
+        return lines
+
+    def more_slots(self, max_context: int) -> list[str]:
+        """What gives more slots: a quarter of max_context (its KV reserve shrinks in
+        proportion where the layers keep every position), a budget giving FEW_SLOTS of the experts."""
+        total = sum(self.group_experts.values())
+        out = []
+        if max_context // 4 >= CONTEXT_FLOOR // 2 and self.kv_cache:
+            smaller = self.kv_cache - self.kv_cache // 4
+            per = max(self.resident_bytes.values())
+            out.append(f"--max-context {max_context // 4} (about {smaller // per} more)")
+        want = -(-int(FEW_SLOTS * total * 100) // 100)
+        out.append(f"--memory-budget {format_size(self.budget_for(want), up=True).replace(' ', '')} "
+                   f"(about {want})")
+        return out
+
     def to_dict(self) -> dict:
         out = asdict(self)
         del out["layouts"]
         return {**out, "n_slots": self.n_slots, "staging": self.staging, "minimum": self.minimum}
 
 
-def plan_budget(store: Store, config: Config) -> BudgetPlan:
+def fit_context(store: Store, config: Config, frontend: int = 0) -> str:
+    """With compute.fit_context, a max_context whose KV reserve would leave the expert slots
+    below FEW_SLOTS of the experts (estimated before start) is halved until it does not, down to
+    CONTEXT_FLOOR; config.compute.max_context is set to what was chosen. Returns a line saying
+    what was lowered and how to keep it ("" where nothing was)."""
+    cc = config.compute
+    if not cc.fit_context:
+        return ""
+    asked = context = cc.max_context
+    total = sum(tiers.group_sizes(store).values())
+    while context // 2 >= CONTEXT_FLOOR and _trial(store, config, context, frontend) < FEW_SLOTS * total:
+        context //= 2
+    if context == asked:
+        return ""
+    cc.max_context = context
+    return (f"max_context lowered from {asked} to {context} so the KV reserve leaves room for experts; "
+            f"--max-context {asked} (or compute.fit_context = false) keeps {asked}")
+
+
+def _trial(store: Store, config: Config, max_context: int, frontend: int) -> int:
+    plan = plan_budget(store, config, max_context)
+    plan.frontend = frontend
+    return plan.estimated_slots()
+
+
+def plan_budget(store: Store, config: Config, max_context: int = 0) -> BudgetPlan:
+    """The plan for this store and configuration (max_context: another context than the
+    configuration's, for fit_context's trials)."""
     cc = config.compute
     cast = dtype_itemsize(cc.dtype)
     dense = 0
@@ -166,7 +240,7 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
     plan = BudgetPlan(
         budget=config.runtime.budget_bytes,
         dense=dense,
-        kv_cache=kv_reserve_bytes(store.config, itemsize, cc.max_context, cc.kv_tokens, cc.max_batch),
+        kv_cache=kv_reserve_bytes(store.config, itemsize, max_context or cc.max_context, cc.kv_tokens, cc.max_batch),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

@@ -24,17 +24,21 @@ class ConfigError(ValueError):
 MAX_QUEUE = 4096  # requests waiting in compute, at most (each holds its request message)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
-          "tib": 1024**4}
+# A bare letter and the IEC names are powers of 1024 (400M = 400MiB, as docker and ulimit read
+# it); the SI names with B are powers of 1000 (6GB = 6 * 10^9 bytes). Case does not matter.
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2,
+          "mb": 1000**2, "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4,
+          "tb": 1000**4}
 
 
 def parse_size(text) -> int:
+    """Bytes from a size: a number of bytes, or a number and a unit (512MiB, 512M, 6GB)."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m[2].lower() not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r} (examples: 512MiB, 8GiB, 6GB)")
+        raise ConfigError(f"cannot read size {text!r} (examples: 512MiB or 512M = 512 x 2^20 bytes, "
+                          f"6GB = 6 x 10^9 bytes)")
     return round(float(m[1]) * _UNITS[m[2].lower()])
 
 
@@ -76,6 +80,7 @@ class RuntimeConfig:
 class ComputeConfig:
     dtype: str = "auto"
     max_context: int = 2048
+    fit_context: bool = True  # the supervisor may lower max_context for slots (runtime/budget.py, fit_context)
     prefill_chunk: int = 128
     expert_timeout_s: float = 60.0
     max_queue: int = 16
@@ -182,8 +187,8 @@ class Config:
 
     def validate(self) -> None:
         self._check_numbers()
-        if self.runtime.memory_budget != "auto":
-            parse_size(self.runtime.memory_budget)
+        if self.runtime.memory_budget != "auto" and parse_size(self.runtime.memory_budget) <= 0:
+            raise ConfigError(f"runtime.memory_budget {self.runtime.memory_budget!r} must be more than 0 bytes")
         if self.cache.policy not in (names := policy_names(online_only=True)):
             raise ConfigError(f"cache.policy {self.cache.policy!r} is not one of: {', '.join(names)}")
         if self.compute.dtype not in ("auto", *FLOAT_DTYPES):

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from deltafin.runtime.cli import Help
 from deltafin.runtime.directio import DirectFile, aligned_buffer, round_up
 from deltafin.runtime.store import ALIGN, Store, StoreError
 
@@ -150,7 +151,7 @@ def probe_disk(path_or_store, record_bytes: int | None = None, queue_depth: int 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltafin.runtime.diskprobe",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.runtime.diskprobe",
                                 description="Direct-read bandwidth of a store's expert files.")
     p.add_argument("store")
     p.add_argument("--queue-depth", default="1,4,8", help="comma-separated list (default 1,4,8)")

@@ -24,6 +24,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from deltafin.runtime.cli import Help
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 SERVER = "server"
 CLIENT = "client"
@@ -230,12 +232,12 @@ def client_credentials(keys: str | os.PathLike) -> tuple[bytes, bytes, bytes]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-keys", description="CURVE keys for a runtime served "
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-keys", description="CURVE keys for a runtime served "
                                 "to other machines (deltafin-supervisor --allow-remote).")
     p.add_argument("--dir", help=f"key directory (default: runtime.keys_dir, else {default_keys_dir()})")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("init", help="create the server key pair and a first client key pair")
-    add = sub.add_parser("add-client", help="create a key pair for one more client and allow it in")
+    sub.add_parser("init", formatter_class=Help, help="create the server key pair and a first client key pair")
+    add = sub.add_parser("add-client", formatter_class=Help, help="create a key pair for one more client and allow it in")
     add.add_argument("name")
     a = p.parse_args(argv)
     keys = KeyDir(Path(a.dir).expanduser() if a.dir else default_keys_dir())

@@ -45,6 +45,12 @@ class StoreError(Exception):
     """A store that is missing, corrupt, truncated or of an unknown version."""
 
 
+def is_checkpoint(path) -> bool:
+    """A Hugging Face or mlx-lm checkpoint directory: a config.json beside safetensors weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def checksum(data) -> str:
     return f"{crc32(data) & 0xFFFFFFFF:08x}"
 
@@ -289,6 +295,9 @@ class Store:
         self.path = Path(path)
         mpath = self.path / "manifest.json"
         if not mpath.exists():
+            if is_checkpoint(self.path):
+                raise StoreError(f"{self.path}: this is a checkpoint, not a deltafin store: run "
+                                 f"`deltafin-convert {self.path} OUT` (or `deltafin chat {self.path}`)")
             raise StoreError(f"{self.path}: not a deltafin store (no manifest.json)")
         try:
             m = json.loads(mpath.read_text())

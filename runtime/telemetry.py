@@ -269,6 +269,7 @@ class RunInfo:
     store: str
     metrics: str
     started: float
+    client: str = ""  # the client endpoint (the supervisor's READY line)
 
     def describe(self) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(self.started))
@@ -290,5 +291,21 @@ def live_runs(root: Path | None = None) -> list[RunInfo]:
             continue  # another tool's directory, a run starting or one from before the stream
         if pid_alive(pid):
             found.append(RunInfo(run.name, pid, cfg.get("store", "?"), endpoint,
-                                 (run / RUN_CONFIG).stat().st_mtime))
+                                 (run / RUN_CONFIG).stat().st_mtime, cfg["endpoints"].get("client", "")))
     return sorted(found, key=lambda r: r.started)
+
+
+def metrics_endpoint(given: str, root: Path | None = None) -> str:
+    """The metrics endpoint of what a user names: a run directory (its run-config.json says),
+    a running supervisor's client endpoint (its READY line), or a metrics endpoint as it is."""
+    path = Path(given).expanduser()
+    if path.is_dir():
+        try:
+            return json.loads((path / RUN_CONFIG).read_text())["endpoints"]["metrics"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ValueError(f"{given}: not a deltafin run directory (no {RUN_CONFIG} naming "
+                             f"a metrics endpoint)") from None
+    for run in live_runs(root):
+        if given in (run.client, run.metrics):
+            return run.metrics
+    return given

@@ -115,14 +115,14 @@ class TextSide:
                        logprobs=lps if self.req.logprobs is not None else None)
 
     def _stop_at(self, start: int) -> int | None:
-        """Where the first stop string (in the request's order) that occurs from `start` on
-        begins; the text before `start` was scanned at earlier tokens."""
-        for s in self.stops:
-            at = self.text.find(s, start)
-            if at >= 0:
-                self.stop_string = s
-                return at
-        return None
+        """Where the earliest stop string occurring from `start` on begins (whichever of the
+        request's stops it is, kept as `stop_string`); the text before `start` was scanned at
+        earlier tokens."""
+        found = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]
+        if not found:
+            return None
+        at, self.stop_string = min(found, key=lambda f: f[0])
+        return at
 
     def _may_stop(self) -> bool:
         """True when the unsent text ends with the start of a stop string."""

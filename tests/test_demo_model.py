@@ -190,7 +190,7 @@ def test_demo_command_streams_an_answer_under_its_budget(store):
     assert len(r.stdout.split()) >= 4
     assert "verified 240 expert records" in r.stderr
     assert "stage latencies" in r.stderr and "time split: compute" in r.stderr
-    slots = int(re.search(r"(\d+) expert slots of", r.stderr)[1])
+    slots = int(re.search(r"(\d+) expert slots in the resident tier", r.stderr)[1])
     assert 2 <= slots < len(store.records)  # the budget is smaller than the expert store
 
 

@@ -146,9 +146,9 @@ def test_all_resident_decode_still_records_its_routing_where_a_trace_is_recorded
 def test_sampling_takes_rows_and_draws_from_the_nucleus_in_vocabulary_order():
     probs = np.array([[0.05, 0.3, 0.5, 0.15]], dtype=np.float32)  # nucleus at 0.7: tokens 2 and 1
     logits = mx.array(np.log(probs)).astype(mx.bfloat16)
-    greedy = sample_on_device(logits, 0.0, 1.0, None, mx.bfloat16)
+    greedy = sample_on_device(logits, M.Generate(id=0, prompt="x"), None, mx.bfloat16)
     assert greedy.shape == (1,) and greedy.tolist() == [2]
-    both = sample_on_device(mx.concatenate([logits, logits[:, ::-1]]), 0.0, 1.0, None)
+    both = sample_on_device(mx.concatenate([logits, logits[:, ::-1]]), M.Generate(id=0, prompt="x"), None)
     assert both.tolist() == [2, 1]
-    drawn = {int(sample_on_device(logits, 1.0, 0.7, mx.random.key(s)).item()) for s in range(64)}
+    drawn = {int(sample_on_device(logits, M.Generate(id=0, prompt="x", temperature=1.0, top_p=0.7), mx.random.key(s)).item()) for s in range(64)}
     assert drawn == {1, 2}

@@ -149,7 +149,7 @@ def test_a_temperature_below_the_floor_is_greedy():
     # logits of a real model's size: divided by 1e-38 in float32, most of them overflow to inf
     logits = mx.array(np.linspace(0, 20, 512, dtype=np.float32)[None, :] + 25 * np.eye(1, 512, 7, dtype=np.float32))
     for t in (1e-38, 1e-20, 1e-6):
-        drawn = {int(sample_on_device(logits, t, 1.0, mx.random.key(s)).item()) for s in range(32)}
+        drawn = {int(sample_on_device(logits, M.Generate(id=0, prompt="x", temperature=t), mx.random.key(s)).item()) for s in range(32)}
         assert drawn == {7}, (t, drawn)
     assert M.greedy(0.0) and M.greedy(M.GREEDY_BELOW_TEMPERATURE / 2)
     assert not M.greedy(M.GREEDY_BELOW_TEMPERATURE)

@@ -133,7 +133,7 @@ def test_replay_report_and_cli(tmp_path, capsys):
     assert rep["policy"]["policy"] == "lfuda" and rep["n_layers"] == 1
 
     out = tmp_path / "r.json"
-    assert R.main([str(tmp_path / "x-dev.npz"), "--cache-frac", "0.375", "--json", str(out)]) == 0
+    assert R.main([str(tmp_path / "x-dev.npz"), "--cache-frac", "0.375", "--policy", "lru", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["n_experts"] == 8 and got["n_slots"] == 3 and got["policy"]["hit_rate"] == 0.25
     assert got["record_bytes"] == 4_866_048

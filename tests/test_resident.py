@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from deltafin.protocol import messages as M
-from deltafin.runtime import tiers
+from deltafin.runtime import budget as budget_module, tiers
 from deltafin.runtime.budget import plan_budget
 from deltafin.runtime.config import load_config
 from deltafin.runtime.models.switch import switch_glu, uniform_quant
@@ -194,7 +194,8 @@ def test_budget_counts_both_tiers(tiny_stores):
     assert plan.minimum == (plan.dense + plan.processes + plan.reserves + plan.staging
                             + store.top_k * per)
     # sizing: what is left after the measured tree, the reserves and the staging ring
-    measured = plan.dense + 80 * 2**20
+    quantum = budget_module.MEASURE_QUANTUM  # the measurement is rounded up to it: take one on it
+    measured = -(-(plan.dense + 80 * 2**20) // quantum) * quantum
     budget = plan.budget_for(5)
     plan.budget = budget + (measured - plan.dense - plan.processes)
     assert plan.size_pool(measured) == 5 and plan.resident == {group: 5}

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.runtime import metrics
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.procs import stop_process
 from deltafin.runtime.store import Store
@@ -507,7 +508,7 @@ def prepare_peers(peers: list[str], store: Store, ckpt: Path | None, ckpt_error:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-bench", description=__doc__.splitlines()[0])
     p.add_argument("--store", help=f"expert store (default: the {PRESET_DEFAULT} preset, built once in the cache)")
     p.add_argument("--preset", default=PRESET_DEFAULT, help="deltafin-synth bench preset when --store is not given")
     p.add_argument("--layers", type=int, help="layers of the preset store (default: the preset's own)")
@@ -524,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(round 1: every contender, then round 2, ...); the report gives medians and the spread")
     p.add_argument("--standin-moe-ms", type=float, help="stand-in wait per MoE layer (default: config)")
     p.add_argument("--standin-dense-ms", type=float, help="stand-in wait per dense layer (default: config)")
-    p.add_argument("--prompt-tokens", type=int)
+    p.add_argument("--prompt-tokens", type=int, help="prompt tokens per request (default: 16, 8 with --quick)")
     p.add_argument("--max-tokens", type=int, help="tokens generated per contender (both regimes)")
     p.add_argument("--dtype", default="float32", help="compute dtype of deltafin (float32: fast on the MLX CPU)")
     p.add_argument("--mlxlm-dtype", help="cast mlx-lm's float weights (default: the checkpoint's, as mlx-lm runs)")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deltafin.client import Client
 from deltafin.runtime import tiers
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import parse_size
 from deltafin.runtime.store import Store
 
@@ -142,7 +143,7 @@ def ttft(ep: str, busy: int, prompt_tokens: int, timeout: float, rounds: int) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-bench-concurrency", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-bench-concurrency", description=__doc__.splitlines()[0])
     p.add_argument("--store", default=str(Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache/deltafin"))
                                           / "demo-store"))
     p.add_argument("--concurrency", default="1,2,4,8")

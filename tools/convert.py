@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.runtime import archinfo, quantmodes
+from deltafin.runtime.cli import Help
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.store import TOKENIZER_FILES, Store, StoreError, StoreWriter
 from deltafin.runtime.tensorfile import TensorFileError, TensorRef, index_checkpoint
@@ -365,7 +366,7 @@ def verify(path, progress: bool = True) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-convert",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-convert",
                                 description="Convert a Hugging Face or mlx-lm MoE checkpoint into a "
                                             "deltafin expert store, or verify a store.")
     p.add_argument("paths", nargs="+", metavar="SRC OUT", help="SRC OUT to convert; OUT with --verify")
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
                    help="mlx-lm's mixed recipe: per layer and projection bits (affine)")
     p.add_argument("--verify", action="store_true", help="re-read every record and check checksums")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="print no progress lines")
     a = p.parse_args(argv)
     try:
         if a.verify:

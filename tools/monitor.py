@@ -29,8 +29,10 @@ from pathlib import Path
 import zmq
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.cli import Help
 from deltafin.runtime.shm import pid_alive
-from deltafin.runtime.telemetry import STAGES, WINDOW_S, WINDOW_SERIES, RunInfo, live_runs, window_figures
+from deltafin.runtime.telemetry import (STAGES, WINDOW_S, WINDOW_SERIES, RunInfo, live_runs,
+                                       metrics_endpoint, window_figures)
 
 LOST_AFTER_S = 2.0      # no snapshot for this long (8 publish intervals): the supervisor is gone
 RESCAN_S = 1.0          # how often the run directories are scanned while looking for a supervisor
@@ -342,11 +344,12 @@ def _no_snapshot(feed: Feed, timeout: float) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-monitor",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-monitor",
                                 description="Live view of a running deltafin supervisor: stage latencies, "
                                             "throughput, cache, SSD, memory, resident experts.")
-    p.add_argument("--endpoint", help="metrics endpoint (default: the one running supervisor, found in "
-                                      "its run directory)")
+    p.add_argument("--endpoint", help="the supervisor to watch: its client endpoint (the READY line), "
+                                      "its run directory, or its metrics endpoint (default: the one "
+                                      "running supervisor, found in its run directory)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="JSON output (one line per snapshot; with --once, one)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a snapshot (--once, --json)")
@@ -355,6 +358,11 @@ def main(argv=None) -> int:
     p.add_argument("--screenshot", metavar="OUT.svg", help="run headless, save an SVG after --after seconds")
     p.add_argument("--after", type=float, default=10.0, help="seconds before --screenshot (default 10)")
     a = p.parse_args(argv)
+    try:
+        a.endpoint = metrics_endpoint(a.endpoint) if a.endpoint else None
+    except ValueError as e:
+        print(f"deltafin-monitor: error: {e}", file=sys.stderr)
+        return 2
     feed = Feed(a.endpoint)
     try:
         if a.once or a.json:

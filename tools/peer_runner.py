@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from deltafin.runtime.cli import Help
 from deltafin.tools.mlxlm_runner import Report, parse_ids, peak_rss_bytes, run_reported
 
 PEERS = {"mlx-vlm": "mlx_vlm", "rapid-mlx": "rapid_mlx"}  # contender -> the package it needs
@@ -204,7 +205,7 @@ def run(peer: str, path: Path, cache_gb: float, prompt_ids: list[int], max_token
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deltafin.tools.peer_runner",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.tools.peer_runner",
                                 description="Greedy generation by a real peer (mlx-vlm, rapid-mlx); figures as JSON.")
     p.add_argument("--peer", required=True, choices=tuple(PEERS))
     p.add_argument("--model", required=True, help="the peer's layout (build_layout makes it from an mlx-lm checkpoint)")

@@ -26,6 +26,8 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.cache import POLICIES, Policy, Predictive, make_policy, policy_names
+from deltafin.runtime.cli import Help
+from deltafin.runtime.config import load_config
 from deltafin.runtime.directio import round_up
 from deltafin.runtime.store import ALIGN, Store, StoreError, record_layout
 from deltafin.runtime.traces import Trace, TraceError, load_trace
@@ -35,6 +37,8 @@ from deltafin.workers.sources import drive_need
 # Expert counts of the MoE models deltafin knows (Mixtral 8, Qwen2-MoE 60, OLMoE/DSV2-Lite 64,
 # Qwen3 128, DeepSeek-V2 160, DeepSeek-V3 256, Kimi-K2 384): a trace may never use the
 # highest ids, so the count inferred from the ids is rounded up to the next of these.
+PROGRESS_EVERY = 256  # tokens between progress calls
+PROGRESS_S = 2.0  # seconds between progress lines at most
 KNOWN_EXPERT_COUNTS = (8, 16, 32, 40, 60, 64, 128, 160, 256, 384)
 
 
@@ -98,7 +102,7 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
            record_bytes=DSV2_LITE_RECORD_BYTES, per_step: bool = False,
            prefetch: bool | dict = False, n_experts: int | None = None,
            policy_options: dict | None = None, predictor_options: dict | None = None,
-           n_staging: int | None = None, history: str | None = None) -> dict:
+           n_staging: int | None = None, history: str | None = None, progress=None) -> dict:
     """Replays the trace through a `Router`; returns the hit rate and read volume.
 
     `record_bytes`: the bytes of one expert read, or a sequence of them per MoE layer of the
@@ -153,6 +157,10 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
             if steps is not None:
                 steps[t, layer] = counters.get("reads") - counters.get("prefetch_reads") - before
         router.end_pass()  # end of the token's forward pass
+        if progress is not None and (t + 1) % PROGRESS_EVERY == 0:
+            progress(router.policy_name, t + 1, ids.shape[0])
+    if progress is not None:
+        progress(router.policy_name, ids.shape[0], ids.shape[0])
     stats = router.stats()
     uses, hits, reads, tokens = stats.get("uses", 0), stats.get("hits", 0), stats.get("reads", 0), ids.shape[0]
     out = {"policy": router.policy_name, "n_slots": n_slots, "tokens": tokens, "uses": uses, "hits": hits,
@@ -184,7 +192,7 @@ def add_recall(with_prefetch: dict, without: dict) -> None:
 def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
                   record_bytes=DSV2_LITE_RECORD_BYTES, n_experts: int | None = None,
                   prefetch: bool | dict = False, policy_options: dict | None = None,
-                  history: str | None = None) -> dict:
+                  history: str | None = None, progress=None) -> dict:
     """`policy` on the trace at a cache of `cache_frac` of all experts, with LRU and Belady on the
     same trace and cache size as references (keys "policy", "lru", "belady"). With `prefetch`,
     "policy" is replayed with it and "no_prefetch" without (for prefetch_recall)."""
@@ -195,7 +203,8 @@ def replay_report(trace: Trace, cache_frac: float, policy: str = "lru",
 
     def run(name, pf=False):
         return replay(trace, n_slots, name, record_bytes, prefetch=pf, n_experts=n_experts,
-                      policy_options=policy_options if name == policy else None, history=history)
+                      policy_options=policy_options if name == policy else None, history=history,
+                      progress=progress)
     runs = {"policy": run(policy, prefetch)}
     if prefetch:
         runs["no_prefetch"] = run(policy)
@@ -237,13 +246,27 @@ def format_table(reports: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+class Progress:
+    """Prints a replay's progress to stderr at most every PROGRESS_S seconds."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def __call__(self, policy: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S or done == total:
+            self.last = now
+            print(f"deltafin-replay: {policy}: {done:,} of {total:,} tokens", file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deltafin-replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="routing trace .npz (docs/TRACES.md)")
     ap.add_argument("--cache-frac", type=float, required=True,
                     help="cache size as a share of all experts (n_layers x n_experts), e.g. 0.25")
-    ap.add_argument("--policy", default="lru", choices=policy_names(),
-                    help="replacement policy (default lru); lru and belady are always reported too")
+    ap.add_argument("--policy", default=load_config().cache.policy, choices=policy_names(),
+                    help="replacement policy (default: the runtime's, cache.policy); lru and belady "
+                         "are always reported too")
     ap.add_argument("--rank", choices=Predictive.RANKS, default="probability",
                     help="eviction order of the predictive policy (default probability; recency "
                          "measured better at 10%% of the experts)")
@@ -298,7 +321,7 @@ def main(argv=None) -> int:
             reports[label] = {"trace": str(path), **replay_report(
                 trace, args.cache_frac, args.policy, record_bytes, args.experts, prefetch,
                 {"rank": args.rank} if args.policy == "predictive" else None,
-                str(args.history) if args.history else None)}
+                str(args.history) if args.history else None, Progress())}
     except (TraceError, RouterError, StoreError) as e:
         print(f"deltafin-replay: {e}", file=sys.stderr)
         return 2

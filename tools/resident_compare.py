@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from deltafin.runtime.cli import Help
+
 
 def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds: int,
         sync_every_layer: bool = False, log=print) -> dict:
@@ -100,7 +102,7 @@ def run(store_path: str, mlx_model: str, prompt: list[int], tokens: int, rounds:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-resident-compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-resident-compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--store", required=True)
     p.add_argument("--mlx-model", required=True, help="the mlx-lm checkpoint of the same weights")
     p.add_argument("--prompt-ids", default="1,17,42,99,3,250,7,301,64,12,5,400")

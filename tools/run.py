@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 from deltafin.client import Client, DeltafinError
+from deltafin.runtime.cli import Help
 from deltafin.runtime.procs import stop_process
 
 
@@ -129,24 +130,24 @@ def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | Non
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="deltafin-run", description="Generate once: start the runtime, "
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-run", description="Generate once: start the runtime, "
                                 "stream the answer, print stage latencies, shut down.")
-    p.add_argument("--model", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--memory-budget")
+    p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
+    p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--config")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh one)")
+    p.add_argument("--config", help="TOML file overriding configs/default.toml")
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
     p.add_argument("--policy", help="slot replacement policy (cache.policy)")
     p.add_argument("--record-trace", metavar="OUT.npz", help="record the routing of every token processed")
     p.add_argument("--routing-trace", metavar="TRACE.npz", help="route MoE layers from this trace, not the gate")
     p.add_argument("--standin", action="store_true", help="replace each layer's math by a wait")
-    p.add_argument("--standin-moe-ms", type=float, metavar="MS")
-    p.add_argument("--standin-dense-ms", type=float, metavar="MS")
+    p.add_argument("--standin-moe-ms", type=float, metavar="MS", help="stand-in wait per MoE layer (default: config)")
+    p.add_argument("--standin-dense-ms", type=float, metavar="MS", help="stand-in wait per dense layer (default: config)")
     a = p.parse_args(argv)
     return run_once(a.model, a.prompt, a.max_tokens, a.memory_budget, a.chat, a.temperature,
                     a.top_p, a.seed, a.config, supervisor_args=supervisor_flags(a))

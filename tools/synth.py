@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from deltafin.runtime import archinfo
+from deltafin.runtime.cli import Help
 from deltafin.runtime.layerkinds import RecurrentState
 from deltafin.runtime.tensorfile import SafetensorsSpool
 from deltafin.tools.convert import progress_bar
@@ -869,36 +870,36 @@ def _cmd_bench(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deltafin-synth", description="Synthetic MoE checkpoints and stores.")
+    ap = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-synth", description="Synthetic MoE checkpoints and stores.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tiny", help="tiny random Hugging Face checkpoint")
+    t = sub.add_parser("tiny", formatter_class=Help, help="tiny random Hugging Face checkpoint")
     t.add_argument("arch", choices=TINY_ARCHS)
     t.add_argument("out")
     t.add_argument("--layers", type=int, default=None, help="default 2 (3 for deepseek: first is dense)")
-    t.add_argument("--experts", type=int, default=8)
-    t.add_argument("--top-k", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=128)
-    t.add_argument("--moe-intermediate", type=int, default=128)
-    t.add_argument("--vocab", type=int, default=512)
-    t.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--shards", type=int, default=1)
+    t.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    t.add_argument("--top-k", type=int, default=2, help="experts each token uses per layer")
+    t.add_argument("--hidden", type=int, default=128, help="hidden size")
+    t.add_argument("--moe-intermediate", type=int, default=128, help="an expert's intermediate size")
+    t.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    t.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32", help="dtype of every tensor")
+    t.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    t.add_argument("--shards", type=int, default=1, help="safetensors files the weights are split into")
     t.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2: use q_a/q_b projections")
     t.add_argument("--set", type=_key_json, action="append", default=[], metavar="KEY=JSON",
                    help="override a config.json key, value in JSON (repeatable): --set n_group=2 "
                         "--set tie_word_embeddings=true --set 'rope_parameters={\"rope_type\": \"default\"}'")
     t.set_defaults(func=_cmd_tiny)
 
-    b = sub.add_parser("bench", help="full-size random store in deltafin's format")
+    b = sub.add_parser("bench", formatter_class=Help, help="full-size random store in deltafin's format")
     b.add_argument("preset", choices=tuple(PRESETS))
     b.add_argument("out")
     b.add_argument("--layers", type=int, default=None, help="override the layer count")
-    b.add_argument("--bits", type=int, default=4)
-    b.add_argument("--group-size", type=int, default=64)
+    b.add_argument("--bits", type=int, default=4, help="bits per quantized expert weight")
+    b.add_argument("--group-size", type=int, default=64, help="weights sharing one scale and bias")
     b.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16",
                    help="dtype of scales, norms and unquantized dense weights")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="random seed of the data")
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
     b.set_defaults(func=_cmd_bench)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from deltafin.workers.openai_api import ApiError, _number, message_text
+from deltafin.workers.openai_api import ApiError, _number, message_text, penalties
 from deltafin.workers.toolcalls import ReplySplitter, split_reply
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -99,8 +99,6 @@ def messages_request(body: dict) -> tuple[list[dict], dict]:
     stop = body.get("stop_sequences")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "stop_sequences must be a list of strings", param="stop_sequences")
-    if body.get("top_k") is not None:
-        raise ApiError(400, "top_k is not supported", param="top_k")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
@@ -110,7 +108,7 @@ def messages_request(body: dict) -> tuple[list[dict], dict]:
                   "top_p": float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)), "seed": None,
                   "stop": [s for s in stop if s] or None if stop else None, "stream": stream,
                   "include_usage": False, "tools": tools, "parse_tools": tools, "logprobs": None,
-                  "parallel_tool_calls": parallel}
+                  "parallel_tool_calls": parallel, **penalties({"top_k": body.get("top_k")} if body.get("top_k") else {})}
 
 
 def _event(name: str, data: dict) -> str:

@@ -45,8 +45,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
 from deltafin.protocol.messages import short
+from deltafin.runtime.cli import Help
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
+from deltafin.workers.http_auth import API_KEY_ENV, BearerAuth
 from deltafin.runtime.config import HttpConfig
 from deltafin.workers.anthropic_api import MessagesShape, messages_request
 from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, completion_request,
@@ -107,7 +109,7 @@ class HttpFrontend:
 
     def __init__(self, endpoint: str, timeout: float = 120.0, keys: str | None = None,
                  connect_timeout: float = 60.0, max_body: int = HttpConfig().body_bytes,
-                 body_timeout: float = HttpConfig().body_timeout_s):
+                 body_timeout: float = HttpConfig().body_timeout_s, api_key: str | None = None):
         self.pool = ClientPool(endpoint, timeout, keys)
         info = self.pool.connect(connect_timeout)
         self.store_path = info.model  # the runtime's store, named in `welcome`
@@ -127,6 +129,8 @@ class HttpFrontend:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics, methods=["GET"])]
         self.app = Starlette(routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed})
+        if api_key:
+            self.app.add_middleware(BearerAuth, key=api_key)
         self.app.add_middleware(_CountRequests, counts=self.http_counts)
 
     def close(self) -> None:
@@ -480,7 +484,7 @@ class AnnouncingServer(uvicorn.Server):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="deltafin-http", description=(
+    ap = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-http", description=(
         "OpenAI- and Anthropic-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
         "/v1/messages, /health, "
         "/metrics) in front of a running deltafin runtime."))
@@ -503,6 +507,8 @@ def main(argv=None) -> int:
                     help="seconds a kept-alive connection may stay silent (http.idle_timeout_s)")
     ap.add_argument("--max-body-bytes", type=int, default=d.body_bytes,
                     help="the largest request body; larger ones get 413 (http.max_body_bytes)")
+    ap.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every request but /health "
+                                      f"(default: ${API_KEY_ENV}, else none)")
     ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     a = ap.parse_args(argv)
     if a.parent_pid:
@@ -517,7 +523,7 @@ def main(argv=None) -> int:
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:
         front = HttpFrontend(a.endpoint, timeout=a.timeout, keys=a.keys, max_body=a.max_body_bytes,
-                             body_timeout=a.body_timeout)
+                             body_timeout=a.body_timeout, api_key=a.api_key or os.environ.get(API_KEY_ENV))
     except (DeltafinError, OSError) as e:
         print(f"deltafin-http: error: cannot reach the runtime at {a.endpoint}: {e}", file=sys.stderr)
         return 1

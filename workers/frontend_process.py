@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from deltafin.runtime.procs import stop_process
+from deltafin.workers.http_auth import API_KEY_ENV
 from deltafin.runtime.security import LOOPBACK_HOSTS, default_keys_dir
 
 LISTENING = "LISTENING"        # the child's one stdout line once it serves: `LISTENING http://...`
@@ -49,8 +50,9 @@ class FrontendProcess:
     that started it, so that thread lives as long as any child it started."""
 
     def __init__(self, endpoint: str, listen: str, allow_remote: bool = False, keys: str | None = None,
-                 log=None, announce=None, limits: dict | None = None):
+                 log=None, announce=None, limits: dict | None = None, api_key: str | None = None):
         self.endpoint, self.allow_remote, self.keys = endpoint, allow_remote, keys
+        self.api_key = api_key  # handed to the child in its environment, never on its command line
         self.limits = limits or {}  # deltafin-http's limit flags: {"header-timeout": 10.0, ...}
         self.host, self.port = parse_listen(listen, allow_remote)
         self.log = log or (lambda m: print(f"deltafin-http: {m}", file=sys.stderr, flush=True))
@@ -63,13 +65,14 @@ class FrontendProcess:
         self._thread = threading.Thread(target=self._run, name="http-frontend", daemon=True)
 
     @classmethod
-    def for_runtime(cls, endpoint: str, listen: str, config, curve: bool) -> "FrontendProcess":
+    def for_runtime(cls, endpoint: str, listen: str, config, curve: bool,
+                    api_key: str | None = None) -> "FrontendProcess":
         """The supervisor's frontend: CURVE keys where the endpoint has them, the [http] limits;
         the supervisor announces its URL itself."""
         rc = config.runtime
         keys = str(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir()) if curve else None
         return cls(endpoint, listen, rc.allow_remote, keys, announce=lambda url: None,
-                   limits=limit_flags(config.http))
+                   limits=limit_flags(config.http), api_key=api_key)
 
     def start(self) -> None:
         self._thread.start()
@@ -92,8 +95,9 @@ class FrontendProcess:
             cmd += [f"--{flag}", str(value)]
         # Its own session: a terminal's Ctrl-C reaches the supervisor, which stops the frontend
         # itself, rather than both at once (which would look like a death to restart from).
+        env = {**os.environ, API_KEY_ENV: self.api_key} if self.api_key else None
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
     def _await_listening(self, p: subprocess.Popen, timeout: float) -> str | None:
         deadline, buf = time.monotonic() + timeout, b""

@@ -12,6 +12,7 @@ import math
 from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMismatch, RequestError,
                              RuntimeBusy, RuntimeDeadError, RuntimeRestarting, RuntimeStopping,
                              RuntimeUnavailable)
+from deltafin.protocol import messages as M
 from deltafin.protocol.messages import MAX_ERROR_CHARS
 from deltafin.runtime.tokenizer import TOO_LONG
 
@@ -103,9 +104,6 @@ def sampling(body: dict, max_tokens_default: int | None) -> dict:
     honour are refused, not ignored, unless they hold their neutral value."""
     if _number(body, "n", 1, 1, integer=True) != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, 0, -2, 2) != 0:
-            raise ApiError(400, f"'{key}' is not supported (only 0)", param=key)
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
     max_tokens = body.get("max_completion_tokens")
@@ -128,7 +126,17 @@ def sampling(body: dict, max_tokens_default: int | None) -> dict:
     return {"max_tokens": max_tokens, "temperature": float(_number(body, "temperature", 1.0, 0)),
             "top_p": float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)), "seed": seed,
             "stop": ([s for s in stop if s] or None) if stop else None, "stream": stream,
-            "include_usage": bool(opts.get("include_usage")) and stream}
+            "include_usage": bool(opts.get("include_usage")) and stream, **penalties(body)}
+
+
+def penalties(body: dict) -> dict:
+    """top_k, min_p and the repetition, presence and frequency penalties (llama.cpp's and
+    OpenAI's names; the runtime's definitions in docs/PROTOCOL.md), neutral where absent."""
+    return {"top_k": _number(body, "top_k", 0, 0, integer=True),
+            "min_p": float(_number(body, "min_p", 0.0, 0, 1)),
+            "repetition_penalty": float(_number(body, "repetition_penalty", 1.0, 0, lo_open=True)),
+            "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
+            "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2))}
 
 
 def message_text(content, i: int) -> str:
@@ -273,7 +281,7 @@ def chat_request(body: dict) -> tuple[list[dict], dict]:
 
 def generate_args(p: dict) -> dict:
     """The Client.generate / Client.stream keywords of the request's parameters."""
-    args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+    args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop", *M.SAMPLING_OPTIONS)}
     for key in ("tools", "logprobs"):
         if p.get(key) is not None:
             args[key] = p[key]

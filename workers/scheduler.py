@@ -15,6 +15,7 @@ answered with is decided here (`finished`, `error_reply`); sending it is the pro
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,26 +32,60 @@ if TYPE_CHECKING:
     from deltafin.workers.engine import Compute
 
 
-def sample_on_device(logits, temperature: float, top_p: float, key, dtype=None):
+PENALTY_CONTEXT = 20  # the last tokens (prompt and answer) the penalties look at, as mlx-lm's default
+
+
+def penalize(logits, req: M.Generate, history):
+    """The repetition, presence and frequency penalties of req on logits [1, vocab], in their
+    dtype, over `history` (the last PENALTY_CONTEXT token ids, on the device), in mlx-lm's order
+    and arithmetic: a token that occurs there has its logit divided by repetition_penalty
+    (multiplied where negative), then presence_penalty subtracted once, then frequency_penalty
+    subtracted once per occurrence (one rounding each, as a scatter-subtract does)."""
+    seen = mx.zeros((logits.shape[-1],), dtype=mx.bool_).at[history].add(True)
+    if req.repetition_penalty != 1.0:
+        p = req.repetition_penalty
+        logits = mx.where(seen, mx.where(logits < 0, logits * p, logits / p), logits)
+    if req.presence_penalty:
+        logits = mx.where(seen, logits - req.presence_penalty, logits)
+    if req.frequency_penalty:
+        logits = logits.at[:, history].subtract(req.frequency_penalty)
+    return logits
+
+
+def penalized(req: M.Generate) -> bool:
+    return req.repetition_penalty != 1.0 or bool(req.presence_penalty) or bool(req.frequency_penalty)
+
+
+def sample_on_device(logits, req: M.Generate, key, dtype=None, history=None):
     """The next token of each row of logits [R, vocab] (R tokens, [R]), on the device (lazy: read
-    back one step later). Greedy is the argmax of the log-probabilities computed in the model's
-    dtype `dtype`, as mlx-lm's generate_step computes them: in bfloat16, subtracting the
-    log-sum-exp can round two neighbouring logits to one value, and the lower token id then wins
-    there too; a temperature below M.GREEDY_BELOW_TEMPERATURE is greedy as well. Otherwise
+    back one step later), with req's settings. The penalties go first (`penalize`, where history
+    is given). Greedy is the argmax of the log-probabilities computed in the model's dtype
+    `dtype`, as mlx-lm's generate_step computes them: in bfloat16, subtracting the log-sum-exp
+    can round two neighbouring logits to one value, and the lower token id then wins there too;
+    a temperature below M.GREEDY_BELOW_TEMPERATURE is greedy as well. Otherwise
     softmax(logits / temperature) restricted to the smallest set of most likely tokens whose
-    probability reaches top_p, drawn with `key`."""
-    if M.greedy(temperature):
+    probability reaches top_p, then to those at least min_p times as likely as the most likely
+    one, then to the top_k most likely, drawn with `key`."""
+    if history is not None:
+        logits = penalize(logits.astype(dtype or logits.dtype), req, history)
+    if M.greedy(req.temperature):
         row = logits.astype(dtype or logits.dtype)  # exact: the model's own values (no op if already)
         return mx.argmax(row - mx.logsumexp(row, axis=-1, keepdims=True), axis=-1)
-    z = logits.astype(mx.float32) / temperature
-    if top_p < 1:
+    z = logits.astype(mx.float32) / req.temperature
+    if req.top_p < 1:
         probs = mx.softmax(z, axis=-1)
         order = mx.argsort(-probs, axis=-1)
         ranked = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(ranked, axis=-1) - ranked  # probability of the tokens ranked above
         # back to vocabulary order
-        drop = mx.take_along_axis(before >= top_p, mx.argsort(order, axis=-1), axis=-1)
+        drop = mx.take_along_axis(before >= req.top_p, mx.argsort(order, axis=-1), axis=-1)
         z = mx.where(drop, -mx.inf, z)
+    if req.min_p > 0:
+        logprobs = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        z = mx.where(logprobs < mx.max(logprobs, axis=-1, keepdims=True) + math.log(req.min_p), -mx.inf, z)
+    if 0 < req.top_k < z.shape[-1]:
+        beyond = mx.argpartition(-z, kth=req.top_k - 1, axis=-1)[..., req.top_k:]
+        z = mx.put_along_axis(z, beyond, mx.array(-mx.inf, dtype=z.dtype), axis=-1)
     return mx.random.categorical(z, key=key)
 
 
@@ -82,6 +117,15 @@ class Sequence:
             return None
         self.key, sub = mx.random.split(self.key)
         return sub
+
+    def history(self, token, early: bool):
+        """The last PENALTY_CONTEXT tokens before the one this pass samples, on the device (None
+        where no penalty is asked); early: `token` (this pass's input, [1]) is not in out_ids yet."""
+        if not penalized(self.req):
+            return None
+        known = (self.prompt + self.out_ids)[-(PENALTY_CONTEXT - early):]
+        ids = mx.array(known, dtype=mx.uint32)
+        return mx.concatenate([ids, token.astype(mx.uint32).reshape(-1)]) if early else ids
 
     @property
     def head(self) -> list:
@@ -220,7 +264,7 @@ class Scheduler:
         # Early only where every row is still wanted: a row whose sequence left has no cache.
         if (not hold and c.experts.can_overlap() and step.seqs == self.active
                 and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
-            self.ahead = self.launch(step.seqs, step.tokens)
+            self.ahead = self.launch(step.seqs, step.tokens, early=True)
         toks = self.read(step)
         t0, produced = time.perf_counter(), 0
         for seq, tok, lp in zip(step.seqs, toks, step.logprobs):
@@ -242,7 +286,9 @@ class Scheduler:
         self.counters.add("decode_bytes", c.experts.counters.get("bytes") - bytes0)
         self.loop["accept"] += time.perf_counter() - t0
 
-    def launch(self, seqs: list, tokens) -> Step:
+    def launch(self, seqs: list, tokens, early: bool = False) -> Step:
+        """A pass over seqs taking `tokens`; early: they are the last pass's sampled tokens, not
+        read yet (not in the sequences' out_ids)."""
         c = self.compute
         t0 = time.perf_counter()
         if not isinstance(tokens, mx.array):
@@ -252,8 +298,8 @@ class Scheduler:
         # In the model's dtype (sample_on_device casts where it needs float32), each row sampled
         # on its own [1, vocab] slice: one sequence's tokens are its sampler's output as it is.
         logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
-        toks = [sample_on_device(logits if len(seqs) == 1 else logits[b:b + 1], s.req.temperature,
-                                 s.req.top_p, s.next_key(), c.dtype) for b, s in enumerate(seqs)]
+        toks = [sample_on_device(logits if len(seqs) == 1 else logits[b:b + 1], s.req, s.next_key(), c.dtype,
+                                 s.history(tokens[b:b + 1], early)) for b, s in enumerate(seqs)]
         lps = [logprobs.on_device(logits if len(seqs) == 1 else logits[b:b + 1], t, s.req.logprobs, c.dtype)
                if s.req.logprobs is not None else [] for b, (s, t) in enumerate(zip(seqs, toks))]
         toks = toks[0] if len(toks) == 1 else mx.concatenate(toks)

@@ -37,7 +37,7 @@ import zmq
 from deltafin.protocol import messages as M
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.benchmode import check_bench_config
-from deltafin.runtime.budget import BudgetError, BudgetPlan, plan_budget
+from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
 from deltafin.runtime.procmem import tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
@@ -50,6 +50,7 @@ from deltafin.runtime.telemetry import PUBLISH_INTERVAL_S, MetricsHub, ProcessSa
 from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
+from deltafin.workers.http_auth import API_KEY_ENV
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import check_http, parser, run_config
@@ -63,17 +64,19 @@ REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpo
 
 class Supervisor:
     def __init__(self, store_path: str, config, endpoint: str | None = None, log=None,
-                 http: str | None = None):
+                 http: str | None = None, api_key: str | None = None):
         self.config = config
         rc = config.runtime
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
         self.store = Store(store_path)
         self.store.check_files()  # a missing, truncated or foreign file is refused now, not at use
         archinfo.arch_for(self.store.config)  # an unknown architecture is refused before any worker starts
-        self.plan: BudgetPlan = plan_budget(self.store, config)
         self.http = http  # --http HOST:PORT: the frontend runs (and is measured) in the budget
-        if http:
-            self.plan.frontend = BODY_COPIES * config.http.body_bytes
+        self.api_key = api_key  # --api-key: the frontend's bearer token
+        frontend = BODY_COPIES * config.http.body_bytes if http else 0
+        self.context_note = fit_context(self.store, config, frontend)
+        self.plan: BudgetPlan = plan_budget(self.store, config)
+        self.plan.frontend = frontend
         self.frontend: FrontendProcess | None = None
         self.resident: dict = {}  # slots per group handed to the workers (whole layers split off)
         self.plan.check_before_start()
@@ -130,7 +133,8 @@ class Supervisor:
         run = {"store": str(self.store.path), "config": self.config.to_dict(),
                "supervisor_pid": os.getpid(),
                "eos_ids": sorted(self.requests.tokenizer.eos_ids),  # compute stops at EOS without a tokenizer
-               "endpoints": {"control": self.rundir.endpoint("control"),
+               "endpoints": {"client": self.endpoint_arg or self.rundir.endpoint("client"),
+                             "control": self.rundir.endpoint("control"),
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),
                              "metrics": self.rundir.endpoint("metrics")},
@@ -145,12 +149,11 @@ class Supervisor:
         self.state = "serving"
         self._sample_processes()
         self._synchronize()  # the first stats answer already sees the workers with their pool
-        n_slots = self.plan.n_slots
-        per = ", ".join(format_size(b) for b in self.plan.resident_bytes.values())
-        self.log(f"{n_slots} expert slots of {per} in the resident tier "
-                 f"({n_slots / max(1, len(self.store.records)):.0%} of {len(self.store.records)} experts) "
-                 f"+ {self.plan.staging_slots} staging slots of {format_size(self.plan.slot_bytes)} "
-                 f"in a {format_size(self.plan.budget)} budget; tree measured {format_size(self.startup_tree_bytes)}")
+        cc = self.config.compute
+        for line in self.plan.explain(cc.max_context, cc.max_batch, cc.prefill_chunk, self.context_note):
+            self.log(line)
+        self.log(f"{self.plan.n_slots} expert slots in the resident tier; tree measured "
+                 f"{format_size(self.startup_tree_bytes)}")
         return self.client.endpoint
 
     def _start_workers(self) -> None:
@@ -163,7 +166,8 @@ class Supervisor:
         if not self.plan.n_slots:
             if self.http:  # measured with the tree; a frontend that cannot start is left out
                 self.frontend = FrontendProcess.for_runtime(self.client.endpoint, self.http, self.config,
-                                                            curve=self.curve is not None)
+                                                            curve=self.curve is not None,
+                                                            api_key=self.api_key)
                 self.frontend.start_answered(self._pump, self.config.runtime.startup_timeout_s)
             self._size_pool()
         self.segment = self.rundir.create_segment(f"staging{self.generation}", self.plan.staging)
@@ -215,7 +219,7 @@ class Supervisor:
 
     def _bind_client(self) -> None:
         rc = self.config.runtime
-        endpoint = self.endpoint_arg or self.rundir.endpoint("client")
+        endpoint = self.endpoint_arg or self.rundir.endpoint("client")  # run-config.json names it too
         if needs_curve(endpoint, rc.allow_remote):
             keys = KeyDir(Path(rc.keys_dir).expanduser() if rc.keys_dir else default_keys_dir())
             self.curve = CurveServer(self.ctx, keys)
@@ -578,7 +582,8 @@ def main(argv=None) -> int:
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config)  # a trace that does not fit: refused now
-        sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http)
+        sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http,
+                         api_key=a.api_key or os.environ.get(API_KEY_ENV))
         endpoint = sup.start()
         if stop["flag"]:
             return 0

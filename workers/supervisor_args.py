@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from deltafin.runtime.cli import Help
 from deltafin.runtime.config import load_config
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.security import SecurityError
@@ -11,11 +12,12 @@ from deltafin.workers.frontend_process import parse_listen
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltafin-supervisor",
+    p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-supervisor",
                                 description="Run a deltafin model: router, loader and compute workers "
                                             "over shared memory, serving clients on a ZeroMQ endpoint.")
     p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
-    p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config)")
+    p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB or 6G (powers of 1024), "
+                                           "6GB (powers of 1000) (default: config, auto = half the memory)")
     p.add_argument("--endpoint", help="client endpoint, ipc://PATH (in a directory only you can open; "
                                       "the path must not exist) or tcp://127.0.0.1:PORT "
                                       "(default: ipc socket in a private run directory)")
@@ -26,8 +28,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http", metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API (deltafin-http, docs/HTTP.md) "
                         "as a child process, restarted if it dies; loopback unless --allow-remote")
-    p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens")
-    p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES))
+    p.add_argument("--api-key", help="with --http: require `Authorization: Bearer KEY` on every request "
+                                      "but /health (default: $DELTAFIN_API_KEY, else none)")
+    p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens; given, it is kept "
+                   "(default: config, 2048, lowered where its KV reserve would starve the expert slots)")
+    p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES),
+                   help="activation dtype (compute.dtype; default: config, auto = the checkpoint's)")
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
     p.add_argument("--distributed", action="store_true",
                    help="join an mx.distributed group as one rank (run under mlx.launch, or with "
@@ -58,6 +64,7 @@ def run_config(a: argparse.Namespace):
     return load_config(a.config, {"runtime.memory_budget": a.memory_budget,
                                   "runtime.allow_remote": True if a.allow_remote else None,
                                   "compute.max_context": a.max_context, "compute.dtype": a.dtype,
+                                  "compute.fit_context": False if a.max_context else None,
                                   "cache.max_slots": a.max_slots, "cache.policy": a.policy,
                                   "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
                                   "cache.routing_history": absolute(a.routing_history),

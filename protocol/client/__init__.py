@@ -222,7 +222,12 @@ class Client:
         return self._recv(msg.id)
 
     def _generate_msg(self, prompt_or_ids, max_tokens, temperature, top_p, seed, stop, chat, stream,
-                      tools=None, logprobs=None):
+                      tools=None, logprobs=None, sampling: dict | None = None):
+        sampling = sampling or {}
+        unknown = set(sampling) - set(M.SAMPLING_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(M.SAMPLING_OPTIONS)}")
         prompt, ids, messages = None, None, None
         if isinstance(prompt_or_ids, str):
             prompt = prompt_or_ids
@@ -244,29 +249,30 @@ class Client:
         return M.Generate(id=self._next(), prompt=prompt, token_ids=ids, messages=messages,
                           max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=seed, stop=list(stop) if stop else None, chat=chat, stream=stream,
-                          tools=list(tools) if tools else None, logprobs=logprobs)
+                          tools=list(tools) if tools else None, logprobs=logprobs, **sampling)
 
     # -- API ----------------------------------------------------------------------------------------
     def generate(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
-                 tools=None, logprobs: int | None = None) -> Generation:
+                 tools=None, logprobs: int | None = None, **sampling) -> Generation:
         """prompt_or_token_ids: a prompt text, token ids, or chat messages ({role, content} maps,
         rendered with the model's chat template, with `tools` where given). max_tokens None: the
         rest of the context. logprobs k: each token's log-probability and the k most likely
-        tokens' (Generation.logprobs)."""
+        tokens' (Generation.logprobs). sampling: any of M.SAMPLING_OPTIONS (top_k, min_p,
+        repetition_penalty, presence_penalty, frequency_penalty; docs/PROTOCOL.md)."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat,
-                                 False, tools, logprobs)
+                                 False, tools, logprobs, sampling)
         done = self._call(msg)
         return Generation(done.text, list(done.token_ids), done.finish_reason, done.stats, done.logprobs)
 
     def stream(self, prompt_or_token_ids, max_tokens: int | None = 128, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
-               tools=None, logprobs: int | None = None) -> Stream:
+               tools=None, logprobs: int | None = None, **sampling) -> Stream:
         """Sends the request now and returns a Stream: iterating it yields text pieces as they
         are produced; `self.last` (and the stream's `result`) holds the final Generation;
-        `cancel()` stops it."""
+        `cancel()` stops it. tools, logprobs, sampling: as for `generate`."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat,
-                                 True, tools, logprobs)
+                                 True, tools, logprobs, sampling)
         self.last = None
         return Stream(self, msg)
 
