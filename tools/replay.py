@@ -142,8 +142,6 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
         return M.Loaded(slot=r.slot, generation=r.generation, layer=r.layer, expert=r.expert,
                         read_us=0, nbytes=nbytes)
 
-    def ignore(fill) -> None:  # no compute: nothing to copy
-        pass
     counters = router.counters
     t0 = time.perf_counter()
     req = 0
@@ -152,7 +150,7 @@ def replay(trace_or_ids, n_slots: int, policy: str | Policy = "lru",
         row = token.tolist()  # per token: python ints for the router, without a list of the whole trace
         for layer in range(n_layers):
             before = counters.get("reads") - counters.get("prefetch_reads")
-            drive_need(router, req, layer, row[layer], instant_read, ignore)
+            drive_need(router, req, layer, row[layer], instant_read, lambda fill: None)  # no compute
             req += 1
             if steps is not None:
                 steps[t, layer] = counters.get("reads") - counters.get("prefetch_reads") - before
