@@ -52,9 +52,12 @@ def sequence_cache_bytes(config: dict, n_tokens: int, itemsize: int) -> int:
     return sum(kind.grown_bytes(n_tokens, itemsize) for kind in archinfo.layer_caches(config))
 
 
-def prompt_cache_bytes(config: dict, cc) -> int:
-    """The prompt cache's reserve (compute.prompt_cache; 0 where the family cannot use one)."""
-    return 0 if prefix_unsupported(archinfo.layer_caches(config)) else cc.prompt_cache_bytes
+def prompt_cache_bytes(model_config: dict, config: Config) -> int:
+    """The prompt cache's reserve (compute.prompt_cache; 0 where the family cannot use one, or
+    the distributed ranks, which run without it)."""
+    if prefix_unsupported(archinfo.layer_caches(model_config)) or config.distributed.enabled:
+        return 0
+    return config.compute.prompt_cache_bytes
 
 
 @dataclass
@@ -175,7 +178,7 @@ def plan_budget(store: Store, config: Config) -> BudgetPlan:
         budget=config.runtime.budget_bytes,
         dense=dense,
         kv_cache=kv_reserve_bytes(store.config, itemsize, cc.max_context, cc.kv_tokens, cc.max_batch),
-        prompt_cache=prompt_cache_bytes(store.config, cc),
+        prompt_cache=prompt_cache_bytes(store.config, config),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

@@ -83,15 +83,18 @@ class Compute:
         max_batch = self._max_batch(int(cc.max_batch))
         kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens, max_batch)
         self.scheduler = Scheduler(self, max_batch, kv_pool)
-        self.prompt_cache, self.prompt_cache_off = self._prompt_cache(prompt_cache_bytes(store.config, cc))
+        self.prompt_cache, self.prompt_cache_off = self._prompt_cache(prompt_cache_bytes(store.config, config))
 
     def _prompt_cache(self, nbytes: int) -> tuple[PromptCache | None, str | None]:
         """The prompt cache (workers/prompt_cache.py) in blocks of one prefill chunk, or None and
         why not: off (compute.prompt_cache 0), a family whose caches cannot start from a prefix,
-        or a run whose passes must each be computed (a recorded or replayed trace, the stand-in)."""
+        or a run whose passes must each be computed (a recorded or replayed trace, the stand-in, the
+        distributed ranks, which run their passes in step)."""
         why = prefix_unsupported(archinfo.layer_caches(self.store.config))
-        if why is None and (self.recorder is not None or self.standin or self.routing.mode != "gate"):
-            why = "every prompt token's pass is computed: a trace is recorded or replayed, or the stand-in runs"
+        if why is None and (self.recorder is not None or self.standin or self.routing.mode != "gate"
+                            or self.config.distributed.enabled):
+            why = ("every prompt token's pass is computed: a trace is recorded or replayed, the stand-in "
+                   "runs, or ranks must run the same passes")
         if why is None and nbytes <= 0:
             why = "compute.prompt_cache is 0"
         return (None, why) if why else (PromptCache(self.prefill_chunk, nbytes), None)
