@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from deltafin.runtime import archinfo, tiers
 from deltafin.runtime.config import Config, format_size
+from deltafin.runtime.layerkinds import prefix_unsupported
 from deltafin.runtime.dtypes import FLOAT_DTYPES, itemsize as dtype_itemsize
 from deltafin.runtime.store import Store
 from deltafin.runtime.tensorfile import read_header
@@ -54,6 +55,14 @@ def sequence_cache_bytes(config: dict, n_tokens: int, itemsize: int) -> int:
     return sum(kind.grown_bytes(n_tokens, itemsize) for kind in archinfo.layer_caches(config))
 
 
+def prompt_cache_bytes(model_config: dict, config: Config) -> int:
+    """The prompt cache's reserve (compute.prompt_cache; 0 where the family cannot use one, or
+    the distributed ranks, which run without it)."""
+    if prefix_unsupported(archinfo.layer_caches(model_config)) or config.distributed.enabled:
+        return 0
+    return config.compute.prompt_cache_bytes
+
+
 @dataclass
 class BudgetPlan:
     budget: int
@@ -68,6 +77,7 @@ class BudgetPlan:
     min_slots: int          # resident slots each group needs at least: one token's top_k
     processes: int = PROCESS_OVERHEAD_ESTIMATE
     frontend: int = 0       # with --http: the frontend's bodies in flight (it is measured with the tree)
+    prompt_cache: int = 0   # compute.prompt_cache: prompt prefixes' keys and values kept across requests
     resident: dict = field(default_factory=dict)  # group -> resident slots, once sized
     layouts: dict = field(default_factory=dict, repr=False)  # group -> record layout (set_dtype)
 
@@ -81,7 +91,7 @@ class BudgetPlan:
 
     @property
     def reserves(self) -> int:
-        return self.kv_cache + self.mlx_cache + self.activations + self.frontend + MARGIN
+        return self.kv_cache + self.prompt_cache + self.mlx_cache + self.activations + self.frontend + MARGIN
 
     @property
     def min_resident(self) -> int:
@@ -101,6 +111,7 @@ class BudgetPlan:
     def describe(self) -> str:
         per = ", ".join(format_size(b) for b in self.resident_bytes.values())
         return (f"dense weights {format_size(self.dense)} + KV cache {format_size(self.kv_cache)} + "
+                f"{f'prompt cache {format_size(self.prompt_cache)} + ' if self.prompt_cache else ''}"
                 f"MLX cache {format_size(self.mlx_cache)} + activations {format_size(self.activations)} + "
                 f"{f'HTTP bodies {format_size(self.frontend)} + ' if self.frontend else ''}"
                 f"processes {format_size(self.processes)} + {self.staging_slots} staging slots of "
@@ -241,6 +252,7 @@ def plan_budget(store: Store, config: Config, max_context: int = 0) -> BudgetPla
         budget=config.runtime.budget_bytes,
         dense=dense,
         kv_cache=kv_reserve_bytes(store.config, itemsize, max_context or cc.max_context, cc.kv_tokens, cc.max_batch),
+        prompt_cache=prompt_cache_bytes(store.config, config),
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

@@ -86,6 +86,11 @@ class ComputeConfig:
     max_queue: int = 16
     max_batch: int = 8
     kv_tokens: int = 0
+    prompt_cache: str = "0"  # the prompt cache's share of the budget (workers/prompt_cache.py)
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        return parse_size(self.prompt_cache)
 
     @property
     def max_inflight(self) -> int:
@@ -238,6 +243,7 @@ class Config:
             self.cache.prefetch = False
         if not 1 <= self.compute.max_batch <= 256 or self.compute.kv_tokens < 0:
             raise ConfigError("compute.max_batch must be within 1..256 and compute.kv_tokens >= 0")
+        parse_size(self.compute.prompt_cache)
         if not 0 <= self.compute.max_queue <= MAX_QUEUE:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
 

@@ -105,3 +105,14 @@ class RecurrentState(CacheKind):
     def reserve_bytes(self, n_tokens: int, sequences: int, itemsize: int) -> int:
         """One state per sequence, whatever their lengths."""
         return max(1, int(sequences)) * self.nbytes(n_tokens, itemsize)
+
+
+def prefix_unsupported(layer_kinds) -> str | None:
+    """Why a model's caches cannot start from a cached prompt prefix (workers/prompt_cache.py;
+    None: they can)."""
+    for kind in layer_kinds:
+        if isinstance(kind, SlidingKV):
+            return "sliding-window attention: its cache drops positions, a prefix is not its keys alone"
+        if not isinstance(kind, FullKV):
+            return f"{type(kind).__name__} layers: their state sums every position before a block boundary"
+    return None

@@ -210,4 +210,15 @@ TOTALS: dict[str, Metric] = {m.key: m for m in (
            "counter", "expert records read from the store"),
     Metric("bytes_read", "bytes read from the store", "since start", "deltafin_bytes_read_total",
            "counter", "bytes read from the store"),
+    Metric("prompt_cache_lookups", "prompts looked up in the prompt cache", "since start",
+           "deltafin_prompt_cache_lookups_total", "counter", "prompts looked up in the prompt cache"),
+    Metric("prompt_cache_hits", "prompts that started from a cached prefix", "since start",
+           "deltafin_prompt_cache_hits_total", "counter", "prompts that started from a cached prefix"),
+    Metric("prompt_cache_reused_tokens", "prompt tokens taken from the prompt cache, not prefilled",
+           "since start", "deltafin_prompt_cache_reused_tokens_total", "counter",
+           "prompt tokens taken from the prompt cache instead of prefilled"),
+    Metric("prompt_cache_evicted_blocks", "prompt cache blocks evicted to make room", "since start",
+           "deltafin_prompt_cache_evicted_blocks_total", "counter", "prompt cache blocks evicted to make room"),
 )}
+# The prompt cache's counters (workers/prompt_cache.py) among the totals, as prompt_cache_<key>.
+PROMPT_CACHE_TOTALS = ("lookups", "hits", "reused_tokens", "evicted_blocks")

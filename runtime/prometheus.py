@@ -90,6 +90,10 @@ def prometheus_text(snap: dict, http: dict) -> str:
                        ("staging_bytes", "staging slots of the expert pool")):
         name = key if key.endswith("_bytes") else f"{key}_bytes"
         e.one(f"deltafin_memory_{name}", "gauge", help_, mem.get(key))
+    pc = snap.get("prompt_cache") or {}
+    e.one("deltafin_prompt_cache_bytes", "gauge", "bytes the prompt cache holds", pc.get("bytes"))
+    e.one("deltafin_prompt_cache_capacity_bytes", "gauge", "the prompt cache's share of the budget",
+          pc.get("capacity_bytes"))
     slots = snap.get("slots") or {}
     e.one("deltafin_expert_slots", "gauge", "resident expert slots", slots.get("n_slots"))
     e.one("deltafin_resident_experts", "gauge", "slots holding an expert", slots.get("resident"))

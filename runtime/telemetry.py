@@ -173,6 +173,7 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
     tokens = compute.get("prompt_tokens", 0) + compute.get("generated_tokens", 0)
     router_raw = {k: v for k, v in router.items() if k not in ("resident_experts", "stall")}
     stall = router.get("stall")
+    prompt_cache = compute.get("prompt_cache") or {}
     return {
         "decode_tok_s": metrics.tok_s(compute.get("decode_tokens", 0), compute.get("decode_s")),
         "prefill_tok_s": metrics.tok_s(compute.get("prompt_tokens", 0), compute.get("prefill_s")),
@@ -197,7 +198,9 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
                    "requests": compute.get("requests", 0),
                    "uses": router.get("uses", 0), "hits": router.get("hits", 0),
                    "reads": loader.get("reads", 0), "bytes_read": loader.get("bytes", 0),
-                   "wait_s": compute.get("wait_s", 0.0), "token_s": _token_s(compute)},
+                   "wait_s": compute.get("wait_s", 0.0), "token_s": _token_s(compute),
+                   **{f"prompt_cache_{k}": prompt_cache.get(k, 0) for k in metrics.PROMPT_CACHE_TOTALS}},
+        "prompt_cache": prompt_cache,
         "model": supervisor["model"],
         "run_id": supervisor["run_id"], "supervisor_pid": os.getpid(),
         "bench_mode": compute.get("bench_mode"),

@@ -236,7 +236,18 @@ def throughput_rows(snap: dict, window: dict | None, disk_gbps: float | None) ->
             "requests": f"{snap.get('active_requests', 0)} active, {snap['totals'].get('requests', 0)} done",
             "stall share": fmt_pct(w.get("stall_share")),
             "prefetch": f"precision {fmt_pct(snap.get('prefetch_precision'))}, "
-                        f"recall {fmt_pct(snap.get('prefetch_recall'))}"}
+                        f"recall {fmt_pct(snap.get('prefetch_recall'))}",
+            "prompt cache": prompt_cache_text(snap)}
+
+
+def prompt_cache_text(snap: dict) -> str:
+    """The prompt cache: hits of lookups, tokens reused, bytes held of its share (or why it is off)."""
+    pc, tot = snap.get("prompt_cache") or {}, snap["totals"]
+    if "capacity_bytes" not in pc:
+        return "off"
+    return (f"{tot.get('prompt_cache_hits', 0)}/{tot.get('prompt_cache_lookups', 0)} hits, "
+            f"{tot.get('prompt_cache_reused_tokens', 0)} tok, {fmt_bytes(pc.get('bytes'))} of "
+            f"{fmt_bytes(pc.get('capacity_bytes'))}")
 
 
 def memory_rows(snap: dict) -> dict:

@@ -22,10 +22,11 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
-from deltafin.runtime import dtypes, metrics
+from deltafin.runtime import archinfo, dtypes, metrics
 from deltafin.runtime.benchmode import StandInModel, bench_mode
-from deltafin.runtime.budget import kv_reserve_bytes, sequence_cache_bytes
+from deltafin.runtime.budget import kv_reserve_bytes, prompt_cache_bytes, sequence_cache_bytes
 from deltafin.runtime.config import Config, as_config
+from deltafin.runtime.layerkinds import prefix_unsupported
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
 from deltafin.runtime.models.switch import pool_dtype, switch_glu
@@ -33,6 +34,7 @@ from deltafin.runtime.store import Store
 from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.pipeline import Pipeline, on_gpu
+from deltafin.workers.prompt_cache import PromptCache
 from deltafin.workers.scheduler import Scheduler, Sequence
 from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
@@ -81,6 +83,21 @@ class Compute:
         max_batch = self._max_batch(int(cc.max_batch))
         kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens, max_batch)
         self.scheduler = Scheduler(self, max_batch, kv_pool)
+        self.prompt_cache, self.prompt_cache_off = self._prompt_cache(prompt_cache_bytes(store.config, config))
+
+    def _prompt_cache(self, nbytes: int) -> tuple[PromptCache | None, str | None]:
+        """The prompt cache (workers/prompt_cache.py) in blocks of one prefill chunk, or None and
+        why not: off (compute.prompt_cache 0), a family whose caches cannot start from a prefix,
+        or a run whose passes must each be computed (a recorded or replayed trace, the stand-in, the
+        distributed ranks, which run their passes in step)."""
+        why = prefix_unsupported(archinfo.layer_caches(self.store.config))
+        if why is None and (self.recorder is not None or self.standin or self.routing.mode != "gate"
+                            or self.config.distributed.enabled):
+            why = ("every prompt token's pass is computed: a trace is recorded or replayed, the stand-in "
+                   "runs, or ranks must run the same passes")
+        if why is None and nbytes <= 0:
+            why = "compute.prompt_cache is 0"
+        return (None, why) if why else (PromptCache(self.prefill_chunk, nbytes), None)
 
     def _max_batch(self, configured: int) -> int:
         """Decoding together needs the gate's own routing per row: a recorded trace is kept per
@@ -223,7 +240,7 @@ class Compute:
         out_ids, ids = seq.out_ids, seq.prompt
         n_decode = max(0, len(out_ids) - 1)  # the first token comes from the prefill pass
         split2 = self._split()
-        stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids),
+        stats = {"prompt_tokens": len(ids), "generated_tokens": len(out_ids), "cached_tokens": seq.reused or 0,
                  "prefill_s": t_prefill, "decode_s": t_decode,
                  "prefill_tok_s": metrics.tok_s(len(ids), t_prefill),
                  "decode_tok_s": metrics.tok_s(n_decode, t_decode) if n_decode else None,
@@ -277,7 +294,9 @@ class Compute:
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
                                  "fills": tier.fills, "placement": tier.placement} if tier else {}),
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
-                "batch": self.scheduler.stats(), "bench_mode": self.bench_mode}
+                "batch": self.scheduler.stats(), "bench_mode": self.bench_mode,
+                "prompt_cache": (self.prompt_cache.stats() if self.prompt_cache
+                                 else {"enabled": False, "reason": self.prompt_cache_off})}
 
 
 

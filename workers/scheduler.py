@@ -105,6 +105,7 @@ class Sequence:
     error: Exception | None = None  # the request failed (answered with an error, not Done)
     ttft_s: float | None = None
     filled: int = 0            # prompt tokens prefilled so far
+    reused: int | None = None  # prompt tokens the prompt cache gave it (None: not looked up yet)
     pending: object = None     # the token its next decode pass takes (on the device, or an int)
     t_request: float = 0.0
     t_first: float | None = None  # its first token was read (the end of its prefill)
@@ -237,12 +238,21 @@ class Scheduler:
         return done
 
     def prefill_chunk(self, seq: Sequence, done: list) -> None:
-        c = self.compute
+        """One chunk of the sequence's prompt. Its first starts from the prompt cache's longest
+        prefix of it, where one is kept (that chunk then computes the first block past it); each
+        whole chunk prefilled goes into the cache. Chunks are the cache's blocks, so a sequence
+        computes the same rows together whether it starts from a cached prefix or not."""
+        c, pc = self.compute, self.compute.prompt_cache
         head = seq.head
+        if seq.reused is None:
+            seq.reused = pc.restore(pc.lookup(head, len(head)), seq.cache) if pc else 0
+            seq.filled = seq.reused
         if seq.filled < len(head):
             chunk = head[seq.filled:seq.filled + c.prefill_chunk]
             c.forward(chunk, seq.cache)
             seq.filled += len(chunk)
+            if pc and len(chunk) == pc.block:
+                pc.insert(head, seq.filled, seq.cache)
         if seq.filled >= len(head):
             self.filling.remove(seq)
             if seq.req.max_tokens <= 0:

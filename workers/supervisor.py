@@ -504,7 +504,8 @@ class Supervisor:
                   "resident_bytes": self.plan.resident_bytes,
                   "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
                   "staging_bytes": self.plan.staging,
-                  "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves}
+                  "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves,
+                  "prompt_cache_bytes": self.plan.prompt_cache}
         model = {"store": str(self.store.path), "architecture": self.store.manifest["architecture"],
                  "moe_layers": self.store.moe_layers, "n_experts": self.store.n_experts,
                  "top_k": self.store.top_k}
