@@ -24,6 +24,16 @@ def test_wheel_holds_only_the_deltafin_namespace(tmp_path):
                    "deltafin/tools/convert.py", "deltafin/runtime/models/mixtral.py",
                    "deltafin/configs/default.toml"):
         assert module in names
+    # every module of the tree, subpackages included (a package missing from pyproject's list is
+    # left out of the wheel, and only a non-editable install shows it)
+    mapped = {"runtime": "runtime", "workers": "workers", "protocol/client": "client", "protocol": "protocol",
+              "tools": "tools", "configs": "configs"}
+    for folder, name in mapped.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            rel = f.relative_to(ROOT / folder)
+            if "__pycache__" in rel.parts or (folder == "protocol" and rel.parts[0] == "client"):
+                continue
+            assert f"deltafin/{name}/{rel.as_posix()}" in names, f"{folder}/{rel} is not in the wheel"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry).decode()
     for script in ("deltafin-convert", "deltafin-synth", "deltafin-supervisor", "deltafin-run", "deltafin-demo"):
