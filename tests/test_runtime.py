@@ -349,11 +349,11 @@ def test_unknown_architecture_is_refused_before_workers_start(tiny_stores, tmp_p
     import shutil
     shutil.copytree(tiny_stores("mixtral"), tmp_path / "s")
     m = json.loads((tmp_path / "s" / "manifest.json").read_text())
-    m["config"]["model_type"] = "gpt_oss"
+    m["config"]["model_type"] = "not_a_family"
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
     r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "unsupported architecture model_type='gpt_oss'" in r.stderr
+    assert r.returncode == 2 and "unsupported architecture model_type='not_a_family'" in r.stderr
 
 
 def test_greedy_tokens_identical_when_the_budget_holds_two_layers(tmp_path):
