@@ -18,16 +18,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
 
 
-def _text(content, where: str) -> str:
-    """A string, or a list of text blocks, as one text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         and isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
-    raise ApiError(400, f"{where} must be a string or a list of text blocks", param=where)
-
-
 def _turn(m, i: int) -> list[dict]:
     """One Anthropic message as chat messages: a user's tool_result blocks as tool messages
     (first), its text as a user message; an assistant's text and tool_use blocks as one
@@ -43,7 +33,7 @@ def _turn(m, i: int) -> list[dict]:
     for j, b in enumerate(blocks):
         kind, where = b.get("type") if isinstance(b, dict) else None, f"messages.{i}.content.{j}"
         if kind == "text":
-            texts.append(message_text([b], i))
+            texts.append(message_text([b], f"messages[{i}].content"))
         elif kind == "tool_use" and m["role"] == "assistant":
             if not (isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):
                 raise ApiError(400, f"{where}: tool_use needs a string 'name' and an object 'input'")
@@ -51,7 +41,7 @@ def _turn(m, i: int) -> list[dict]:
                           "function": {"name": b["name"], "arguments": b["input"]}})
         elif kind == "tool_result" and m["role"] == "user":
             results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
-                            "content": _text(b.get("content", ""), f"{where}.content")})
+                            "content": message_text(b.get("content", ""), f"{where}.content")})
         elif kind not in ("thinking", "redacted_thinking"):
             raise ApiError(400, f"{where}: blocks of type {kind!r} are not supported here "
                                 f"(text, tool_use, tool_result)")
@@ -93,7 +83,7 @@ def messages_request(body: dict) -> tuple[list[dict], dict]:
         raise ApiError(400, "messages: a non-empty list is required", param="messages")
     if body.get("max_tokens") is None:
         raise ApiError(400, "max_tokens: field required", param="max_tokens")
-    chat = [{"role": "system", "content": _text(body["system"], "system")}] if body.get("system") else []
+    chat = [{"role": "system", "content": message_text(body["system"], "system")}] if body.get("system") else []
     for i, m in enumerate(msgs):
         chat += _turn(m, i)
     stop = body.get("stop_sequences")

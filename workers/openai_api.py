@@ -139,15 +139,15 @@ def penalties(body: dict) -> dict:
             "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2))}
 
 
-def message_text(content, i: int) -> str:
-    """A message's content: a string, or a list of text parts (the newer OpenAI shape)."""
+def message_text(content, where: str) -> str:
+    """A content field (named `where` in the error): a string, or a list of text parts (the
+    newer OpenAI shape, Anthropic's text blocks), as one text."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
+    raise ApiError(400, f"{where} must be a string or a list of text parts", param=where)
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -188,7 +188,7 @@ def chat_messages(body: dict) -> list[dict]:
                                 f"{', '.join(ROLES)}", param=f"messages[{i}].role")
         content = m.get("content")
         msg = {"role": ROLES[m["role"]],
-               "content": "" if content is None and m["role"] == "assistant" else message_text(content, i)}
+               "content": "" if content is None and m["role"] == "assistant" else message_text(content, f"messages[{i}].content")}
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if calls:
             if not isinstance(calls, list):
