@@ -15,7 +15,7 @@ from deltafin.protocol import messages as M
 from deltafin.runtime import budget as budget_module, tiers
 from deltafin.runtime.budget import plan_budget
 from deltafin.runtime.config import load_config
-from deltafin.runtime.models.switch import switch_glu, uniform_quant
+from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, switch_glu, uniform_quant
 from deltafin.runtime.store import Store
 from deltafin.workers import resident
 from deltafin.workers.engine import Compute
@@ -137,6 +137,34 @@ def test_gather_on_pools_by_slot_equals_gather_on_stacked_experts():
         stacked = switch_glu(x, inds, w, quant)
         pooled = switch_glu(x, mx.array(where.astype(np.uint32))[inds], pool, quant)
         np.testing.assert_array_equal(np.array(stacked), np.array(pooled))
+
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_layer_in_chunks_equals_the_one_call_padded_or_not(pad):
+    """Chunks of a layer's experts (run_pairs, joined by in_token_order) give the one call's rows,
+    whether each chunk runs on its own rows or padded to the layer's row count as on a GPU (where
+    the row count picks the kernel); on the sorted and the unsorted path."""
+    E, D, F = 8, 128, 64
+    rng = np.random.default_rng(1)
+    w = {}
+    for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
+        parts = [mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), 64, 4) for _ in range(E)]
+        for i, part in enumerate(("weight", "scales", "biases")):
+            w[f"{name}.{part}"] = mx.stack([p[i] for p in parts])
+    quant = uniform_quant(w, 4, 64)
+    for rows in (3, 40):  # 6 pairs: unsorted; 80 pairs: sorted
+        x = mx.array(rng.standard_normal((rows, D)).astype(np.float32))
+        ids = np.argsort(rng.random((rows, E)), axis=1)[:, :2].astype(np.uint32)
+        whole = switch_glu(x, mx.array(ids), w, quant)
+        ids1, pieces, order = ids.reshape(-1), [], []
+        for chunk in ([0, 1, 2], [3, 4, 5], [6, 7]):
+            pairs = pairs_of(ids1, np.isin(ids1, chunk))
+            if pairs.size:
+                pieces.append(run_pairs(x, 2, pairs, ids1[pairs], w, quant, ids1.size, pad=pad))
+                order.append(pairs)
+        joined = in_token_order(pieces, order, (rows,), 2, D)
+        np.testing.assert_array_equal(np.array(whole), np.array(joined))
 
 
 def test_the_resident_tier_reports_its_slots_and_runs_exactly(tiny_stores):

@@ -22,7 +22,7 @@ from deltafin.runtime.benchmode import Routing
 from deltafin.runtime.cli import Help
 from deltafin.runtime.config import Config, ConfigError, as_config, load_config
 from deltafin.runtime.metrics import Counter
-from deltafin.runtime.models.switch import in_token_order, run_pairs, sorts_pairs
+from deltafin.runtime.models.switch import in_token_order, run_pairs
 from deltafin.runtime.store import Store, StoreError, views_from_buffer
 from deltafin.tools.inprocess import local_router
 from deltafin.workers.engine import Compute, disk_read_bytes
@@ -119,7 +119,6 @@ class MmapExperts(ExpertProvider):
         x2 = x.reshape(-1, d)
         flat = self._host(self.routing.choose(layer, inds)).reshape(-1)
         self._note(layer, flat, report=False, count=False)
-        sorted_rows = sorts_pairs(flat.size)  # as mlx-lm decides
         quant = self.store.layout(layer)["quant"]
         pieces, order = [], []
         for stacked, w in self.chunks(layer, np.unique(flat).tolist()):
@@ -127,7 +126,7 @@ class MmapExperts(ExpertProvider):
             local[stacked] = np.arange(len(stacked))
             pairs = np.nonzero(local[flat] >= 0)[0]
             pairs = pairs[np.argsort(local[flat[pairs]], kind="stable")]  # grouped by expert
-            pieces.append(run_pairs(x2, k, pairs, local[flat[pairs]], w, quant, sorted_rows))
+            pieces.append(run_pairs(x2, k, pairs, local[flat[pairs]], w, quant, flat.size))
             order.append(pairs)
         return in_token_order(pieces, order, lead, k, d)
 

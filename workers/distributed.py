@@ -51,7 +51,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.config import Config
-from deltafin.runtime.models.switch import run_pairs, sorts_pairs
+from deltafin.runtime.models.switch import run_pairs
 from deltafin.runtime.ranks import OUT_OF_STEP_EXIT, RANK_LOST_EXIT
 from deltafin.runtime.store import Store
 from deltafin.workers.slot_experts import SlotExperts
@@ -260,7 +260,6 @@ class ShardedExperts(SlotExperts):
         w, quant = tier.weights(layer), tier.quant(layer)
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
-        sorted_rows = sorts_pairs(ids1.size)  # decided for the whole layer, as on one host
         mine = np.nonzero(self.share.owner[layer][ids1] == self.share.rank)[0]
         experts = np.unique(ids1[mine]).tolist()
         cap = tier.n_slots[tier.group_of[layer]]
@@ -271,7 +270,7 @@ class ShardedExperts(SlotExperts):
             reported = self.ensure(layer, chunk) or reported
             pairs = mine[np.isin(ids1[mine], chunk)]
             pairs = pairs[np.argsort(ids1[pairs], kind="stable")]  # grouped by expert
-            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, sorted_rows))
+            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, ids1.size))
             order.append(pairs)
         # The router hears only of its own experts' uses.
         self._note(layer, flat, report=False, count=False)

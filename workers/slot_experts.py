@@ -28,7 +28,7 @@ import numpy as np
 from deltafin.protocol import messages as M
 from deltafin.runtime.benchmode import Routing
 from deltafin.runtime.config import BenchConfig, CacheConfig
-from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, sorts_pairs, switch_glu
+from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.workers.passes import ExpertProvider
 from deltafin.workers.pipeline import Pipeline, on_gpu
@@ -133,7 +133,6 @@ class SlotExperts(ExpertProvider):
         return {"layer": layer, "group": g, "slots": set(), "pieces": [], "orders": [],
                 "waiting": set(tier.missing(layer, experts)), "x2": x.reshape(-1, x.shape[-1]),
                 "k": flat.shape[-1], "ids1": ids1,
-                "sorted": sorts_pairs(ids1.size),  # decided for the whole layer, as mlx-lm does
                 "stream": self.pipe.stream_misses and bool(tier.host[g])}
 
     def _launch(self, fly: dict, pairs: np.ndarray, run: bool = True) -> None:
@@ -142,7 +141,7 @@ class SlotExperts(ExpertProvider):
         tier, layer = self.tier, fly["layer"]
         slots = tier.slots(layer, fly["ids1"][pairs])
         piece = run_pairs(fly["x2"], fly["k"], pairs, slots, tier.weights(layer), tier.quant(layer),
-                          fly["sorted"], evaluate=False)
+                          fly["ids1"].size, evaluate=False)
         if run:
             mx.async_eval(piece)
             fly["slots"].update(slots.tolist())
@@ -373,13 +372,12 @@ class SlotExperts(ExpertProvider):
         reported = False
         lead, k, d = inds.shape[:-1], flat.shape[-1], x.shape[-1]
         x2, ids1 = x.reshape(-1, d), flat.reshape(-1)
-        sorted_rows = sorts_pairs(ids1.size)  # decided for the whole layer, as mlx-lm does
         pieces, order = [], []
         for i in range(0, len(experts), cap):
             chunk = experts[i:i + cap]
             reported = self.ensure(layer, chunk) or reported
             pairs = pairs_of(ids1, np.isin(ids1, chunk))
-            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, sorted_rows))
+            pieces.append(run_pairs(x2, k, pairs, tier.slots(layer, ids1[pairs]), w, quant, ids1.size))
             order.append(pairs)
         self._note(layer, flat, report=not reported, count=False)
         return in_token_order(pieces, order, lead, k, d)

@@ -5,6 +5,12 @@
 Every op mirrors the MLX primitive mlx-lm's SwitchGLU uses, so the logits match mlx-lm on the same
 quantized checkpoint. Whether a layer's rows are sorted by expert is decided once per layer, by
 the number of (token, expert) pairs (`sorts_pairs`), as mlx-lm decides it.
+
+A layer computed in pieces (chunks of its experts, a rank's share) equals the one call only if each
+piece's matmuls take the kernel the one call takes. The MLX CPU backend has one kernel whatever the
+row count; MLX CUDA picks by the call's rows (GatherQMM: qmv under 8 rows, the tiled qmm from 8,
+each row computed on its own either way), so on a GPU a piece runs with the layer's row count:
+padded with copies of its last row, which are dropped (`run_pairs`).
 """
 from functools import partial
 
@@ -106,15 +112,27 @@ def switch_glu(x, inds, w, quant: dict):
     return y.squeeze(-2)
 
 
-def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, sorted_rows: bool,
-              evaluate: bool = True):
+def rows_pick_kernels() -> bool:
+    """Whether the default device's quantized matmuls choose their kernel by row count (a GPU)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def run_pairs(x2, k: int, pairs: np.ndarray, slot_ids: np.ndarray, w: dict, quant: dict, layer_rows: int,
+              evaluate: bool = True, pad: bool | None = None):
     """The SwiGLU of the (token, expert) pairs `pairs` (flat indices, grouped by expert) on the
     stacked weights `w` at `slot_ids`, evaluated at once (evaluate) so the stack can go before the
-    next one. sorted_rows: `sorts_pairs` of the whole layer's pairs, not of this piece's."""
+    next one. layer_rows: the whole layer's pair count, which decides the sorting (`sorts_pairs`)
+    and, where rows pick kernels (pad; default `rows_pick_kernels()`), the rows of every call."""
+    sorted_rows, n = sorts_pairs(layer_rows), len(pairs)
+    if (rows_pick_kernels() if pad is None else pad) and 0 < n < layer_rows:
+        pairs = np.concatenate([pairs, np.full(layer_rows - n, pairs[-1], dtype=pairs.dtype)])
+        slot_ids = np.concatenate([slot_ids, np.full(layer_rows - n, slot_ids[-1], dtype=slot_ids.dtype)])
     idx = mx.array(slot_ids.astype(np.uint32))
     rows = x2[mx.array(pairs // k)]
     xs, ix = (rows[:, None, :], idx) if sorted_rows else (rows[:, None, None, :], idx[:, None])
     piece = gather_glu(xs, ix, w, quant, sorted_rows).reshape(len(pairs), x2.shape[-1])
+    if len(pairs) > n:
+        piece = piece[:n]
     if evaluate:
         mx.eval(piece)
     return piece
