@@ -330,5 +330,7 @@ def stacked_pattern(info: ArchInfo) -> re.Pattern:
 
 def fused_pattern(info: ArchInfo) -> re.Pattern:
     """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
-    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H])."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]; OpenAI's own
+    gpt-oss checkpoints: mxfp4 _blocks [E, out, G, 16] and _scales [E, out, G], not transposed)."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)"
+                      rf"(_bias|_blocks|_scales)?$")
