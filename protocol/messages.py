@@ -5,35 +5,26 @@ checks the type, every required field and every field's kind; anything else rais
 ProtocolError, which receivers answer with an `error` message instead of crashing.
 No pickle, and no expert bytes: messages carry slot references, never weights.
 docs/PROTOCOL.md documents the client-facing types for peers in any language.
+The codec (protocol/codec.py) is used through this module, whose import registers every type
+that `decode` reads: `M.encode`, `M.decode`, `M.ProtocolError` and the frame limits.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import msgpack
+from deltafin.protocol.codec import (MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_STOP_STRINGS, REGISTRY,
+                                     ProtocolError, decode, decode_request, encode, message, short)
 
 PROTOCOL_VERSION = 1
-# The largest frame any deltafin socket takes (zmq.MAXMSGSIZE, runtime/sockets.py) and decode
-# accepts. The client endpoint takes less (runtime.max_request_bytes): requests are small.
-MAX_MESSAGE_BYTES = 256 << 20
 # Room a bulk result leaves for the rest of its message and the supervisor-compute envelope, so
 # a logits reply admitted by `check_request` always fits in one frame on every hop.
 ENVELOPE_BYTES = 1 << 20
 MAX_RESULT_BYTES = MAX_MESSAGE_BYTES - ENVELOPE_BYTES
-# Elements of one msgpack array or map: token ids are bounded by max_context long before this,
-# and without a bound a small frame of one-byte elements becomes a huge Python list.
-MAX_ITEMS = 1 << 20
-# A client's request is bounded tighter, before it is decoded: a map has at most this many keys
-# (a request's fields, a chat message's), an array at most max_context or MAX_STOP_STRINGS
-# elements (decode_request), nesting at most MAX_REQUEST_DEPTH levels (a chat needs 4).
-MAX_REQUEST_KEYS = 64
-MAX_REQUEST_DEPTH = 16
 # An error message longer than this is cut (an error never echoes a large request back).
 MAX_ERROR_CHARS = 1024
-MAX_STOP_STRINGS = 64
 MAX_TOP_LOGPROBS = 20  # the most likely tokens a token message may list (OpenAI's bound)
 # A temperature below this samples greedily: dividing float32 logits by a smaller one overflows
 # to infinities, and the draw among them is near random.
@@ -45,131 +36,8 @@ def greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW_TEMPERATURE
 
 
-class ProtocolError(ValueError):
-    """A message that cannot be decoded or does not match its schema."""
-
-
 class BadRequest(ValueError):
     """A well-formed request the runtime refuses (answered with code `bad_request`)."""
-
-
-_KINDS = {int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
-          list: (list, tuple), dict: (dict,), Any: (object,)}
-REGISTRY: dict[str, type] = {}
-
-
-def message(name: str):
-    """Registers a dataclass as message type `name`."""
-    def wrap(cls):
-        cls = dataclass(cls)
-        cls.TYPE = name
-        REGISTRY[name] = cls
-        return cls
-    return wrap
-
-
-def short(value, n: int = 64) -> str:
-    """repr(value) cut to about n characters: what an error may echo of a client's input."""
-    text = repr(value) if not isinstance(value, str) or len(value) <= n else repr(value[:n])
-    return text if len(text) <= n + 2 else text[:n] + "..."
-
-
-def _check(cls, data: dict):
-    kwargs = {}
-    for f in fields(cls):
-        if f.name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
-            continue
-        value = data[f.name]
-        kind, optional = _kind(f.type)
-        if value is None and optional:
-            kwargs[f.name] = None
-            continue
-        ok = isinstance(value, _KINDS[kind]) and not (kind in (int, float) and isinstance(value, bool))
-        if not ok:
-            raise ProtocolError(f"{cls.TYPE}: field {f.name!r} must be {kind.__name__}, "
-                                f"got {type(value).__name__}")
-        kwargs[f.name] = value
-    unknown = set(data) - {f.name for f in fields(cls)} - {"type"}
-    if unknown:
-        names = sorted(map(short, unknown))
-        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {', '.join(names[:8])}{more}")
-    return cls(**kwargs)
-
-
-_TYPE_NAMES = {"int": int, "float": float, "str": str, "bytes": bytes, "bool": bool,
-               "list": list, "dict": dict, "Any": Any}
-
-
-def _kind(annotation) -> tuple[type, bool]:
-    text = str(annotation).replace(" ", "")
-    optional = text.endswith("|None")
-    base = text.removesuffix("|None").split("[")[0]
-    return _TYPE_NAMES[base], optional
-
-
-def encode(msg) -> bytes:
-    data = {"type": msg.TYPE}
-    for f in fields(msg):
-        data[f.name] = getattr(msg, f.name)
-    try:
-        return msgpack.packb(data, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer beyond 64 bits
-        raise ProtocolError(f"cannot encode a {msg.TYPE} message: {e}") from None
-
-
-def decode(raw: bytes, limit: int = MAX_MESSAGE_BYTES):
-    """A message between deltafin's own processes (or a reply), bounded by the frame limit."""
-    return _message(_unpack(raw, limit, MAX_ITEMS, MAX_ITEMS))
-
-
-def decode_request(raw: bytes, limit: int, max_items: int):
-    """A client's message: every map, array and string bounded before it is built (max_items:
-    the longest array a request may hold), nesting checked, errors echoing nothing large."""
-    most = max(max_items, MAX_STOP_STRINGS)
-    try:
-        data = _unpack(raw, limit, most, MAX_REQUEST_KEYS)
-    except ProtocolError as e:
-        if "exceeds max_" not in str(e):
-            raise
-        raise ProtocolError(f"{e}: a request's arrays hold at most {most} elements (max_context), "
-                            f"its maps at most {MAX_REQUEST_KEYS} keys") from None
-    level, depth = [data] if isinstance(data, (dict, list)) else [], 0
-    while level:
-        depth += 1
-        if depth > MAX_REQUEST_DEPTH:
-            raise ProtocolError(f"a request nests deeper than {MAX_REQUEST_DEPTH} levels")
-        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v)
-                 if isinstance(x, (dict, list))]
-    return _message(data)
-
-
-def _unpack(raw: bytes, limit: int, max_items: int, max_keys: int):
-    if len(raw) > limit:
-        raise ProtocolError(f"message of {len(raw)} bytes exceeds the {limit} byte limit")
-    try:
-        # Explicit limits, checked as each header is read: msgpack's defaults scale with the
-        # frame, so a frame of one-byte elements would become millions of objects. Ext types
-        # are never used.
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=limit,
-                               max_bin_len=limit, max_array_len=max_items, max_map_len=max_keys,
-                               max_ext_len=0)
-    except msgpack.StackError:
-        raise ProtocolError("not a msgpack message: nested deeper than msgpack's 1024 levels") from None
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"not a msgpack message: {str(e)[:200]}") from None
-
-
-def _message(data):
-    if not isinstance(data, dict):
-        raise ProtocolError("a message must be a msgpack map")
-    name = data.get("type")
-    cls = REGISTRY.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {short(name)}")
-    return _check(cls, data)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
+class ConfigMismatch(ValueError):
+    """A supported family's config without a key the family reads (or with it null): most often
+    another family's config under this model_type."""
+
+
 # ---------------------------------------------------------------- which layers have routed experts
 
 def every_layer(config: dict) -> list[int]:
@@ -242,6 +247,56 @@ def top_k(config: dict) -> int:
     return int(config[arch_for(config).top_k_key])
 
 
+class _ReadConfig(dict):
+    """A config that records the keys read from it that were absent or null, the latest last
+    (a model may keep it: one entry per key)."""
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.lacking: dict[str, None] = {}
+
+    def _read(self, key) -> None:
+        if dict.get(self, key) is None:
+            self.lacking.pop(key, None)
+            self.lacking[key] = None
+
+    def __getitem__(self, key):
+        self._read(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        if default is None:
+            self._read(key)
+        return dict.get(self, key, default)
+
+
+def read_config(read, config: dict):
+    """read(config), where a KeyError for a key the config lacks, or a TypeError of a null value
+    (int(None)), is raised as ConfigMismatch naming the key and the family."""
+    traced = _ReadConfig(config)
+    try:
+        return read(traced)
+    except KeyError as e:
+        if not e.args or e.args[0] not in traced.lacking:
+            raise
+        key = e.args[0]
+    except TypeError as e:
+        if "NoneType" not in str(e) or not traced.lacking:
+            raise
+        key = list(traced.lacking)[-1]
+    family = config.get("model_type")
+    raise ConfigMismatch(f"the config has {'a null' if key in config else 'no'} {key!r}, which a {family} "
+                         f"model needs: is this config another family's?") from None
+
+
+def check_config(config: dict) -> None:
+    """Raises ConfigMismatch unless the config holds what its family's routed experts and layer
+    caches are computed from (an unsupported model_type is arch_for's error, raised where the
+    model is built)."""
+    if config.get("model_type") in _BY_NAME:
+        read_config(lambda c: (n_experts(c), top_k(c), moe_layers(c), layer_caches(c)), config)
+
+
 def moe_layers(config: dict) -> list[int]:
     """Indices of the layers with routed experts."""
     return arch_for(config).moe_layers(config)
@@ -275,5 +330,7 @@ def stacked_pattern(info: ArchInfo) -> re.Pattern:
 
 def fused_pattern(info: ArchInfo) -> re.Pattern:
     """transformers-5 fused experts: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
-    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H])."""
-    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+    (gpt-oss: transposed, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]; OpenAI's own
+    gpt-oss checkpoints: mxfp4 _blocks [E, out, G, 16] and _scales [E, out, G], not transposed)."""
+    return re.compile(rf"^model\.layers\.(\d+)\.{info.block}\.experts\.(gate_up_proj|down_proj)"
+                      rf"(_bias|_blocks|_scales)?$")

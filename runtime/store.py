@@ -325,6 +325,10 @@ class Store:
             raise StoreError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
         except StoreError as e:
             raise StoreError(f"{mpath}: {e}") from None
+        try:
+            archinfo.check_config(self.config)
+        except archinfo.ConfigMismatch as e:
+            raise StoreError(f"{mpath}: {e}") from None
         for layer in self.moe_layers:
             for e in range(self.n_experts):
                 if (layer, e) not in self.records:

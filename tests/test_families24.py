@@ -215,3 +215,91 @@ def test_decode_step_by_step_equals_mlx_lm_with_its_caches(family):
         ref.append(ref_model(mx.array([[t]]), cache=ref_cache)[0].astype(mx.float32))
         ours.append(model(mx.array([t]), cache, resident))
     np.testing.assert_array_equal(np.array(mx.concatenate(ours)), np.array(mx.concatenate(ref)))
+
+
+# ---------------------------------------------------------------- gpt-oss in OpenAI's own mxfp4 layout
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _openai_mxfp4(hf, out):
+    """The tiny gpt-oss checkpoint as OpenAI publishes gpt-oss: each layer's experts as random
+    mxfp4 codes, gate_up_proj_blocks [E, 2I, H/32, 16] and down_proj_blocks [E, H, I/32, 16]
+    (uint8, two E2M1 codes a byte) with E8M0 _scales [E, out, G] (2^-8 to 2^-4), the biases and
+    every other tensor as synth wrote them; config.json says quantization_config mxfp4."""
+    import shutil
+    shutil.copytree(hf, out)
+    rng = np.random.default_rng(7)
+    for f in out.glob("model*.safetensors"):
+        w = mx.load(str(f))
+        for k in [k for k in w if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            n, d_in, d_out = w.pop(k).shape  # transformers' float layout: [E, in, out]
+            w[f"{k}_blocks"] = mx.array(rng.integers(0, 256, (n, d_out, d_in // 32, 16), dtype=np.uint8))
+            w[f"{k}_scales"] = mx.array(rng.integers(119, 124, (n, d_out, d_in // 32), dtype=np.uint8))
+        mx.save_safetensors(str(f), w, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def openai_gpt_oss(tmp_path_factory):
+    """(OpenAI-layout checkpoint, its deltafin store)."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    hf = synth.tiny("gpt_oss", root / "hf", experts=8, moe_intermediate=64, seed=21, dtype="bfloat16",
+                    overrides=OVERRIDES["gpt_oss"])
+    src = _openai_mxfp4(hf, root / "openai")
+    assert convert.main([str(src), str(root / "store"), "--no-progress"]) == 0
+    return src, Store(root / "store")
+
+
+def test_openai_mxfp4_experts_convert_byte_for_byte(openai_gpt_oss):
+    """The records hold the blocks' bytes as MLX's mxfp4 (group 32, E8M0 scales), gate and up the
+    even and odd rows of gate_up_proj; dequantized, each equals transformers' own dequantization
+    of OpenAI's blocks (its integrations.mxfp4: low nibble first, 2^(scale - 127))."""
+    src, store = openai_gpt_oss
+    assert store.mode == "mxfp4" and (store.bits, store.group_size) == (4, 32)
+    layer, e = store.moe_layers[-1], 5
+    w = {k: v for f in src.glob("model*.safetensors") for k, v in mx.load(str(f)).items()}
+    prefix = f"model.layers.{layer}.mlp.experts"
+    got = store.read_expert(layer, e)
+    for proj in archinfo.PROJS:
+        assert store.layout(layer)["quant"][proj] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+        fused, rows = ("down_proj", slice(None)) if proj == "down_proj" else \
+            ("gate_up_proj", slice(0, None, 2) if proj == "gate_proj" else slice(1, None, 2))
+        blocks = np.array(w[f"{prefix}.{fused}_blocks"][e])[rows]
+        np.testing.assert_array_equal(got[f"{proj}.weight"].view(np.uint8).reshape(blocks.shape), blocks)
+        np.testing.assert_array_equal(got[f"{proj}.scales"], np.array(w[f"{prefix}.{fused}_scales"][e])[rows])
+        bias = w[f"{prefix}.{fused}_bias"][e][rows]
+        np.testing.assert_array_equal(got[f"{proj}.bias"], np.array(bias.view(mx.uint16)))
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    for fused in ("gate_up_proj", "down_proj"):
+        ref = convert_moe_packed_tensors(torch.from_numpy(np.array(w[f"{prefix}.{fused}_blocks"])),
+                                         torch.from_numpy(np.array(w[f"{prefix}.{fused}_scales"])))
+        ref = ref[e].float().numpy().T  # transformers' [E, in, out] -> [out, in]
+        for proj, rows in ((("down_proj", slice(None)),) if fused == "down_proj" else
+                           (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2)))):
+            ours = mx.dequantize(mx.array(got[f"{proj}.weight"]), mx.array(got[f"{proj}.scales"]),
+                                 group_size=32, bits=4, mode="mxfp4")
+            np.testing.assert_array_equal(np.array(ours.astype(mx.float32)), ref[rows], err_msg=proj)
+
+
+def test_openai_mxfp4_logits_equal_mlx_lm_on_the_same_checkpoint(openai_gpt_oss):
+    """mlx-lm 0.32.2 loads OpenAI's layout itself (quant_method mxfp4 -> mxfp4 group 32, its
+    sanitize splitting the blocks): the runtime's teacher-forced logits equal mlx-lm's on that
+    very checkpoint, bit for bit, with every expert resident, a quarter and the minimum."""
+    src, store = openai_gpt_oss
+    ref = mlx_lm_logits(src, PROMPT)
+    assert ref.std() > 0.3
+    n = len(store.records)
+    for n_slots in (n, n // 4, store.top_k):
+        np.testing.assert_array_equal(compute_logits(store, n_slots, PROMPT), ref,
+                                      err_msg=f"{n_slots} of {n} experts resident")
+
+
+def test_openai_mxfp4_refuses_requantization(openai_gpt_oss, tmp_path, capsys):
+    src, _ = openai_gpt_oss
+    assert convert.main([str(src), str(tmp_path / "s"), "--mode", "affine", "--bits", "4", "--no-progress"]) == 2
+    assert "already quantized by OpenAI (mxfp4)" in capsys.readouterr().err

@@ -256,6 +256,30 @@ def test_qwen3_next_with_dense_layers_and_tied_embeddings(tmp_path):
     assert np.array_equal(ours, _mlx_lm_logits(tmp_path / "q4", TOKENS))
 
 
+def test_qwen3_5_moe_routes_every_layer_and_reads_top_level_rope_as_mlx_lm(tmp_path):
+    """mlx-lm's Qwen3.5 puts the MoE block on every layer whatever mlp_only_layers and
+    decoder_sparse_step say, and reads rope_theta and partial_rotary_factor from the top level
+    when rope_parameters is null: logits bitwise mlx-lm's on such a checkpoint."""
+    from mlx_lm import convert as mlx_convert
+
+    from deltafin.tools.synth import tiny
+    src = tiny("qwen3_5_moe", tmp_path / "hf", layers=4, dtype="bfloat16")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"].update(mlp_only_layers=[0], decoder_sparse_step=2, rope_parameters=None,
+                                 rope_theta=5000.0, partial_rotary_factor=0.5)
+    (src / "config.json").write_text(json.dumps(config))
+    mlx_convert(str(src), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=64)
+    assert convert.main([str(tmp_path / "q4"), str(tmp_path / "store"), "--no-progress"]) == 0
+    store = Store(tmp_path / "store")
+    assert store.moe_layers == [0, 1, 2, 3]
+    c, loader = _compute(store, store.top_k)
+    try:
+        ours = c.logits(TOKENS)
+    finally:
+        loader.close()
+    assert np.array_equal(ours, _mlx_lm_logits(tmp_path / "q4", TOKENS))
+
+
 def test_the_bench_preset_runs_in_deltafin_as_in_mlx_lm(tmp_path, monkeypatch):
     """deltafin-synth bench's Qwen3.5-MoE preset (its structure at widths a CPU test affords, 4
     layers: 3 linear, 1 full): mlx-lm loads the store's export, and deltafin's logits on the

@@ -106,3 +106,17 @@ def test_check_files_reads_no_data(store_copy, monkeypatch):
         store.records[(store.moe_layers[0], 0)] = store.record(store.moe_layers[0], 0).__class__(
             **{**store.record(store.moe_layers[0], 0).__dict__, "file": "../escape.bin"})
         store.check_files()
+
+
+@pytest.mark.parametrize("family,key", [("gpt_oss", "sliding_window"), ("deepseek_v3", "qk_nope_head_dim"),
+                                        ("glm4_moe", "use_qk_norm")])
+def test_a_family_over_another_familys_config_is_refused_naming_the_key(store_copy, family, key):
+    """A qwen3_moe store whose manifest names another supported family: refused at start naming
+    the key that family needs and the family, without a traceback, whether the supervisor finds
+    it (the budget's layer caches: a missing key, a null one) or compute building the model."""
+    m = json.loads((store_copy / "manifest.json").read_text())
+    m["architecture"] = m["config"]["model_type"] = family
+    (store_copy / "manifest.json").write_text(json.dumps(m))
+    r = _start(store_copy)
+    assert r.returncode != 0 and "READY" not in r.stdout and "Traceback" not in r.stderr
+    assert f"{key!r}, which a {family} model needs" in r.stderr

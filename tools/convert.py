@@ -30,6 +30,10 @@ DENSE_BAND_ROWS = 1024  # dense tensors are copied this many rows at a time
 # transformers' GptOss keeps fused experts transposed, [E, in, out], with gate and up interleaved
 # along gate_up_proj's output axis (gate the even columns, up the odd), biases beside them
 INTERLEAVED_FUSED = ("gpt_oss",)
+# OpenAI's gpt-oss checkpoints keep the experts in mxfp4 (config quantization_config.quant_method),
+# as _blocks and _scales beside gate_up_proj and down_proj; MLX's mxfp4 is the same bytes
+OPENAI_MXFP4 = quantmodes.spec(4, 32, "mxfp4")
+OPENAI_MXFP4_PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
 
 class ConvertError(Exception):
@@ -39,7 +43,7 @@ class ConvertError(Exception):
 @dataclass
 class ExpertSource:
     """Where the three projections of one (layer, expert) come from."""
-    kind: str                       # "per_expert" | "stacked" | "stacked_quantized" | "fused"
+    kind: str                       # "per_expert" | "stacked" | "stacked_quantized" | "fused" | "fused_mxfp4"
     refs: dict = field(default_factory=dict)
     index: int = 0                  # position along the stacked axis
 
@@ -60,6 +64,14 @@ def quantize(w: np.ndarray, dtype: str, q: dict) -> dict:
     import mlx.core as mx
     parts = mx.quantize(to_mx(w, dtype), group_size=q["group_size"], bits=q["bits"], mode=q["mode"])
     return dict(zip(("weight", "scales", "biases"), (to_np(a) for a in parts)))
+
+
+def mxfp4_words(blocks: np.ndarray) -> np.ndarray:
+    """OpenAI's mxfp4 blocks [out, G, 16] uint8 (two E2M1 codes a byte, the low nibble first) as
+    MLX's mxfp4 weight [out, G * 4] uint32: the same bytes, eight codes a little-endian word with
+    the first in the low bits."""
+    b = np.ascontiguousarray(blocks)
+    return b.view("<u4").reshape(b.shape[0], -1)
 
 
 def mlx_spec(qconfig: dict, path: str, refs: dict, in_dims: int) -> dict | None:
@@ -112,8 +124,11 @@ class Converter:
             self.refs = self._renamed(index_checkpoint(self.src))
         except (TensorFileError, fp8.Fp8Error) as e:
             raise ConvertError(str(e)) from None
-        if self.mlx_quant and (bits or group_size or mode != "affine" or recipe):
-            raise ConvertError(f"{self.src} is already quantized by mlx-lm; its experts are copied "
+        hf_quant = self.config.get("quantization_config")
+        self.openai_mxfp4 = isinstance(hf_quant, dict) and hf_quant.get("quant_method") == "mxfp4"
+        if (self.mlx_quant or self.openai_mxfp4) and (bits or group_size or mode != "affine" or recipe):
+            by = "mlx-lm" if self.mlx_quant else "OpenAI (mxfp4)"
+            raise ConvertError(f"{self.src} is already quantized by {by}; its experts are copied "
                                f"as they are (leave out --bits, --group-size, --mode, --quant-predicate)")
 
     def _renamed(self, by_name: dict) -> dict:
@@ -154,6 +169,8 @@ class Converter:
                 layer = int(m[1])
                 for e in range(ref.shape[0]):
                     src = sources.setdefault((layer, e), ExpertSource("fused", index=e))
+                    if m[3] in ("_blocks", "_scales"):
+                        src.kind = "fused_mxfp4"
                     src.refs[m[2] + (m[3] or "")] = ref
             elif not (self.fp8 and name.endswith(fp8.SCALE_SUFFIX)):  # scales go with their weight
                 dense.append(name)
@@ -181,12 +198,14 @@ class Converter:
         where = f"layer {layer} expert {e}"
         need = {"per_expert": archinfo.PROJS, "stacked": [f"{p}.weight" for p in archinfo.PROJS],
                 "stacked_quantized": [f"{p}.weight" for p in archinfo.PROJS],
-                "fused": ["gate_up_proj", "down_proj"]}[src.kind]
+                "fused": ["gate_up_proj", "down_proj"], "fused_mxfp4": OPENAI_MXFP4_PARTS}[src.kind]
         missing = [n for n in need if n not in src.refs]
         if missing:
             return [f"{where}: missing tensors {missing}"]
         if src.kind == "stacked_quantized":
             return self._check_quantized(where, layer, src)
+        if src.kind == "fused_mxfp4":
+            return self._check_mxfp4(where, src)
         transposed = src.kind == "fused" and self.info.model_type in INTERLEAVED_FUSED
         for name, ref in src.refs.items():
             if ref.dtype == fp8.FP8 and self.fp8:
@@ -225,6 +244,23 @@ class Converter:
                                 f"has {list(have)}")
         return problems
 
+    def _check_mxfp4(self, where: str, src: ExpertSource) -> list[str]:
+        """OpenAI's mxfp4 experts: the config says mxfp4, blocks [E, out, G, 16] and scales
+        [E, out, G] are uint8, gate_up_proj has an even number of rows (gate and up interleaved)."""
+        if not self.openai_mxfp4:
+            return [f"{where}: mxfp4 _blocks/_scales experts need quantization_config.quant_method "
+                    f"'mxfp4' in config.json"]
+        for proj in ("gate_up_proj", "down_proj"):
+            blocks, scales = src.refs[f"{proj}_blocks"], src.refs[f"{proj}_scales"]
+            if blocks.dtype != "uint8" or scales.dtype != "uint8":
+                return [f"{where}: {proj}_blocks and _scales are {blocks.dtype} and {scales.dtype}, not uint8"]
+            if len(blocks.shape) != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+                return [f"{where}: {proj}_blocks {list(blocks.shape)} and _scales {list(scales.shape)} are not "
+                        f"mxfp4 blocks [E, out, G, 16] with scales [E, out, G]"]
+        if src.refs["gate_up_proj_blocks"].shape[1] % 2:
+            return [f"{where}: gate_up_proj has an odd number of rows; gate and up alternate"]
+        return []
+
     def _expert_path(self, layer: int, proj: str) -> str:
         return f"model.layers.{layer}.{self.info.block}.{self.info.stacked}.{proj}"
 
@@ -253,14 +289,28 @@ class Converter:
                     if f"{proj}.{part}" in src.refs:
                         tensors[f"{proj}.{part}"] = src.refs[f"{proj}.{part}"].read_slice0(src.index)
             return {**tensors, **self._expert_biases(src)}, quant
+        if src.kind == "fused_mxfp4":
+            return {**self._mxfp4_projs(src), **self._expert_biases(src)}, {p: OPENAI_MXFP4 for p in archinfo.PROJS}
         for proj, (w, dtype) in self._float_projs(src).items():
             quant[proj] = self._float_spec(layer, proj)
             tensors.update({f"{proj}.{k}": a for k, a in quantize(w, dtype, quant[proj]).items()})
         return {**tensors, **self._expert_biases(src)}, quant
 
+    def _mxfp4_projs(self, src: ExpertSource) -> dict:
+        """OpenAI's mxfp4 expert as MLX's, byte for byte: gate and up the even and odd rows of
+        gate_up_proj (as mlx-lm's gpt_oss sanitize splits them)."""
+        gate_up, down = ({k: src.refs[f"{p}_{k}"].read_slice0(src.index) for k in ("blocks", "scales")}
+                         for p in ("gate_up_proj", "down_proj"))
+        out = {}
+        for proj, part, rows in (("gate_proj", gate_up, slice(0, None, 2)), ("up_proj", gate_up, slice(1, None, 2)),
+                                 ("down_proj", down, slice(None))):
+            out[f"{proj}.weight"] = mxfp4_words(part["blocks"][rows])
+            out[f"{proj}.scales"] = np.ascontiguousarray(part["scales"][rows])
+        return out
+
     def _expert_biases(self, src: ExpertSource) -> dict:
         """The expert's own output biases, `{proj}.bias` [out], as stored (gpt-oss)."""
-        if src.kind != "fused":
+        if src.kind not in ("fused", "fused_mxfp4"):
             return {n: src.refs[n].read_slice0(src.index) for n in (f"{p}.bias" for p in archinfo.PROJS)
                     if n in src.refs}
         out = {}
@@ -298,7 +348,7 @@ class Converter:
     # -- the whole run -----------------------------------------------------------------------
     def run(self) -> Path:
         sources, dense = self.plan()
-        q = self.spec
+        q = OPENAI_MXFP4 if self.openai_mxfp4 else self.spec
         if self.mlx_quant:
             try:
                 q = quantmodes.from_entry(self.mlx_quant)

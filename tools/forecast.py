@@ -67,7 +67,7 @@ class Shape:
         self.layer_bytes = np.full(n_moe, record_bytes, dtype=np.float64) if layer_bytes is None \
             else np.asarray(layer_bytes, dtype=np.float64)
         self.record_bytes = int(round(self.layer_bytes.mean())) if n_moe else record_bytes
-        self.assumptions = list(assumptions)  # what a preset's shape assumes (synth.PRESET_ASSUMPTIONS)
+        self.assumptions = list(assumptions)  # what a preset's shape assumes (synth_configs.PRESET_ASSUMPTIONS)
 
     @classmethod
     def of_store(cls, store):
@@ -80,7 +80,7 @@ class Shape:
     def of_preset(cls, preset: str, layers: int | None = None, bits: int = 4, group_size: int = 64):
         from deltafin.runtime import archinfo
         from deltafin.tools.replay import expert_record_bytes
-        from deltafin.tools.synth import PRESET_ASSUMPTIONS, PRESETS
+        from deltafin.tools.synth_configs import PRESET_ASSUMPTIONS, PRESETS
         if preset not in PRESETS:
             raise SystemExit(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
         c = PRESETS[preset]
@@ -612,7 +612,7 @@ def _forecast_cases(a, cfg, store, shape: Shape, trace_ids: np.ndarray, trace_pa
 def _hidden(shape: Shape, store) -> int:
     if store is not None:
         return int(store.config["hidden_size"])
-    from deltafin.tools.synth import PRESETS
+    from deltafin.tools.synth_configs import PRESETS
     return int(PRESETS[shape.name]["hidden_size"])
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 from deltafin.runtime import quantmodes
 from deltafin.runtime.cli import Help
 from deltafin.tools.fp8 import BLOCK, SCALE_SUFFIX
-from deltafin.tools.synth import hub_config, tensor_shapes, write_tokenizer
+from deltafin.tools.synth import write_tokenizer
+from deltafin.tools.synth_configs import hub_config
+from deltafin.tools.synth_shapes import tensor_shapes
 
 SHARD_BYTES = 100 << 20
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import zmq
 
 from deltafin.protocol import messages as M
+from deltafin.runtime import archinfo
 from deltafin.runtime.config import as_config
 from deltafin.runtime.shm import Segment
 from deltafin.runtime.sockets import make_socket, recv, send
@@ -138,6 +139,9 @@ class WorkerProcess:
                     self.idle()
         except SystemExit:
             pass
+        except archinfo.ConfigMismatch as e:  # a store whose config is not its family's: no traceback
+            print(f"deltafin {self.role}: error: {e}", file=sys.stderr, flush=True)
+            code = 2
         except BaseException:
             traceback.print_exc()
             code = 1

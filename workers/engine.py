@@ -51,8 +51,9 @@ class Compute:
         cc = config.compute
         # Built in the stand-in too (never called there): the dense weights then take the memory
         # they take in a real run, so the pool the supervisor sizes after "ready" is the same.
-        self.model = build_model(store.config, store.dense_weights(), store.manifest.get("dense_quantization"),
-                                 cc.dtype)
+        self.model = archinfo.read_config(
+            lambda c: build_model(c, store.dense_weights(), store.manifest.get("dense_quantization"), cc.dtype),
+            store.config)
         self.dtype = self.model.dtype
         # Token ids only: the supervisor tokenizes and detokenizes (runtime/textside.py) and
         # passes the EOS ids (eos); in-process they are read from the tokenizer files as JSON

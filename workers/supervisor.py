@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
 import json
 import os
 import signal
@@ -52,12 +51,12 @@ from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
 from deltafin.workers.http_auth import API_KEY_ENV
 from deltafin.workers.requests import RequestManager
+from deltafin.workers.stats_waits import STATS_SYNC_S, StatsWaits
 from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import check_http, parser, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
-STATS_SYNC_S = 5.0  # longest a stats reply waits for the snapshots that include the last request
 LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor._size_pool)
 REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpoint.py)
 
@@ -93,8 +92,10 @@ class Supervisor:
         limits = M.RequestLimits(vocab_size=int(self.store.config["vocab_size"]),
                                  max_context=config.compute.max_context,
                                  max_prompt_bytes=tokenizer.prompt_bytes_bound(config.compute.max_context))
+        # Stats answers wait (briefly) for snapshots newer than the last finished request
+        self.stats = StatsWaits(self._ask_snapshots)
         self.requests = RequestManager(tokenizer, config.compute, limits, self._reply, self._forward,
-                                       self._finished, self.log)
+                                       self.stats.finished, self.log)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
@@ -107,11 +108,6 @@ class Supervisor:
         self.generation = 0
         self.restart_times: deque = deque()
         self.last_death: WorkerDied | None = None
-        # Stats answers wait (briefly) until every worker's snapshot is newer than the last
-        # finished request: [(client identity, request id, sync id needed, deadline)]
-        self.pending_stats: list[tuple] = []
-        self.sync_ids = itertools.count(1)
-        self.sync = 0
         self.hub: MetricsHub | None = None
         self.sampler = ProcessSampler()
         self.processes: dict[str, dict] = {}
@@ -148,7 +144,7 @@ class Supervisor:
         self._start_workers()
         self.state = "serving"
         self._sample_processes()
-        self._synchronize()  # the first stats answer already sees the workers with their pool
+        self.stats.synchronize()  # the first stats answer already sees the workers with their pool
         cc = self.config.compute
         for line in self.plan.explain(cc.max_context, cc.max_batch, cc.prefill_chunk, self.context_note):
             self.log(line)
@@ -341,9 +337,8 @@ class Supervisor:
             if death.role == "compute" and death.code == RANK_LOST_EXIT:  # [distributed]: a peer rank
                 code, why = M.ErrorCode.RANK_LOST, f"{peer_note(*(launch_rank() or (None, 0)))} ({death})"
             self.requests.fail_all(code, f"{why}; {then}")
-            for ident, rid, *_ in self.pending_stats:
+            for ident, rid in self.stats.take_all():
                 self._finish_stats(ident, rid)
-            self.pending_stats = []
             # The others hold nothing a restart keeps (the supervisor owns the segment), so they
             # are killed at once rather than waited for (compute may be deep in a computation).
             self.workers.stop(grace_s=0)
@@ -362,7 +357,7 @@ class Supervisor:
                 continue
             self.state = "serving"
             self.clean_stop = True
-            self._synchronize()
+            self.stats.synchronize()
             self.log(f"workers restarted in {time.monotonic() - t0:.2f} s (restart "
                      f"{len(self.restart_times)} of {self.config.runtime.restart_max} in {window:.0f} s)")
             return
@@ -428,8 +423,7 @@ class Supervisor:
             # request finished does it wait for the snapshots that include that request.
             wait = STATS_SYNC_S if self.state == "serving" else 0.0
             # requests a stop string ended count as finished: the answer waits for their end in compute
-            self.pending_stats.append((ident, msg.id, self.sync, time.monotonic() + wait,
-                                       frozenset(self.requests.stopping)))
+            self.stats.add(ident, msg.id, wait, frozenset(self.requests.stopping))
             return self._answer_stats()
         if isinstance(msg, (M.Generate, M.Logits)):
             # Everything refused here is answered at once, whatever compute is busy with.
@@ -464,33 +458,17 @@ class Supervisor:
         """A client's message to compute (the request manager's `forward`)."""
         self._to_worker("compute", M.Forward(client=ident, payload=raw))
 
-    def _finished(self, key: tuple, stopped: bool) -> None:
-        """Compute ended a request: a stats request from now on waits for the snapshots that
-        include it; one made since a stop string ended it for the client waits for it too."""
-        self._synchronize()
-        if stopped:
-            self.pending_stats = [(i, r, self.sync if key in w else s, d, w)
-                                  for i, r, s, d, w in self.pending_stats]
-
-    def _synchronize(self) -> None:
-        """A request finished: each worker answers with a snapshot on the control channel, queued
-        behind all it did for the request, so a stats request from now on includes the request."""
-        self.sync = next(self.sync_ids)
+    def _ask_snapshots(self, sync: int) -> None:
+        """Each worker answers with a snapshot tagged `sync` on the control channel, queued
+        behind all it did so far."""
         for role in ROLES:
-            self._to_worker(role, M.WorkerStats(id=self.sync))
+            self._to_worker(role, M.WorkerStats(id=sync))
 
     def _answer_stats(self) -> None:
-        if not self.pending_stats:
-            return
-        self.hub.drain()
-        now = time.monotonic()
-        waiting = []
-        for ident, rid, sync, deadline, stops in self.pending_stats:
-            if (self.hub.synced_all(sync) and not stops & self.requests.stopping.keys()) or now > deadline:
+        if self.stats.pending:
+            self.hub.drain()
+            for ident, rid in self.stats.due(self.hub.synced_all, self.requests.stopping.keys()):
                 self._finish_stats(ident, rid)
-            else:
-                waiting.append((ident, rid, sync, deadline, stops))
-        self.pending_stats = waiting
 
     def _snapshot(self) -> dict:
         """The merged snapshot: what the metrics endpoint publishes and `stats` answers."""
@@ -525,9 +503,8 @@ class Supervisor:
         is answered `shutting_down` now (the client endpoint delivers them before it closes)."""
         why = "the runtime is stopping; the request did not finish"
         self.requests.fail_all(M.ErrorCode.SHUTTING_DOWN, why)
-        for ident, rid, *_ in self.pending_stats:
+        for ident, rid in self.stats.take_all():
             self._reply(ident, M.Error(id=rid, code=M.ErrorCode.SHUTTING_DOWN, message=why))
-        self.pending_stats = []
 
     def shutdown(self) -> None:
         """In-flight requests answered `shutting_down`, then a polite message to the workers, then

@@ -13,6 +13,13 @@ class Qwen3_5Moe(Qwen3Next):
     norm_topk_default = True
 
     def rope_parameters(self, c):
-        params = dict(c.get("rope_parameters") or ROPE_DEFAULTS)
+        """(theta, rotary fraction of head_dim, scaling) as mlx-lm's Qwen3.5 reads them: from
+        rope_parameters (mlx-lm's defaults where the key is absent); where it is null or empty,
+        from the top-level rope_theta, partial_rotary_factor and rope_scaling."""
+        params = c["rope_parameters"] if "rope_parameters" in c else ROPE_DEFAULTS
+        if not params:
+            return (float(c.get("rope_theta", ROPE_DEFAULTS["rope_theta"])),
+                    float(c.get("partial_rotary_factor", ROPE_DEFAULTS["partial_rotary_factor"])),
+                    c.get("rope_scaling"))
         return (float(params.get("rope_theta", ROPE_DEFAULTS["rope_theta"])),
-                float(params.get("partial_rotary_factor", ROPE_DEFAULTS["partial_rotary_factor"])), params)
+                float(params.get("partial_rotary_factor", ROPE_DEFAULTS["partial_rotary_factor"])), dict(params))
