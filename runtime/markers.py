@@ -1,0 +1,32 @@
+"""The tokens that structure a chat answer: thinking tags, tool-call sections, gpt-oss's channels.
+
+Where a family's tokenizer makes one of these a special token, decoding skips it by default; a
+chat's answer is decoded keeping these (and no other special token: runtime/tokenizer.py
+`Tokenizer.decode(markers=True)`), so workers/toolcalls can split the answer into reasoning,
+content and tool calls, and drops every one of them from what it shows.
+"""
+from __future__ import annotations
+
+THINK, UNTHINK = "<think>", "</think>"
+
+# DeepSeek-V3 / V3.1 / R1: a section of calls, each `<begin>NAME-PART<sep>ARGS-PART<end>`.
+DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+
+# Kimi-K2: `<begin>functions.NAME:INDEX<argument begin>JSON<end>` in a section.
+KIMI_SECTION_BEGIN, KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+
+# gpt-oss (harmony): `<|start|>ROLE [to=RECIPIENT]<|channel|>CHANNEL [<|constrain|>json]<|message|>
+# TEXT` ended by `<|end|>`, `<|call|>` (a tool call) or `<|return|>` (the answer's last message).
+START, CHANNEL, CONSTRAIN, MESSAGE = "<|start|>", "<|channel|>", "<|constrain|>", "<|message|>"
+END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+
+# Markers that are never text: what is shown never contains them.
+SPECIAL = (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, DEEPSEEK_SEP,
+           KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_ARGUMENT_BEGIN,
+           START, CHANNEL, CONSTRAIN, MESSAGE, END, CALL, RETURN)
+# Every marker a chat's answer keeps (the thinking tags are special tokens in some tokenizers).
+KEPT = (THINK, UNTHINK, *SPECIAL)
