@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import anthropic
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -269,7 +270,8 @@ def harmony_store(tiny_stores, tmp_path_factory):
 def test_http_tool_call_in_harmony_special_tokens(harmony_store):
     """The model's answer is `<|channel|>commentary to=functions.get_weather <|message|>{"city":
     "Paris"}` then `<|call|>` (end of sequence): the openai client gets one get_weather call and no
-    content, streamed and not; without tools the call is left out and nothing of it is shown."""
+    content, streamed and not; without tools the call is left out and nothing of it is shown; the
+    anthropic client gets it as a tool_use block."""
     store, msgs = harmony_store
     with http_runtime(store) as (endpoint, url, _):
         with Client(endpoint, timeout=60) as c:
@@ -290,3 +292,8 @@ def test_http_tool_call_in_harmony_special_tokens(harmony_store):
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         none = oa.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
         assert none.choices[0].message.content is None and not none.choices[0].message.tool_calls
+        ac = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+        m = ac.messages.create(model=model, max_tokens=8, messages=msgs, tools=[tool], extra_body={"temperature": 0})
+        assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+        assert m.stop_reason == "tool_use"

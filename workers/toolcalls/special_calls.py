@@ -1,8 +1,8 @@
 """Tool calls written in special tokens (runtime/markers.py), one section of calls per answer:
 
-- DeepSeek-V3: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`;
-  V3.1 (and later V3 releases): `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
-  inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`.
+- DeepSeek-V3: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, a newline, ARGS fenced as a
+  ```json block, `<｜tool▁call▁end｜>`; V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`;
+  the calls inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`.
 - Kimi-K2: `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>`
   inside `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>`.
 
