@@ -57,11 +57,12 @@ def _greedy(c, prompt: list, n: int = 6) -> M.Done:
     return c.generate(M.Generate(id=2, token_ids=prompt, max_tokens=n, stream=False))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next", "kimi_linear", "qwen3_5_moe", "kimi_k3"])
 def test_a_cached_prefix_gives_the_cold_prefills_logits_bitwise(request, arch):
     """B after A (sharing 3 blocks): B's logits and greedy tokens equal, bitwise, B's cold ones
     (the cache off), on grouped-query attention, on MLA's latent cache and on the hybrids'
-    linear-attention layers (gated delta, KDA), which resume from the state at the boundary."""
+    linear-attention layers (gated delta: qwen3_next, qwen3_5_moe; KDA: kimi_linear, kimi_k3),
+    which resume from the state at the boundary."""
     c = _compute(request, arch)
     pc, c.prompt_cache = c.prompt_cache, None
     cold_logits, reused = _prefilled(c, SHARED + TAIL_B)
