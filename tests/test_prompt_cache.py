@@ -138,12 +138,13 @@ def test_a_sliding_window_family_runs_without_the_cache(request):
     assert len(_greedy(c, SHARED + TAIL_A, 3).token_ids) > 0
 
 
-def test_a_supervisor_reuses_a_prefix_across_requests(tiny_stores, tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_next"])
+def test_a_supervisor_reuses_a_prefix_across_requests(tiny_stores, tmp_path, arch):
     """Real processes: the second request sharing a prefix reuses it (its stats and compute's
     counters say so) and gives the tokens the first request with that prompt got cold; the
-    budget reserves the cache's share."""
+    budget reserves the cache's share (a hybrid's too)."""
     flags = config_flags(tmp_path, compute={"prefill_chunk": CHUNK, "prompt_cache": "8MiB"})
-    with running_supervisor(tiny_stores("mixtral"), "4GiB", flags) as (ep, _):
+    with running_supervisor(tiny_stores(arch), "4GiB", flags) as (ep, _):
         with Client(ep, timeout=120) as cl:
             cold = cl.generate(SHARED + TAIL_B, max_tokens=8)
             cl.generate(SHARED + TAIL_A, max_tokens=8)
