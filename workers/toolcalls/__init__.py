@@ -22,8 +22,7 @@ import re
 from deltafin.runtime import markers as K
 from deltafin.workers.toolcalls import harmony, json_call, special_calls, xml_calls
 
-MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
-TEXT_BLOCKS = {json_call.START: json_call.END, MINIMAX_START: MINIMAX_END}
+TEXT_BLOCKS = {json_call.START: json_call.END, K.MINIMAX_CALL: K.MINIMAX_CALL_END}
 # special-token sections: they may also end with the answer (its end of sequence right after them)
 SECTIONS = {K.DEEPSEEK_CALLS_BEGIN: K.DEEPSEEK_CALLS_END, K.KIMI_SECTION_BEGIN: K.KIMI_SECTION_END}
 BLOCKS = {**TEXT_BLOCKS, **SECTIONS}
@@ -38,7 +37,7 @@ def parse_block(start: str, body: str, tools: list | None) -> list[dict]:
         return special_calls.parse_deepseek(body, tools)
     if start == K.KIMI_SECTION_BEGIN:
         return special_calls.parse_kimi(body, tools)
-    if start == MINIMAX_START:
+    if start == K.MINIMAX_CALL:
         return xml_calls.parse_minimax(body, tools)
     if json_call.accepts(body):
         return json_call.parse(body, tools)

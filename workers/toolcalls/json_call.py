@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-START, END = "<tool_call>", "</tool_call>"
+from deltafin.runtime.markers import TOOL_CALL as START, TOOL_CALL_END as END
 
 
 def accepts(body: str) -> bool:
