@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from deltafin.protocol import messages as M
-from deltafin.runtime import markers
+from deltafin.runtime.markers import KEPT
 
 
 class TokenizerError(RuntimeError):
@@ -117,7 +117,7 @@ class Tokenizer:
         self.eos_ids = eos
         # special tokens that structure a chat answer (runtime/markers.py), kept by decode(markers=True)
         self.markers = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()
-                        if t.special and t.content in markers.KEPT}
+                        if t.special and t.content in KEPT}
 
     @property
     def vocab_size(self) -> int:
