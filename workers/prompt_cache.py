@@ -9,7 +9,8 @@ tokens and its parent's name), so a block stands for the whole prefix it ends. A
 per layer, an attention layer's keys and values of its block's positions, copied out of the
 sequence that prefilled it and never written again, or a linear-attention layer's recurrent
 state and convolution tail at the block's end (what that layer had summed of the whole prefix;
-MLX arrays are never written in place, so the entry keeps the arrays the pass produced). A
+the layers replace those arrays at each pass, never write into them, so the entry keeps the
+arrays the block's pass produced). A
 sequence starting from cached blocks copies the keys and values into its own cache and takes the
 last block's states, so requests decoding together share a prefix without sharing buffers.
 
