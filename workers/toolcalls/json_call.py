@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from deltafin.runtime.markers import TOOL_CALL as START, TOOL_CALL_END as END
+from deltafin.runtime import markers
+
+START, END = markers.TOOL_CALL, markers.TOOL_CALL_END
 
 
 def accepts(body: str) -> bool:
