@@ -109,10 +109,8 @@ class RecurrentState(CacheKind):
 
 def prefix_unsupported(layer_kinds) -> str | None:
     """Why a model's caches cannot start from a cached prompt prefix (workers/prompt_cache.py;
-    None: they can)."""
+    None: they can: keys and values of every position, or a recurrent state kept per block)."""
     for kind in layer_kinds:
         if isinstance(kind, SlidingKV):
             return "sliding-window attention: its cache drops positions, a prefix is not its keys alone"
-        if not isinstance(kind, FullKV):
-            return f"{type(kind).__name__} layers: their state sums every position before a block boundary"
     return None

@@ -4,7 +4,10 @@ Compute runs token ids only: it takes a generate request's `token_ids` and answe
 messages that carry ids (their text empty) and a `done` whose text is empty. The text around
 that lives here, one `TextSide` per generate request: the prompt text or chat messages tokenized
 (chat template included) before compute sees the request, and compute's ids turned back into the
-client's text pieces (streaming detokenizer), cut at the first stop string. The request manager
+client's text pieces (streaming detokenizer), cut at the first stop string. A chat's (a request
+of `messages`) text keeps the special tokens that structure its answer (runtime/markers.py) and
+starts with `<think>` where the chat template's generation prompt opened the thinking, so the
+HTTP frontend can split it into reasoning, content and tool calls. The request manager
 (workers/requests.py) keeps one per request in flight; `generate` wraps an in-process `Compute`
 the same way, so tools and tests see the same text as clients of the runtime.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.markers import THINK
 from deltafin.runtime.tokenizer import TOO_LONG, PromptTooLong, StreamDecoder, Tokenizer
 
 
@@ -42,6 +46,19 @@ def as_token_ids(req: M.Generate, ids: list[int], max_context: int) -> M.Generat
                                chat=False, max_tokens=max_tokens)
 
 
+OPENING_TOKENS = 16  # the prompt's last tokens looked at for a thinking tag the template opened
+
+
+def opening(tokenizer: Tokenizer, req: M.Generate, ids: list[int]) -> str:
+    """The marker a chat's answer starts inside of: `<think>` where the rendered prompt ends
+    with it (Qwen3 thinking, DeepSeek-R1 and MiniMax-M2 templates open the thinking in the
+    generation prompt, so the answer holds only its `</think>`); "" otherwise."""
+    if req.messages is None:
+        return ""
+    tail = tokenizer.decode(ids[-OPENING_TOKENS:], markers=True)
+    return THINK if tail.rstrip().endswith(THINK) else ""
+
+
 class TextSide:
     """One generate request's text: ids in, client text out. `accept` takes each of compute's
     tokens in order; `stopped` turns true at the token whose text completes a stop string, after
@@ -51,15 +68,17 @@ class TextSide:
     the token's message waits (its text goes with a later token's message, or with `flush` at
     the end). Stop strings are looked for only where they can end: in the new text and the
     (longest stop - 1) characters before it, so the work per token does not grow with the
-    answer."""
+    answer. opened: the marker the answer starts inside of (`opening`): the text starts with it,
+    where stop strings are not looked for."""
 
-    def __init__(self, tokenizer: Tokenizer, req: M.Generate, prompt_tokens: int):
+    def __init__(self, tokenizer: Tokenizer, req: M.Generate, prompt_tokens: int, opened: str = ""):
         self.req = req
         self.prompt_tokens = prompt_tokens
-        self.decoder = StreamDecoder(tokenizer)
+        self.decoder = StreamDecoder(tokenizer, markers=req.messages is not None)
         self.stops = [s for s in (req.stop or []) if s]
         self.longest = max((len(s) for s in self.stops), default=0)
-        self.text = ""
+        self.text = opened
+        self.floor = len(opened)  # where the answer's own text begins
         self.sent = 0  # characters of text the client was sent in token messages
         self.last: M.Token | None = None  # compute's latest token
         self.stopped = False
@@ -83,7 +102,7 @@ class TextSide:
             self.logprobs.append(self._named(e))
         before = len(self.text)
         self.text += self.decoder.add(token.token_id)
-        cut = self._stop_at(max(0, before - self.longest + 1))
+        cut = self._stop_at(max(self.floor, before - self.longest + 1))
         if cut is not None:
             self.text, self.stopped = self.text[:cut], True
         elif self._may_stop():
@@ -126,7 +145,7 @@ class TextSide:
 
     def _may_stop(self) -> bool:
         """True when the unsent text ends with the start of a stop string."""
-        for at in range(max(self.sent, len(self.text) - self.longest + 1), len(self.text)):
+        for at in range(max(self.sent, self.floor, len(self.text) - self.longest + 1), len(self.text)):
             tail = self.text[at:]
             if any(s.startswith(tail) for s in self.stops):
                 return True
@@ -153,7 +172,7 @@ def generate(compute, tokenizer: Tokenizer, req: M.Generate, emit=None) -> M.Don
     request manager handles it: emit gets the client's token messages (streamed requests), a
     stop string ends the sequence after the token that completed it."""
     ids = prompt_ids(tokenizer, req, compute.max_context)
-    side = TextSide(tokenizer, req, len(ids))
+    side = TextSide(tokenizer, req, len(ids), opening(tokenizer, req, ids))
 
     def relay(token: M.Token | None) -> None:
         out = side.accept(token) if token is not None else side.flush()

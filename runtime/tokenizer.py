@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from deltafin.protocol import messages as M
+from deltafin.runtime.markers import KEPT
 
 
 class TokenizerError(RuntimeError):
@@ -114,6 +115,9 @@ class Tokenizer:
         if self.eos_token and self.tok.token_to_id(self.eos_token) is not None:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = eos
+        # special tokens that structure a chat answer (runtime/markers.py), kept by decode(markers=True)
+        self.markers = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()
+                        if t.special and t.content in KEPT}
 
     @property
     def vocab_size(self) -> int:
@@ -164,8 +168,19 @@ class Tokenizer:
             raise PromptTooLong(f"{TOO_LONG}{len(ids)} tokens exceeds max_context={max_tokens}")
         return ids
 
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, markers: bool = False) -> str:
+        """The text of ids, special tokens skipped; markers: but for the ones that structure a
+        chat answer (self.markers), each written where it stands."""
+        if not (markers and self.markers):
+            return self.tok.decode(list(ids), skip_special_tokens=True)
+        parts, run = [], []
+        for i in ids:
+            if i in self.markers:
+                parts += [self.tok.decode(run, skip_special_tokens=True), self.markers[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self.tok.decode(run, skip_special_tokens=True)
 
     def render_chat(self, prompt, tools: list | None = None) -> str:
         """prompt: one user message, or a list of {role, content} messages (the HTTP frontend).
@@ -188,16 +203,18 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns token ids into text pieces as they arrive, holding back split UTF-8 characters."""
+    """Turns token ids into text pieces as they arrive, holding back split UTF-8 characters;
+    markers: a chat answer's markers kept (Tokenizer.decode)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, markers: bool = False):
         self.tokenizer = tokenizer
+        self.markers = markers
         self.ids: list[int] = []
         self.emitted = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, self.markers)
         if text.endswith("\ufffd"):
             return ""
         piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""

@@ -1,8 +1,8 @@
 """The prompt cache (workers/prompt_cache.py): a request whose prompt starts with a prefix an
 earlier one prefilled starts from that prefix's keys and values, and its logits and greedy tokens
 are bitwise those of a cold prefill; concurrent requests share a prefix; a small cache evicts its
-least recently used blocks; families whose caches cannot start from a prefix run without it,
-saying why; with real processes the second request reuses the first's prefix, counted in
+least recently used blocks; linear-attention hybrids resume from the recurrent state kept at
+a block boundary; a sliding-window family runs without it, saying why; with real processes the second request reuses the first's prefix, counted in
 compute's stats, the monitor's snapshot and the /metrics exposition."""
 from __future__ import annotations
 
@@ -57,10 +57,12 @@ def _greedy(c, prompt: list, n: int = 6) -> M.Done:
     return c.generate(M.Generate(id=2, token_ids=prompt, max_tokens=n, stream=False))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next", "kimi_linear", "qwen3_5_moe", "kimi_k3"])
 def test_a_cached_prefix_gives_the_cold_prefills_logits_bitwise(request, arch):
     """B after A (sharing 3 blocks): B's logits and greedy tokens equal, bitwise, B's cold ones
-    (the cache off), on grouped-query attention and on MLA's latent cache."""
+    (the cache off), on grouped-query attention, on MLA's latent cache and on the hybrids'
+    linear-attention layers (gated delta: qwen3_next, qwen3_5_moe; KDA: kimi_linear, kimi_k3),
+    which resume from the state at the boundary."""
     c = _compute(request, arch)
     pc, c.prompt_cache = c.prompt_cache, None
     cold_logits, reused = _prefilled(c, SHARED + TAIL_B)
@@ -123,26 +125,26 @@ def test_a_small_cache_evicts_least_recently_used_blocks(request):
     assert reused > 0 and np.array_equal(warm, cold)
 
 
-@pytest.mark.parametrize("arch,why", [("gpt_oss", "sliding-window"), ("qwen3_next", "RecurrentState")])
-def test_families_that_cannot_start_from_a_prefix_run_without_the_cache(request, arch, why):
-    """gpt-oss's sliding window drops positions and qwen3-next's linear attention sums them: the
-    cache is off for them (no budget reserve), the stats say why, and requests run as before."""
+def test_a_sliding_window_family_runs_without_the_cache(request):
+    """gpt-oss's sliding window drops positions a later block still sees: the cache is off for
+    it (no budget reserve), the stats say why, and requests run as before."""
     from deltafin.runtime.budget import plan_budget
     from deltafin.runtime.config import Config
-    c = _compute(request, arch)
+    c = _compute(request, "gpt_oss")
     assert c.prompt_cache is None
-    assert why in c.stats()["prompt_cache"]["reason"]
+    assert "sliding-window" in c.stats()["prompt_cache"]["reason"]
     cfg = Config.from_dict({"compute": {"prompt_cache": "64MiB"}})
     assert plan_budget(c.store, cfg).prompt_cache == 0
     assert len(_greedy(c, SHARED + TAIL_A, 3).token_ids) > 0
 
 
-def test_a_supervisor_reuses_a_prefix_across_requests(tiny_stores, tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_next"])
+def test_a_supervisor_reuses_a_prefix_across_requests(tiny_stores, tmp_path, arch):
     """Real processes: the second request sharing a prefix reuses it (its stats and compute's
     counters say so) and gives the tokens the first request with that prompt got cold; the
-    budget reserves the cache's share."""
+    budget reserves the cache's share (a hybrid's too)."""
     flags = config_flags(tmp_path, compute={"prefill_chunk": CHUNK, "prompt_cache": "8MiB"})
-    with running_supervisor(tiny_stores("mixtral"), "4GiB", flags) as (ep, _):
+    with running_supervisor(tiny_stores(arch), "4GiB", flags) as (ep, _):
         with Client(ep, timeout=120) as cl:
             cold = cl.generate(SHARED + TAIL_B, max_tokens=8)
             cl.generate(SHARED + TAIL_A, max_tokens=8)

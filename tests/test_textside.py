@@ -180,7 +180,7 @@ class _Pieces:
     def __init__(self, pieces):
         self.pieces = pieces
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, markers: bool = False) -> str:
         return "".join(self.pieces[i] for i in ids)
 
 

@@ -1,24 +1,26 @@
-"""The prompt cache: the KV of prompt prefixes kept across requests, so a shared prefix is
-prefilled once.
+"""The prompt cache: the KV (and linear-attention layers' recurrent state) of prompt prefixes
+kept across requests, so a shared prefix is prefilled once.
 
 A prompt is cut into blocks of `block` tokens (the prefill chunk, compute.prefill_chunk: a
 sequence's prefill passes are exactly its blocks, so a sequence starting from cached blocks
 computes its remaining chunks over the same rows, with the same keys before them, as a fresh
 prefill does: its logits are bit-identical). Each block is named by a hash chain (the block's
-tokens and its parent's name), so a block stands for the whole prefix it ends. An entry holds
-every layer's keys and values of its block's positions, copied out of the sequence that
-prefilled it and never written again; a sequence starting from cached blocks copies them into
-its own cache, so requests decoding together share a prefix without sharing buffers.
+tokens and its parent's name), so a block stands for the whole prefix it ends. An entry holds,
+per layer, an attention layer's keys and values of its block's positions, copied out of the
+sequence that prefilled it and never written again, or a linear-attention layer's recurrent
+state and convolution tail at the block's end (what that layer had summed of the whole prefix;
+the layers replace those arrays at each pass, never write into them, so the entry keeps the
+arrays the block's pass produced). A
+sequence starting from cached blocks copies the keys and values into its own cache and takes the
+last block's states, so requests decoding together share a prefix without sharing buffers.
 
 Entries live in memory only (nothing is written to disk), within compute.prompt_cache_bytes (a
 share of the memory budget, runtime/budget.py reserves it beside the KV reserve, so the cache
 never takes an expert slot's room); the least recently used blocks go first when a new one does
 not fit.
 
-Families with a sliding window or a recurrent state are excluded (runtime/layerkinds.py `prefix_unsupported`): their caches
-at a block boundary are not the positions' keys and values alone (a window drops positions, a
-recurrent state sums all of them), so reusing a prefix would need a per-boundary snapshot of
-that state.
+Families with a sliding window are excluded (runtime/layerkinds.py `prefix_unsupported`): a
+window's cache at a block boundary has dropped positions a later block's queries still see.
 """
 from __future__ import annotations
 
@@ -30,15 +32,23 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.runtime.metrics import Counter
+from deltafin.runtime.models.caches import RecurrentCache
 
 
 @dataclass(eq=False)
 class Block:
-    """One cached block: its tokens, and every layer's keys and values of its positions."""
+    """One cached block: its tokens, and per layer a pair of arrays: an attention layer's keys
+    and values of the block's positions, a recurrent layer's state and conv at its end."""
     tokens: tuple
-    keys: list
-    values: list
+    layers: list
     nbytes: int
+
+
+def snapshot(cache, start: int, end: int) -> tuple:
+    """One layer's share of the block of positions [start, end), just prefilled into cache."""
+    if isinstance(cache, RecurrentCache):
+        return cache.state, cache.conv
+    return mx.contiguous(cache.keys[..., start:end, :]), mx.contiguous(cache.values[..., start:end, :])
 
 
 def chain(ids: list, block: int, n_blocks: int) -> list[bytes]:
@@ -79,15 +89,17 @@ class PromptCache:
         return found
 
     def restore(self, blocks: list[Block], caches: list) -> int:
-        """Empty caches (one per layer) start from the blocks' keys and values; returns the
-        positions they now hold."""
+        """Empty caches (one per layer) start from the blocks (keys and values of them all, the
+        last one's recurrent states); returns the positions they now hold."""
         n = len(blocks) * self.block
         if not blocks:
             return 0
         for layer, cache in enumerate(caches):
-            keys = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
-            values = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-            cache.append(keys, values, 0)
+            if isinstance(cache, RecurrentCache):
+                cache.state, cache.conv = blocks[-1].layers[layer]
+            else:
+                cache.append(mx.concatenate([b.layers[layer][0] for b in blocks], axis=2),
+                             mx.concatenate([b.layers[layer][1] for b in blocks], axis=2), 0)
             cache.offset = n
         return n
 
@@ -100,14 +112,14 @@ class PromptCache:
             self._touch(names)
             return
         start = end - self.block
-        keys = [mx.contiguous(c.keys[..., start:end, :]) for c in caches]
-        values = [mx.contiguous(c.values[..., start:end, :]) for c in caches]
-        nbytes = sum(a.nbytes for a in keys) + sum(a.nbytes for a in values)
+        layers = [snapshot(c, start, end) for c in caches]
+        arrays = [a for pair in layers for a in pair if a is not None]
+        nbytes = sum(a.nbytes for a in arrays)
         if nbytes > self.capacity:
             return
         self._evict(self.capacity - nbytes)
-        mx.eval(keys, values)
-        self.blocks[name] = Block(tuple(ids[start:end]), keys, values, nbytes)
+        mx.eval(arrays)
+        self.blocks[name] = Block(tuple(ids[start:end]), layers, nbytes)
         self.nbytes += nbytes
         self.counters.add("inserted_blocks")
         self._touch(names)

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.procs import WakePipe
-from deltafin.runtime.textside import TextSide, as_token_ids, prompt_ids
+from deltafin.runtime.textside import TextSide, as_token_ids, opening, prompt_ids
 from deltafin.runtime.tokenizer import PromptTooLong, Tokenizer, TokenizerError
 
 
@@ -165,7 +165,7 @@ class RequestManager:
                     self.cancelling.discard(key)
                     self.reply(ident, tokenize_error(msg.id, e))
                     continue
-                self.sides[key] = TextSide(self.tokenizer, msg, len(ids))
+                self.sides[key] = TextSide(self.tokenizer, msg, len(ids), opening(self.tokenizer, msg, ids))
                 if tokenized is not None or msg.max_tokens is None:
                     raw = M.encode(as_token_ids(msg, ids, self.compute.max_context))
             self.forward(ident, raw)

@@ -1,11 +1,15 @@
 """A chat answer's text split into reasoning, content and tool calls, as it streams.
 
-Reasoning is the text between `<think>` and `</think>` (Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2,
-Kimi-K2-Thinking); tool calls are the blocks the model's family writes (json_call.py: Qwen3 and
-Hermes JSON; xml_calls.py: GLM-4.5, Qwen3-Coder, MiniMax-M2), recognised by their tags in the
-text, so no model-specific setting is needed. A block that does not parse stays in the content
-as written. Only markers the tokenizer decodes as text can be seen: formats built of special
-tokens that decoding skips (DeepSeek-V3's, Kimi-K2's, gpt-oss's channels) are not parsed.
+Reasoning is the text between `<think>` and `</think>` (Qwen3, DeepSeek-R1 / V3.1, GLM-4.5,
+MiniMax-M2, Kimi-K2-Thinking; the text side starts the answer with `<think>` where the chat
+template opened it) and gpt-oss's `analysis` channel. Tool calls are the blocks the model's
+family writes, recognised by their tags, so no model-specific setting is needed: written as text
+(json_call.py: Qwen3 and Hermes JSON; xml_calls.py: GLM-4.5, Qwen3-Coder, MiniMax-M2), looked for
+only when the request has tools, a block that does not parse staying in the content as written;
+or in special tokens (special_calls.py: DeepSeek-V3 / V3.1, Kimi-K2; harmony.py: gpt-oss's
+messages to `functions.NAME`), which the text side keeps in a chat's text (runtime/markers.py).
+Special tokens are never content: every one is looked for, a stray one is dropped, and calls in
+them are dropped when the request has no tools.
 
 `ReplySplitter` takes text pieces in order and returns events: ("reasoning", text),
 ("content", text), ("tool_call", {name, arguments}); text that may begin a marker is held back
@@ -13,16 +17,27 @@ until the next piece shows whether it does. The whole text through one splitter 
 events joined as its pieces do."""
 from __future__ import annotations
 
-from deltafin.workers.toolcalls import json_call, xml_calls
+import re
 
-THINK, UNTHINK = "<think>", "</think>"
-MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
-BLOCKS = {json_call.START: json_call.END, MINIMAX_START: MINIMAX_END}
+from deltafin.runtime import markers as K
+from deltafin.workers.toolcalls import harmony, json_call, special_calls, xml_calls
+
+TEXT_BLOCKS = {json_call.START: json_call.END, K.MINIMAX_CALL: K.MINIMAX_CALL_END}
+# special-token sections: they may also end with the answer (its end of sequence right after them)
+SECTIONS = {K.DEEPSEEK_CALLS_BEGIN: K.DEEPSEEK_CALLS_END, K.KIMI_SECTION_BEGIN: K.KIMI_SECTION_END}
+BLOCKS = {**TEXT_BLOCKS, **SECTIONS}
+HEADERS = (K.START, K.CHANNEL)            # a harmony message's header starts with one of these
+MESSAGE_ENDS = (K.END, K.CALL, K.RETURN)  # and its text ends with one of these
+SPECIAL = re.compile("|".join(map(re.escape, K.SPECIAL)))
 
 
 def parse_block(start: str, body: str, tools: list | None) -> list[dict]:
     """The calls of one block (between start and its end tag); ValueError when it holds none."""
-    if start == MINIMAX_START:
+    if start == K.DEEPSEEK_CALLS_BEGIN:
+        return special_calls.parse_deepseek(body, tools)
+    if start == K.KIMI_SECTION_BEGIN:
+        return special_calls.parse_kimi(body, tools)
+    if start == K.MINIMAX_CALL:
         return xml_calls.parse_minimax(body, tools)
     if json_call.accepts(body):
         return json_call.parse(body, tools)
@@ -32,20 +47,30 @@ def parse_block(start: str, body: str, tools: list | None) -> list[dict]:
 
 
 class ReplySplitter:
-    """tools: the request's tools (None: tool calls are not looked for, their text is content)."""
+    """tools: the request's tools (None: tool calls are not looked for, their text is content).
+
+    state: "content" or "reasoning" (text shown), "header" (a harmony header, until its
+    `<|message|>`), "call" (a harmony message to a tool), or a block's start tag while inside
+    that block."""
 
     def __init__(self, tools: list | None):
         self.tools = tools
-        self.state = "content"  # or "reasoning", or a block's start tag while inside that block
+        self.state = "content"
         self.buf = ""
+        self.header = ""     # the header's first marker, while in "header"
+        self.recipient = ""  # the tool a harmony "call" message is for
         self.calls = 0
 
     def _markers(self) -> list[str]:
-        if self.state == "reasoning":
-            return [UNTHINK]
-        if self.state != "content":
+        if self.state == "header":
+            return [K.MESSAGE]
+        if self.state == "call":
+            return list(MESSAGE_ENDS)
+        if self.state in BLOCKS:
             return [BLOCKS[self.state]]
-        return [THINK, *(BLOCKS if self.tools is not None else ())]
+        if self.state == "reasoning":
+            return [K.UNTHINK, *K.SPECIAL]
+        return [K.THINK, *K.SPECIAL, *(TEXT_BLOCKS if self.tools is not None else ())]
 
     def feed(self, piece: str) -> list[tuple]:
         self.buf += piece
@@ -64,34 +89,61 @@ class ReplySplitter:
         return events
 
     def finish(self) -> list[tuple]:
-        """The events of the text still held at the end (a block never closed is content)."""
+        """The events of the text still held at the end: a section or a harmony call the answer
+        ended in is parsed, a text block never closed is content, a header is dropped."""
         events: list[tuple] = []
         if self.state in ("content", "reasoning"):
             self._emit(self.state, self.buf, events)
-        else:
+        elif self.state in TEXT_BLOCKS:
             self._emit("content", self.state + self.buf, events)
+        elif self.state != "header":
+            self._transit("", self.buf, events)
         self.buf, self.state = "", "content"
         return events
 
     def _transit(self, marker: str, before: str, events: list) -> None:
         if self.state in ("content", "reasoning"):
             self._emit(self.state, before, events)
-            self.state = {THINK: "reasoning", UNTHINK: "content"}.get(marker, marker)
-            return
-        start = self.state
-        self.state = "content"
+            self._enter(marker)
+        elif self.state == "header":
+            self.state, self.recipient = harmony.route(self.header + before)
+        elif self.state == "call":
+            self.state = "content"
+            self._calls(lambda: [special_calls.call(self.recipient, before)], before, events)
+        else:
+            start, self.state = self.state, "content"
+            self._calls(lambda: parse_block(start, before, self.tools), start + before + marker, events)
+
+    def _enter(self, marker: str) -> None:
+        """The state after a marker met in text; markers of no state here (a message's end, a
+        stray special token) are dropped."""
+        if marker in (K.THINK, K.UNTHINK):
+            self.state = "reasoning" if marker == K.THINK else "content"
+        elif marker in BLOCKS:
+            self.state = marker
+        elif marker in HEADERS:
+            self.state, self.header = "header", marker
+        elif marker in MESSAGE_ENDS:
+            self.state = "content"
+
+    def _calls(self, parse, written: str, events: list) -> None:
+        """The calls parse() finds, as events (none without tools); where it finds none, the
+        text as written is content (special tokens left out)."""
         try:
-            calls = parse_block(start, before, self.tools)
+            calls = parse()
         except (ValueError, TypeError):
-            return self._emit("content", start + before + marker, events)
+            return self._emit("content", SPECIAL.sub("", written), events)
+        if self.tools is None:
+            return
         for call in calls:
             events.append(("tool_call", call))
         self.calls += len(calls)
 
     def _held(self) -> int:
         """How many characters at the end of buf may begin one of the markers looked for."""
-        for n in range(min(len(self.buf), max(map(len, self._markers())) - 1), 0, -1):
-            if any(m.startswith(self.buf[-n:]) for m in self._markers()):
+        markers = self._markers()
+        for n in range(min(len(self.buf), max(map(len, markers)) - 1), 0, -1):
+            if any(m.startswith(self.buf[-n:]) for m in markers):
                 return n
         return 0
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-START, END = "<tool_call>", "</tool_call>"
+from deltafin.runtime import markers
+
+START, END = markers.TOOL_CALL, markers.TOOL_CALL_END
 
 
 def accepts(body: str) -> bool:

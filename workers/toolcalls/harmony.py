@@ -1,0 +1,23 @@
+"""gpt-oss's harmony messages: `<|start|>assistant [to=RECIPIENT]<|channel|>CHANNEL [to=RECIPIENT]
+[<|constrain|>json]<|message|>TEXT`, ended by `<|end|>`, `<|call|>` or `<|return|>` (the first
+message of an answer has no `<|start|>assistant`: the prompt ends with it). The `analysis`
+channel is reasoning, `final` and `commentary` without a recipient are content, a message to
+`functions.NAME` is a call of NAME with a JSON object of arguments."""
+from __future__ import annotations
+
+import re
+
+from deltafin.runtime import markers as K
+
+RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+CHANNEL_NAME = re.compile(re.escape(K.CHANNEL) + r"\s*([\w.-]+)")
+
+
+def route(header: str) -> tuple[str, str | None]:
+    """What a message with this header is: ("call", tool name), ("reasoning", None) or
+    ("content", None)."""
+    to = RECIPIENT.search(header)
+    if to:
+        return "call", to.group(1).removeprefix("functions.")
+    channel = CHANNEL_NAME.search(header)
+    return ("reasoning" if channel and channel.group(1) == "analysis" else "content"), None
