@@ -53,6 +53,43 @@ def test_an_invalid_schema_is_refused_with_why(text, why):
     assert grammar_of(json.dumps(SCHEMA)) and grammar_of(ANY_OBJECT)
 
 
+def test_constrained_rows_beside_unconstrained_ones_in_process(tiny_stores):
+    """The scheduler, every expert resident (passes launched before the last token is read): a
+    constrained sequence's tokens are JSON matching SCHEMA, sampled once its grammar took the
+    last token (an early pass waits unsampled), and the unconstrained ones beside it, greedy
+    and sampled, give the tokens they give alone."""
+    from deltafin.protocol import messages as M
+    from deltafin.runtime.config import Config
+    from deltafin.runtime.store import Store
+    from deltafin.runtime.tokenizer import Tokenizer
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
+    store = Store(tiny_stores("mixtral"))
+    cfg = Config().to_dict()
+    src, staging, loader = local_router(store, cfg)
+    try:
+        c = Compute(store, cfg, src, staging, store.max_record_bytes)
+        c.preload()
+        plain = [M.Generate(id=1, token_ids=[5, 6, 7], max_tokens=30),
+                 M.Generate(id=2, token_ids=[9, 8], max_tokens=30, temperature=0.8, seed=4)]
+        alone = [c.generate(r).token_ids for r in plain]
+        shaped = M.Generate(id=3, token_ids=[1, 2, 3], max_tokens=60, temperature=0.7, seed=3,
+                            json_schema=json.dumps(SCHEMA))
+        seqs = [c.start(r) for r in (shaped, *plain)]
+        c._begin_request()
+        for seq in seqs:
+            c.scheduler.add(seq)
+        deferred = 0
+        while c.scheduler.busy():
+            c.scheduler.step()
+            deferred += c.scheduler.ahead is not None and c.scheduler.ahead.tokens is None
+        assert [s.out_ids for s in seqs[1:]] == alone
+        assert seqs[0].finish == "stop" and deferred > 0
+        assert matches(json.loads(Tokenizer(store.tokenizer_dir).decode(seqs[0].out_ids)), SCHEMA)
+    finally:
+        loader.close()
+
+
 def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
