@@ -67,7 +67,9 @@ class Generate:
     """One of prompt, token_ids and messages ({role, content} maps, rendered with the chat
     template; an assistant's may carry `tool_calls`, a tool's `tool_call_id`). max_tokens nil:
     the rest of the context (max_context - prompt tokens). tools: OpenAI function tools
-    ({type, function: {name, description, parameters}}) given to the chat template as `tools`."""
+    ({type, function: {name, description, parameters}}) given to the chat template as `tools`.
+    json_schema: a JSON Schema (its JSON text) the answer must match, enforced while decoding
+    (`{"type": "object"}`: any JSON object); the answer stops once the JSON is complete."""
     id: int
     prompt: str | None = None
     token_ids: list | None = None
@@ -86,6 +88,7 @@ class Generate:
     repetition_penalty: float = 1.0   # 1: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    json_schema: str | None = None    # None: unconstrained
 
 
 @message("cancel")
@@ -279,7 +282,8 @@ def check_request(msg, limits: RequestLimits) -> None:
                              f"ask for at most {most} tokens per request")
 
 
-SAMPLING_OPTIONS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+SAMPLING_OPTIONS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                    "json_schema")
 
 
 def _check_sampling(msg: Generate) -> None:

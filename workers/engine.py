@@ -38,6 +38,7 @@ from deltafin.workers.prompt_cache import PromptCache
 from deltafin.workers.scheduler import Scheduler, Sequence
 from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
+from deltafin.workers.structured import SchemaError, TokenTable
 
 
 class Compute:
@@ -85,6 +86,7 @@ class Compute:
         kv_pool = kv_reserve_bytes(store.config, self.kv_itemsize, self.max_context, cc.kv_tokens, max_batch)
         self.scheduler = Scheduler(self, max_batch, kv_pool)
         self.prompt_cache, self.prompt_cache_off = self._prompt_cache(prompt_cache_bytes(store.config, config))
+        self.tokens = TokenTable(store.tokenizer_dir, self.eos_ids, self.vocab)  # json_schema masks
 
     def _prompt_cache(self, nbytes: int) -> tuple[PromptCache | None, str | None]:
         """The prompt cache (workers/prompt_cache.py) in blocks of one prefill chunk, or None and
@@ -208,8 +210,12 @@ class Compute:
             raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
         self._check_ids(ids, req.max_tokens)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+        try:
+            grammar = self.tokens.grammar(req.json_schema) if req.json_schema is not None else None
+        except SchemaError as e:
+            raise RequestError(str(e)) from None
         return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),
-                        emit=emit, t_request=t_request,
+                        emit=emit, t_request=t_request, grammar=grammar,
                         kv_bytes=sequence_cache_bytes(self.store.config, len(ids) + req.max_tokens, self.kv_itemsize))
 
     def generate(self, req: M.Generate, emit=None, between_tokens=None) -> M.Done:

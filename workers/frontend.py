@@ -51,8 +51,8 @@ from deltafin.workers.frontend_process import LISTENING, parse_listen
 from deltafin.workers.http_auth import API_KEY_ENV, BearerAuth
 from deltafin.runtime.config import HttpConfig
 from deltafin.workers.anthropic_api import MessagesShape, messages_request
-from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, completion_request,
-                                         generate_args, parse_body)
+from deltafin.workers.openai_api import (ApiError, api_error_from, chat_request, check_schema,
+                                         completion_request, generate_args, parse_body)
 from deltafin.workers.openai_shapes import ChatShape, CompletionShape
 
 RETRY_AFTER_S = 2              # Retry-After on 429 and 503
@@ -227,6 +227,7 @@ class HttpFrontend:
     async def completions(self, request):
         try:
             prompt, params = completion_request(await self._body(request), self.max_context)
+            await check_schema(params)
         except ApiError as e:
             return self.error(e)
         return await self._answer(prompt, params, CompletionShape(self.model_id, params), "prompt")
@@ -234,6 +235,7 @@ class HttpFrontend:
     async def chat_completions(self, request):
         try:
             messages, params = chat_request(await self._body(request))
+            await check_schema(params)
         except ApiError as e:
             return self.error(e)
         return await self._answer(messages, params, ChatShape(self.model_id, params), "messages")

@@ -6,6 +6,7 @@ are, and its request manager tokenizes them (chat template included); `usage` co
 the final message's stats."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -15,6 +16,7 @@ from deltafin.client import (DeltafinError, ExpertUnavailableError, ProtocolMism
 from deltafin.protocol import messages as M
 from deltafin.protocol.messages import MAX_ERROR_CHARS
 from deltafin.runtime.tokenizer import TOO_LONG
+from deltafin.workers.structured import ANY_OBJECT, SchemaError, grammar_of
 
 
 class ApiError(Exception):
@@ -256,6 +258,7 @@ def completion_request(body: dict, max_context: int) -> tuple:
         raise ApiError(400, "only best_of = 1 is supported", param="best_of")
     p = sampling(body, 16)  # OpenAI's default
     p["logprobs"] = _number(body, "logprobs", None, 0, 5, integer=True)
+    p["json_schema"] = response_format(body)
     return (prompt if isinstance(prompt, str) else list(prompt)), p
 
 
@@ -264,11 +267,8 @@ def chat_request(body: dict) -> tuple[list[dict], dict]:
     the rest of the context (None: the runtime counts it once the messages are tokenized)."""
     if body.get("functions"):
         raise ApiError(400, "'functions' is not supported (use 'tools')", param="functions")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise ApiError(400, "only response_format {'type': 'text'} is supported",
-                       param="response_format")
     p = sampling(body, None)
+    p["json_schema"] = response_format(body)
     p["tools"], p["parse_tools"], p["parallel_tool_calls"] = chat_tools(body)
     if not isinstance(body.get("logprobs", False), bool):
         raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
@@ -279,10 +279,47 @@ def chat_request(body: dict) -> tuple[list[dict], dict]:
     return chat_messages(body), p
 
 
+def response_format(body: dict) -> str | None:
+    """The JSON Schema (text) a body's `response_format` asks the answer to match: any JSON object
+    for {"type": "json_object"}, the schema of {"type": "json_schema", "json_schema": {"name",
+    "schema"}}; None for text. Enforced while decoding (workers/structured.py), strict or not."""
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+            raise ApiError(400, "response_format json_schema needs {'json_schema': {'name', 'schema'}} "
+                                "with the schema an object", param="response_format")
+        return json.dumps(spec["schema"])
+    raise ApiError(400, "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                        "{'type': 'json_schema', 'json_schema': {...}}", param="response_format")
+
+
+SCHEMA_TIMEOUT_S = 5.0  # a JSON schema not compiled within this is refused
+
+
+async def check_schema(p: dict) -> None:
+    """The request's json_schema compiled off the event loop (llguidance bounds its work) before
+    it is sent: an invalid one, or one not compiled within SCHEMA_TIMEOUT_S, is a 400 here."""
+    if p.get("json_schema") is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.to_thread(grammar_of, p["json_schema"]), SCHEMA_TIMEOUT_S)
+    except SchemaError as e:
+        raise ApiError(400, str(e), param="response_format", code="invalid_json_schema") from None
+    except TimeoutError:
+        raise ApiError(400, f"the JSON schema did not compile within {SCHEMA_TIMEOUT_S:g} s",
+                       param="response_format", code="invalid_json_schema") from None
+
+
 def generate_args(p: dict) -> dict:
     """The Client.generate / Client.stream keywords of the request's parameters."""
-    args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop", *M.SAMPLING_OPTIONS)}
-    for key in ("tools", "logprobs"):
+    args = {k: p[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+    for key in (*M.SAMPLING_OPTIONS, "tools", "logprobs"):
         if p.get(key) is not None:
             args[key] = p[key]
     return args

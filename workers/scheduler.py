@@ -111,6 +111,7 @@ class Sequence:
     t_first: float | None = None  # its first token was read (the end of its prefill)
     t_end: float | None = None
     marks: dict = field(default_factory=dict)  # split/loop snapshots at its start and first token
+    grammar: object = None     # its json_schema's place (workers/structured.Grammar), or None
 
     def next_key(self):
         """A fresh sampling key per token (none needed for greedy)."""
@@ -140,10 +141,12 @@ class Step:
     """A forward pass launched for sequences decoded together: their sampled tokens, on the
     device until read."""
     seqs: list
-    tokens: object      # [B] on the device
+    tokens: object      # [B] on the device; None until sampled (`Scheduler.sample`)
     pass_no: int | None
     t0: float
     logprobs: list | None = None  # per row: workers/logprobs.on_device's arrays, or None
+    rows: list | None = None      # per row: its logits [1, vocab], kept until sampled
+    inputs: object = None         # the tokens the pass took [B]
 
 
 class Scheduler:
@@ -271,6 +274,8 @@ class Scheduler:
         step, self.ahead = self.ahead, None
         if step is None:
             step = self.launch(self.active, [s.pending for s in self.active])
+        elif step.tokens is None:  # launched early over a constrained row: its grammar is current now
+            self.sample(step, early=False)
         # Early only where every row is still wanted: a row whose sequence left has no cache.
         if (not hold and c.experts.can_overlap() and step.seqs == self.active
                 and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
@@ -308,18 +313,45 @@ class Scheduler:
         # In the model's dtype (sample_on_device casts where it needs float32), each row sampled
         # on its own [1, vocab] slice: one sequence's tokens are its sampler's output as it is.
         logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
-        toks = [sample_on_device(logits if len(seqs) == 1 else logits[b:b + 1], s.req, s.next_key(), c.dtype,
-                                 s.history(tokens[b:b + 1], early)) for b, s in enumerate(seqs)]
-        lps = [logprobs.on_device(logits if len(seqs) == 1 else logits[b:b + 1], t, s.req.logprobs, c.dtype)
-               if s.req.logprobs is not None else [] for b, (s, t) in enumerate(zip(seqs, toks))]
-        toks = toks[0] if len(toks) == 1 else mx.concatenate(toks)
+        step = Step(list(seqs), None, p, t0, rows=[logits if len(seqs) == 1 else logits[b:b + 1]
+                                                   for b in range(len(seqs))], inputs=tokens)
         ids = c.experts.seal_pass()
-        mx.async_eval(toks, *(a for row in lps for a in row), *([] if ids is None else [ids]))
+        ids = [] if ids is None else [ids]
+        if early and any(s.grammar is not None for s in seqs):
+            # A grammar's mask needs the token this pass takes, read later: the pass computes
+            # now and is sampled once its turn comes (`decode`).
+            mx.async_eval(logits, *ids)
+        else:
+            self.sample(step, early, ids)
         self.loop["launch"] += time.perf_counter() - t0
         self.counters.add("steps")
         self.counters.add("rows", len(seqs))
         self.max_rows = max(self.max_rows, len(seqs))
-        return Step(list(seqs), toks, p, t0, lps)
+        return step
+
+    def sample(self, step: Step, early: bool, extra: list = ()) -> None:
+        """Each row of the step sampled with its sequence's settings (a constrained one among the
+        tokens its grammar allows: workers/structured.py), on the device; logprobs are the
+        model's own, before any mask. early: the pass's input tokens are not read yet. extra:
+        more arrays to evaluate with them."""
+        c = self.compute
+        toks = [sample_on_device(self.constrained(s, row), s.req, s.next_key(), c.dtype,
+                                 s.history(step.inputs[b:b + 1], early))
+                for b, (s, row) in enumerate(zip(step.seqs, step.rows))]
+        step.logprobs = [logprobs.on_device(row, t, s.req.logprobs, c.dtype) if s.req.logprobs is not None
+                         else [] for s, row, t in zip(step.seqs, step.rows, toks)]
+        step.tokens = toks[0] if len(toks) == 1 else mx.concatenate(toks)
+        step.rows = None
+        mx.async_eval(step.tokens, *(a for row in step.logprobs for a in row), *extra)
+
+    @staticmethod
+    def constrained(seq: Sequence, row):
+        """row [1, vocab] with the tokens seq's grammar does not allow next at -inf (as it is
+        where seq has no grammar, or has finished)."""
+        if seq.grammar is None or seq.finish is not None:
+            return row
+        allowed = mx.array(seq.grammar.allowed()).reshape(1, -1)
+        return mx.where(allowed, row, mx.array(-mx.inf, dtype=row.dtype))
 
     def read(self, step: Step) -> list[int]:
         t0 = time.perf_counter()
@@ -345,6 +377,8 @@ class Scheduler:
             seq.finish = "stop"
             return
         seq.out_ids.append(tok)
+        if seq.grammar is not None and seq.grammar.advance(tok):
+            seq.finish = "stop"  # the JSON is complete
         if seq.emit:  # every token: the text side needs each id to detokenize and find stops
             seq.emit(M.Token(id=req.id, index=len(seq.out_ids) - 1, token_id=tok, text="",
                              logprobs=[lp] if lp else None))

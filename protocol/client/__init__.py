@@ -259,7 +259,8 @@ class Client:
         rendered with the model's chat template, with `tools` where given). max_tokens None: the
         rest of the context. logprobs k: each token's log-probability and the k most likely
         tokens' (Generation.logprobs). sampling: any of M.SAMPLING_OPTIONS (top_k, min_p,
-        repetition_penalty, presence_penalty, frequency_penalty; docs/PROTOCOL.md)."""
+        repetition_penalty, presence_penalty, frequency_penalty, and json_schema: a JSON Schema
+        as text the answer must match; docs/PROTOCOL.md)."""
         msg = self._generate_msg(prompt_or_token_ids, max_tokens, temperature, top_p, seed, stop, chat,
                                  False, tools, logprobs, sampling)
         done = self._call(msg)
