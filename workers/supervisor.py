@@ -94,7 +94,7 @@ class Supervisor:
                                  max_context=config.compute.max_context,
                                  max_prompt_bytes=tokenizer.prompt_bytes_bound(config.compute.max_context))
         self.requests = RequestManager(tokenizer, config.compute, limits, self._reply, self._forward,
-                                       self._finished, self.log)
+                                       self._finished, self.log, config.http.default_max_tokens)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()
