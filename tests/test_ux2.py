@@ -140,3 +140,63 @@ def test_prefill_progress_in_the_stats_the_monitor_and_deltafin_run(tiny_stores,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"prefill \d+/\d+ tokens, [\d.,]+ tok/s", r.stderr), r.stderr[-2000:]
+
+
+# -- the forecast with one flag -------------------------------------------------------------------
+def run_forecast(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "forecast.json"
+    r = subprocess.run([sys.executable, "-m", "deltafin.tools.forecast", *flags, "--json", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DELTAFIN_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r, json.loads(out.read_text())
+
+
+def test_forecast_answers_a_preset_and_a_budget_with_no_other_flag(tmp_path):
+    """deltafin-forecast --preset P --memory-budget B alone: it probes this disk (a scratch file
+    in the deltafin cache, gone after), states the store size, the budget's parts, how compute
+    and messages were had, the shipped trace and its fit, and answers a range low <= high."""
+    r, out = run_forecast(tmp_path, "--preset", "dsv2-lite", "--memory-budget", "6GiB")
+    text = r.stdout
+    for needle in ("assumes: store of dsv2-lite", "assumes: memory 6.00 GiB = dense", "assumes: disk probed here",
+                   "assumes: compute not measured", "assumes: messages", "assumes: routing from "
+                   "configs/routing_stats.json", "assumes: trace fit: the trace's own shape"):
+        assert needle in text, text
+    m = re.search(r"forecast: ([\d.]+) to ([\d.]+) tok/s decode \(middle ([\d.]+)\)", text)
+    assert m and 0 < float(m[1]) <= float(m[3]) <= float(m[2]), text
+    assert out["tok_s_low"] <= out["tok_s_middle"] <= out["tok_s_high"]
+    assert out["memory_plan"]["fixed"] + out["n_slots"] * out["shape"]["record_bytes"] <= 6 << 30
+    assert not list((tmp_path / "cache").glob(".deltafin-probe-*"))  # the scratch file went
+
+
+def test_forecast_scales_the_shipped_trace_to_another_shape_and_says_so(tmp_path):
+    """--preset kimi-k2 --cache-frac 0.15 alone: the DeepSeek-V2-Lite statistics stand in, scaled
+    (x 8/6 misses, 60 layers), the budget that cache needs is named; a budget below what the
+    model needs before any expert is refused with the figure."""
+    r, out = run_forecast(tmp_path, "--preset", "kimi-k2", "--cache-frac", "0.15")
+    assert "384 experts per layer, top-8, 60 MoE layers" in r.stdout and "misses x 8/6" in r.stdout
+    assert "the budget needed: --memory-budget" in r.stdout
+    assert out["tok_s_low"] <= out["tok_s_high"] and out["cache_frac"] == 0.15
+    small = subprocess.run([sys.executable, "-m", "deltafin.tools.forecast", "--preset", "kimi-k2",
+                            "--memory-budget", "4GiB"], capture_output=True, text=True, timeout=120)
+    assert small.returncode != 0 and "is below what kimi-k2 needs before any expert" in small.stderr
+
+
+def test_shipped_routing_statistics_are_what_the_script_derives(tmp_path):
+    """configs/routing_stats.json names its source and holds each (policy, fraction) case; the
+    script's statistics of a trace agree with the replay's own hit rate."""
+    import numpy as np
+
+    from deltafin.runtime.traces import save_trace
+    from deltafin.tools.replay import replay
+    from deltafin.tools.routing_stats import derive, load_stats
+    stats = load_stats()
+    assert stats["source"].startswith("dsv2lite-dev.npz") and stats["experts"] == 64 and stats["top_k"] == 6
+    for c in stats["cases"]:
+        assert abs(sum(c["miss_hist"]) - 1) < 1e-3 and c["hit_rate_p10"] <= c["hit_rate_p90"]
+        assert len(c["layer_hit_rate"]) == stats["moe_layers"]
+    rng = np.random.default_rng(0)
+    ids = np.array([[rng.choice(8, 2, replace=False) for _ in range(3)] for _ in range(40)])  # [tokens, layers, k]
+    path = save_trace(tmp_path / "t.npz", ids.astype(np.uint8), [20, 20], ["a", "b"])
+    mine = derive(path, 40, fractions=(0.5,), policies=("lru",))["cases"][0]
+    assert mine["hit_rate"] == pytest.approx(replay(ids, mine["slots"], "lru")["hit_rate"], abs=1e-6)
