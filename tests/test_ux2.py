@@ -162,7 +162,7 @@ def test_forecast_answers_a_preset_and_a_budget_with_no_other_flag(tmp_path):
                    "assumes: compute not measured", "assumes: messages", "assumes: routing from "
                    "configs/routing_stats.json", "assumes: trace fit: the trace's own shape"):
         assert needle in text, text
-    m = re.search(r"forecast: ([\d.]+) to ([\d.]+) tok/s decode \(middle ([\d.]+)\)", text)
+    m = re.search(r"forecast: ([\d.e-]+) to ([\d.e-]+) tok/s decode \(middle ([\d.e-]+)\)", text)
     assert m and 0 < float(m[1]) <= float(m[3]) <= float(m[2]), text
     assert out["tok_s_low"] <= out["tok_s_middle"] <= out["tok_s_high"]
     assert out["memory_plan"]["fixed"] + out["n_slots"] * out["shape"]["record_bytes"] <= 6 << 30

@@ -136,7 +136,7 @@ def forecast_preset(a, cfg, shape, config: dict, policy: str, threads: int) -> d
     for line in assumption_lines(a, shape, plan, out, stats, case):
         print(line)
     lo, mid, hi = (ends[k]["tok_s"] for k in ("low", "middle", "high"))
-    print(f"forecast: {lo:.2f} to {hi:.2f} tok/s decode (middle {mid:.2f}) for {shape.name} at "
+    print(f"forecast: {lo:.3g} to {hi:.3g} tok/s decode (middle {mid:.3g}) for {shape.name} at "
           f"{format_size(budget)}, {frac:.1%} of the experts cached")
     out["tok_s_low"], out["tok_s_high"], out["tok_s_middle"] = lo, hi, mid
     return out
