@@ -9,7 +9,8 @@ forecast of decode tok/s before the download, as a range, with every assumption 
   `deltafin chat` puts its stores) at the preset's record size, queue depths 1 and loader.threads.
 - Compute: assumed memory-bound, as MoE decode is: the bytes a token reads (the dense weights but
   the embedding table, and top-k experts of each MoE layer, all 4-bit) over this machine's
-  measured memory bandwidth, times 1 (the bound) to 3 (kernels reaching a third of it).
+  memory bandwidth as a float32 matrix-vector product reaches it, times 1 (the bound) to 3
+  (kernels reaching a third of it).
 - Messages: a Need -> Slots round trip between two processes, measured; a fill (prepare): one
   copy of the record at the measured memory bandwidth.
 - Memory: dense weights at 4 bits, KV for compute.max_context, activations of one prefill chunk,
@@ -35,14 +36,17 @@ EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
 
 
 def measure_memory_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> dict:
-    """This machine's memory read bandwidth: the best of `repeats` sums over an array of nbytes."""
-    a = np.ones(nbytes // 4, dtype=np.float32)
+    """This machine's memory read bandwidth as decode uses it: the best of `repeats` float32
+    matrix-vector products (BLAS, every core) over a matrix of nbytes."""
+    w = np.ones((nbytes // 4 // 4096, 4096), dtype=np.float32)
+    x = np.ones(4096, dtype=np.float32)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a.sum()
+        w @ x
         best = min(best, time.perf_counter() - t0)
-    return {"gbps": nbytes / best / 1e9, "how": f"numpy sum over {format_size(nbytes)}, best of {repeats}"}
+    return {"gbps": nbytes / best / 1e9,
+            "how": f"numpy matrix-vector product over {format_size(nbytes)}, best of {repeats}"}
 
 
 def dense_params(config: dict) -> tuple[int, int, int]:
