@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.tools.routing_stats",
                                 description="Derive the routing statistics deltafin-forecast ships with.")
     p.add_argument("trace", help="a routing trace (.npz, docs/TRACES.md)")
-    p.add_argument("--tokens", type=int, default=500, help="replay the first prompts up to this many tokens")
+    p.add_argument("--tokens", type=int, default=1500, help="replay the first prompts up to this many tokens")
     p.add_argument("--workers", type=int, default=2, help="replays run in parallel")
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "configs" / STATS_FILE),
                    help="where to write them")
