@@ -140,6 +140,7 @@ class HttpConfig:
     body_timeout_s: float = 30.0    # a request's body complete within this of its head
     idle_timeout_s: float = 5.0     # a kept-alive connection with nothing to say is closed after this
     max_body_bytes: str = "4MiB"    # a larger body is refused with 413 while it arrives
+    default_max_tokens: int = 0     # a chat request's max_tokens when it gives none (0: the rest of the context)
 
     @property
     def body_bytes(self) -> int:
@@ -232,6 +233,8 @@ class Config:
             raise ConfigError(f"runtime.max_request_bytes must be within 1KiB..{MAX_MESSAGE_BYTES >> 20}MiB")
         if not 1024 <= self.http.body_bytes <= parse_size(self.runtime.max_request_bytes):
             raise ConfigError("http.max_body_bytes must be within 1KiB..runtime.max_request_bytes")
+        if self.http.default_max_tokens < 0:
+            raise ConfigError("http.default_max_tokens must be >= 0 (0: the rest of the context)")
         if self.distributed.backend not in ("ring", "jaccl", "mpi", "any"):
             raise ConfigError(f"distributed.backend {self.distributed.backend!r}: use ring, jaccl, mpi or any")
         if self.distributed.enabled:

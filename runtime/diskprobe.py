@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -89,45 +90,11 @@ def probe_disk(path_or_store, record_bytes: int | None = None, queue_depth: int 
     # O_DIRECT skips the cache anyway; dropping it matters where reads fall back to buffered ones
     why_not = drop_page_cache() if drop_cache else "not asked (drop_cache=False)"
     files = {name: DirectFile(store.path / name) for name in sampler.files}
-    latencies: list[list[float]] = [[] for _ in range(queue_depth)]
-    nbytes = [0] * queue_depth
-    errors: list[str] = []
-    start = threading.Barrier(queue_depth + 1)
-    deadline = [0.0]
-
-    def reader(i: int) -> None:
-        rng = random.Random(seed * 1000 + i)
-        buf = aligned_buffer(sampler.max_bytes)
-        view = memoryview(buf)
-        try:
-            start.wait(timeout=30)
-            while time.perf_counter() < deadline[0]:
-                name, offset, n = sampler.draw(rng)
-                t0 = time.perf_counter()
-                got = files[name].read_into(view[:n], offset, n)
-                latencies[i].append(time.perf_counter() - t0)
-                nbytes[i] += got
-        except (OSError, threading.BrokenBarrierError) as e:
-            errors.append(f"reader {i}: {e}")
-        finally:
-            view.release()
-            buf.close()
-
-    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(queue_depth)]
     try:
-        for t in threads:
-            t.start()
-        t_start = time.perf_counter()
-        deadline[0] = t_start + seconds
-        start.wait(timeout=30)
-        for t in threads:
-            t.join(timeout=seconds + 60)  # a read stuck for a minute is a broken disk, not a figure
-        elapsed = time.perf_counter() - t_start
+        elapsed, latencies, nbytes = timed_reads(files, sampler.draw, sampler.max_bytes, queue_depth, seconds, seed)
     finally:
         for f in files.values():
             f.close()
-    if errors or any(t.is_alive() for t in threads):
-        raise OSError("disk probe failed: " + ("; ".join(errors) or "a read did not return within a minute"))
     lat = np.array([x for per in latencies for x in per]) if any(latencies) else np.zeros(1)
     total, reads = sum(nbytes), sum(len(per) for per in latencies)
     return {
@@ -148,6 +115,78 @@ def probe_disk(path_or_store, record_bytes: int | None = None, queue_depth: int 
         "files": len(files),
         "span_bytes": sum((store.path / name).stat().st_size for name in files),
     }
+
+
+def timed_reads(files: dict, draw, max_bytes: int, queue_depth: int, seconds: float,
+                seed: int = 0) -> tuple[float, list, list]:
+    """queue_depth threads each read draw(rng) = (file name, offset, bytes) from `files` (open
+    DirectFiles) until `seconds` have passed; (elapsed, latencies per thread, bytes per thread)."""
+    latencies: list[list[float]] = [[] for _ in range(queue_depth)]
+    nbytes = [0] * queue_depth
+    errors: list[str] = []
+    start = threading.Barrier(queue_depth + 1)
+    deadline = [0.0]
+
+    def reader(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        buf = aligned_buffer(max_bytes)
+        view = memoryview(buf)
+        try:
+            start.wait(timeout=30)
+            while time.perf_counter() < deadline[0]:
+                name, offset, n = draw(rng)
+                t0 = time.perf_counter()
+                got = files[name].read_into(view[:n], offset, n)
+                latencies[i].append(time.perf_counter() - t0)
+                nbytes[i] += got
+        except (OSError, threading.BrokenBarrierError) as e:
+            errors.append(f"reader {i}: {e}")
+        finally:
+            view.release()
+            buf.close()
+
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(queue_depth)]
+    for t in threads:
+        t.start()
+    t_start = time.perf_counter()
+    deadline[0] = t_start + seconds
+    start.wait(timeout=30)
+    for t in threads:
+        t.join(timeout=seconds + 60)  # a read stuck for a minute is a broken disk, not a figure
+    elapsed = time.perf_counter() - t_start
+    if errors or any(t.is_alive() for t in threads):
+        raise OSError("disk probe failed: " + ("; ".join(errors) or "a read did not return within a minute"))
+    return elapsed, latencies, nbytes
+
+
+def probe_scratch(directory, record_bytes: int, queue_depths=(1, 4), seconds: float = 0.5,
+                  file_bytes: int = 128 << 20) -> dict:
+    """Direct-read bandwidth of the disk holding `directory`, without a store: a scratch file of
+    file_bytes (at least 4 records; random bytes, synced, deleted after) read in random aligned
+    ranges of record_bytes at each queue depth. {"gbps_by_queue_depth", "direct_io", "path", ...}."""
+    import tempfile
+    size = round_up(max(file_bytes, 4 * int(record_bytes)), ALIGN)
+    n = round_up(int(record_bytes), ALIGN)
+    out = {"path": str(directory), "record_bytes": n, "file_bytes": size, "seconds_each": seconds}
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".deltafin-probe-") as td:
+        path = Path(td) / "scratch.bin"
+        chunk = os.urandom(1 << 20)
+        with open(path, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        files = {"scratch": DirectFile(path)}
+        draw = lambda rng: ("scratch", rng.randrange((size - n) // ALIGN + 1) * ALIGN, n)
+        try:
+            gbps = {}
+            for q in queue_depths:
+                elapsed, _, nbytes = timed_reads(files, draw, n, q, seconds)
+                gbps[q] = sum(nbytes) / elapsed / 1e9
+        finally:
+            out["direct_io"] = files["scratch"].direct
+            files["scratch"].close()
+    return {**out, "gbps_by_queue_depth": gbps}
 
 
 def main(argv=None) -> int:

@@ -199,8 +199,10 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
                    "uses": router.get("uses", 0), "hits": router.get("hits", 0),
                    "reads": loader.get("reads", 0), "bytes_read": loader.get("bytes", 0),
                    "wait_s": compute.get("wait_s", 0.0), "token_s": _token_s(compute),
+                   "prepare_s": compute.get("prepare_s", 0.0), "ipc_s": compute.get("ipc_s", 0.0),
                    **{f"prompt_cache_{k}": prompt_cache.get(k, 0) for k in metrics.PROMPT_CACHE_TOTALS}},
         "prompt_cache": prompt_cache,
+        "prefill": (compute.get("batch") or {}).get("prefill", []),  # prompts being prefilled now
         "model": supervisor["model"],
         "run_id": supervisor["run_id"], "supervisor_pid": os.getpid(),
         "bench_mode": compute.get("bench_mode"),
@@ -238,7 +240,21 @@ def window_figures(new: dict, old: dict) -> dict | None:
             "ssd_gbps": metrics.ssd_gbps(d["bytes_read"], dt),
             "requests": d["requests"],
             "stall_share": metrics.stall_share(d.get("wait_s", 0.0), d.get("token_s", 0.0)),
+            "token_split_ms": token_split_ms(d),
             "stage_latency": stages}
+
+
+def token_split_ms(d: dict) -> dict | None:
+    """A token's time inside forward passes over an interval, split: waiting for experts,
+    preparing them, messages with the router, and compute (the rest); ms per token passed
+    (prompt and decode tokens alike). None without tokens."""
+    tokens = d.get("prefill_tokens", 0) + d.get("decode_tokens", 0)
+    if not tokens:
+        return None
+    wait, prepare, ipc = (d.get(k, 0.0) for k in ("wait_s", "prepare_s", "ipc_s"))
+    compute = max(0.0, d.get("token_s", 0.0) - wait - prepare - ipc)
+    return {k: v * 1e3 / tokens for k, v in
+            (("compute", compute), ("waiting", wait), ("prepare", prepare), ("messages", ipc))}
 
 
 class ProcessSampler:

@@ -38,10 +38,15 @@ def prompt_ids(tokenizer: Tokenizer, req: M.Generate, max_context: int) -> list[
     return ids
 
 
-def as_token_ids(req: M.Generate, ids: list[int], max_context: int) -> M.Generate:
+def as_token_ids(req: M.Generate, ids: list[int], max_context: int, default_max_tokens: int = 0) -> M.Generate:
     """The request as compute takes it: ids in place of the prompt text or messages, and
-    max_tokens nil made the rest of the context."""
-    max_tokens = max_context - len(ids) if req.max_tokens is None else req.max_tokens
+    max_tokens nil made the rest of the context, or default_max_tokens (http.default_max_tokens)
+    where that is smaller and not 0."""
+    rest = max_context - len(ids)
+    if req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:
+        max_tokens = min(rest, default_max_tokens) if default_max_tokens > 0 else rest
     return dataclasses.replace(req, prompt=None, messages=None, tools=None, token_ids=list(ids),
                                chat=False, max_tokens=max_tokens)
 

@@ -253,7 +253,7 @@ def test_chat_converts_a_checkpoint_once_and_keeps_the_conversation(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "is a checkpoint: converting it once" in r.stderr and re.search(r"converted: [\d.]+ \w+ store", r.stderr)
     assert "memory plan for a 2.00 GiB budget" in r.stderr
-    answers = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, hit rate \d+%, prefill (\d+) tokens\]", r.stdout)
+    answers = re.findall(r"\[(\d+) tokens, [\d.]+ tok/s, hit rate \d+%, prefill (\d+) tokens \(", r.stdout)
     assert len(answers) == 2
     assert int(answers[1][1]) > int(answers[0][1]) + int(answers[0][0])  # the first turn is in the second's prompt
     assert "stage latencies" in r.stdout and "resident expert slots" in r.stdout

@@ -1,29 +1,40 @@
 """deltafin chat MODEL: a conversation in the terminal with a model streamed from its store.
 
-MODEL is a deltafin store or a Hugging Face / mlx-lm checkpoint directory; a checkpoint is
+MODEL is a deltafin store, a Hugging Face / mlx-lm checkpoint directory, or a model id (org/name)
+already in the local Hugging Face cache (--download fetches it there first); a checkpoint is
 converted once (deltafin-convert's defaults, progress shown) into a store in the deltafin cache,
-after a free-disk check, and reused from there. The runtime starts under the memory budget and
-prints its plan; then each line typed is a user turn, answered in a stream with the whole
-conversation as context. After each answer: tokens, decode tok/s and the expert hit rate.
+after a free-disk check, and reused from there. The runtime starts under the memory budget with
+a prompt cache for the conversation and prints its plan; then each line typed is a user turn,
+answered in a stream with the whole conversation as context: the previous turns' keys and values
+come from the prompt cache, so a turn prefills little more than its own message. While a prompt
+is prefilled its progress shows; after each answer: tokens, decode tok/s, the expert hit rate, the
+prefill (how much came from the prompt cache) and a decode token's time split.
 Commands: /stats (the runtime's figures), /budget (its memory), /quit (or end of input).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shutil
 import sys
 from pathlib import Path
 
 from deltafin.client import Client, DeltafinError
+from deltafin.runtime import archinfo
+from deltafin.runtime.budget import kv_bytes_per_token
 from deltafin.runtime.cli import Help
-from deltafin.runtime.config import format_size
+from deltafin.runtime.config import ConfigError, format_size, load_config, parse_size
+from deltafin.runtime.dtypes import itemsize as dtype_itemsize
+from deltafin.runtime.layerkinds import prefix_unsupported
 from deltafin.runtime.store import Store, StoreError, is_checkpoint
 from deltafin.tools import convert
 from deltafin.tools.demo_model import cache_dir
-from deltafin.tools.run import StartError, format_latencies, running_supervisor
+from deltafin.tools.run import StartError, format_latencies, running_supervisor, stream_with_progress
 
 COMMANDS = "/stats, /budget, /quit"
+MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face model id, org/name
+PROMPT_CACHE_SHARE = 0.1  # the chat's prompt cache takes at most this share of the budget
 
 
 class ChatError(RuntimeError):
@@ -34,25 +45,45 @@ def say(message: str) -> None:
     print(f"deltafin: {message}", file=sys.stderr, flush=True)
 
 
-def converted_path(src: Path) -> Path:
-    """Where a checkpoint's store lives: the cache, named by the checkpoint's name and path."""
+def converted_path(src: Path, name: str | None = None) -> Path:
+    """Where a checkpoint's store lives: the cache, named by `name` (default: the checkpoint
+    directory's) and a digest of the checkpoint's path."""
     digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:10]
-    return cache_dir() / "stores" / f"{src.resolve().name}-{digest}"
+    return cache_dir() / "stores" / f"{name or src.resolve().name}-{digest}"
 
 
 def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def store_for(model: str) -> Path:
-    """The store to run: MODEL itself, or MODEL converted once (a checkpoint directory)."""
+def hub_snapshot(model_id: str, download: bool = False) -> Path:
+    """The local Hugging Face cache's snapshot of a model id (huggingface_hub's cache layout,
+    $HF_HUB_CACHE or ~/.cache/huggingface/hub); fetched into it first only when `download`."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(huggingface_hub.snapshot_download(model_id, local_files_only=not download))
+    except LocalEntryNotFoundError:
+        raise ChatError(f"{model_id} is not in the local Hugging Face cache "
+                        f"({huggingface_hub.constants.HF_HUB_CACHE}): pass --download to fetch it") from None
+    except Exception as e:  # the network, an unknown or gated repository
+        raise ChatError(f"{model_id}: could not be fetched ({type(e).__name__}: {e})") from None
+
+
+def store_for(model: str, download: bool = False) -> Path:
+    """The store to run: MODEL itself, or MODEL converted once (a checkpoint directory, or a
+    model id's snapshot in the Hugging Face cache)."""
     path = Path(model).expanduser()
     if (path / "manifest.json").exists():
         return path
+    name = None
+    if not path.exists() and MODEL_ID.match(model):
+        path, name = hub_snapshot(model, download), model.replace("/", "--")
+        say(f"{model}: the Hugging Face cache's snapshot {path}")
     if not is_checkpoint(path):
-        raise ChatError(f"{model}: neither a deltafin store nor a Hugging Face / mlx-lm checkpoint "
-                        f"directory (config.json and *.safetensors)")
-    out = converted_path(path)
+        raise ChatError(f"{model}: neither a deltafin store, a Hugging Face / mlx-lm checkpoint "
+                        f"directory (config.json and *.safetensors), nor a model id in the Hugging Face cache")
+    out = converted_path(path, name)
     if (out / "manifest.json").exists():
         say(f"using the store converted before: {out}")
         return out
@@ -71,12 +102,38 @@ def store_for(model: str) -> Path:
 
 
 def answer_line(stats: dict) -> str:
-    """tokens, decode tok/s and hit rate of one answer."""
+    """tokens, decode tok/s and hit rate of one answer; its prefill (tokens, those the prompt
+    cache gave, rate) and a decode token's time split."""
     decode = stats.get("decode") or {}
     uses, hits = decode.get("uses") or 0, decode.get("hits") or 0
     rate = f"{stats['decode_tok_s']:.2f} tok/s" if stats.get("decode_tok_s") else "- tok/s"
     hit = f"hit rate {hits / uses:.0%}" if uses else "hit rate -"
-    return f"[{stats.get('generated_tokens', 0)} tokens, {rate}, {hit}, prefill {stats.get('prompt_tokens', 0)} tokens]"
+    prefill = f"prefill {stats.get('prompt_tokens', 0)} tokens ({stats.get('cached_tokens', 0)} from the prompt cache"
+    prefill += f", {stats['prefill_tok_s']:.1f} tok/s)" if stats.get("prefill_tok_s") else ")"
+    return f"[{stats.get('generated_tokens', 0)} tokens, {rate}, {hit}, {prefill}{token_split(decode)}]"
+
+
+def token_split(decode: dict) -> str:
+    """'; per token: compute .. ms, waiting .., prepare .., messages ..' of a decode phase's
+    stats ('' without decode tokens)."""
+    n = decode.get("tokens") or 0
+    if not n:
+        return ""
+    parts = (("compute", "compute_s"), ("waiting", "wait_s"), ("prepare", "prepare_s"), ("messages", "ipc_s"))
+    return "; per token: " + ", ".join(f"{name} {decode.get(k, 0) * 1e3 / n:.1f} ms" for name, k in parts)
+
+
+def prompt_cache_size(store: Store, a: argparse.Namespace) -> int:
+    """The chat's prompt cache: --prompt-cache, else the keys and values of a whole context (the
+    conversation so far is each turn's prefix), at most PROMPT_CACHE_SHARE of the budget; 0 for a
+    family whose caches cannot start from a prefix."""
+    if a.prompt_cache is not None:
+        return parse_size(a.prompt_cache)
+    if prefix_unsupported(archinfo.layer_caches(store.config)):
+        return 0
+    cfg = load_config(None, {"runtime.memory_budget": a.memory_budget, "compute.max_context": a.max_context})
+    per_token = kv_bytes_per_token(store.config, dtype_itemsize(cfg.compute.dtype) or 4)
+    return min(per_token * cfg.compute.max_context, int(cfg.runtime.budget_bytes * PROMPT_CACHE_SHARE))
 
 
 def budget_lines(stats: dict) -> str:
@@ -86,8 +143,9 @@ def budget_lines(stats: dict) -> str:
             f"{mem.get('staging_slots')} staging slots of {format_size(mem.get('slot_bytes', 0))}")
 
 
-def repl(client: Client, a: argparse.Namespace, read=input) -> None:
-    """The conversation: user lines in, streamed answers out, until /quit or end of input."""
+def repl(client: Client, a: argparse.Namespace, endpoint: str, read=input) -> None:
+    """The conversation: user lines in, streamed answers out (the prefill's progress before
+    them), until /quit or end of input."""
     history: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
     print(f"chatting with {client.info.model} ({COMMANDS})", file=sys.stderr, flush=True)
     while True:
@@ -105,8 +163,8 @@ def repl(client: Client, a: argparse.Namespace, read=input) -> None:
             print(f"unknown command {line} ({COMMANDS})", flush=True)
         elif line:
             history.append({"role": "user", "content": line})
-            for piece in client.stream(history, max_tokens=a.max_tokens, temperature=a.temperature,
-                                       seed=a.seed):
+            for piece in stream_with_progress(client, endpoint, history, max_tokens=a.max_tokens,
+                                              temperature=a.temperature, seed=a.seed):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             gen = client.last
@@ -117,7 +175,12 @@ def repl(client: Client, a: argparse.Namespace, read=input) -> None:
 def add_chat(sub) -> None:
     c = sub.add_parser("chat", formatter_class=Help, help="chat with a model in the terminal",
                        description=__doc__.split("\n\n")[1])
-    c.add_argument("model", help="a deltafin store, or a Hugging Face / mlx-lm checkpoint directory")
+    c.add_argument("model", help="a deltafin store, a Hugging Face / mlx-lm checkpoint directory, or a "
+                                 "model id (org/name) in the local Hugging Face cache")
+    c.add_argument("--download", action="store_true", help="fetch a model id missing from the Hugging Face "
+                                                           "cache into it (huggingface_hub; needs the network)")
+    c.add_argument("--prompt-cache", metavar="SIZE", help="memory for the conversation's prompt prefixes "
+                   "(default: the keys and values of a whole context, at most 10%% of the budget; 0: off)")
     c.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB (default: config, "
                                            "auto = half the memory)")
     c.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most")
@@ -133,14 +196,17 @@ def main(argv=None) -> int:
     add_chat(p.add_subparsers(dest="command", required=True))
     a = p.parse_args(argv)
     try:
-        store = store_for(a.model)
-        Store(store)  # a damaged store is named before anything starts
+        store = Store(store_for(a.model, a.download))  # a damaged store is named before anything starts
         extra = ["--max-context", str(a.max_context)] if a.max_context else []
-        with running_supervisor(store, a.memory_budget, extra) as (endpoint, _proc):
+        cache = prompt_cache_size(store, a)
+        if cache:
+            say(f"prompt cache {format_size(cache)}: each turn reuses the previous turns' keys and values")
+            extra += ["--prompt-cache", str(cache)]
+        with running_supervisor(store.path, a.memory_budget, extra) as (endpoint, _proc):
             with Client(endpoint, timeout=600) as client:
-                repl(client, a)
+                repl(client, a, endpoint)
         return 0
-    except (ChatError, StoreError, StartError, DeltafinError, convert.ConvertError) as e:
+    except (ChatError, StoreError, StartError, DeltafinError, ConfigError, convert.ConvertError) as e:
         say(f"error: {e}")
         return 1
     except KeyboardInterrupt:

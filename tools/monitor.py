@@ -237,7 +237,28 @@ def throughput_rows(snap: dict, window: dict | None, disk_gbps: float | None) ->
             "stall share": fmt_pct(w.get("stall_share")),
             "prefetch": f"precision {fmt_pct(snap.get('prefetch_precision'))}, "
                         f"recall {fmt_pct(snap.get('prefetch_recall'))}",
-            "prompt cache": prompt_cache_text(snap)}
+            "prompt cache": prompt_cache_text(snap),
+            "prefilling": prefill_text(snap.get("prefill") or []),
+            "token time": split_text(w.get("token_split_ms"))}
+
+
+def prefill_text(progress: list) -> str:
+    """The prompts being prefilled now: tokens done of the total (the prompt cache's among
+    them), and the rate they are computed at; "-" when none is."""
+    return "; ".join(prefill_line(p) for p in progress) or "–"
+
+
+def prefill_line(p: dict) -> str:
+    """One prompt's prefill progress (an entry of the stats' `prefill`)."""
+    cached = f" ({p['cached']} cached)" if p.get("cached") else ""
+    return f"{p['done']}/{p['total']} tokens{cached}, {fmt_rate(p.get('tok_s'), ' tok/s')}"
+
+
+def split_text(split: dict | None) -> str:
+    """A token's time split in ms: compute, waiting for experts, prepare, messages."""
+    if not split:
+        return "–"
+    return ", ".join(f"{k} {v:.1f}" for k, v in split.items()) + " ms"
 
 
 def prompt_cache_text(snap: dict) -> str:

@@ -94,7 +94,7 @@ class MonitorApp(App):
         for label, key, width in (("", "name", 11), ("value", "value", 28), ("history (1 s)", "spark", 24)):
             t.add_column(label, key=key, width=width)
         for name in ("decode", "prefill", "hit rate", "bytes/token", "SSD", "requests",
-                     "stall share", "prefetch", "prompt cache"):
+                     "stall share", "prefetch", "prompt cache", "prefilling", "token time"):
             t.add_row(name, "–", "", key=name)
         t = self.query_one("#memory", DataTable)
         t.border_title = "memory and CPU per process"

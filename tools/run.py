@@ -10,6 +10,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -87,6 +88,12 @@ def format_latencies(stats: dict) -> str:
                  f"{fmt(stats.get('hit_rate'), '{:.1%}')}, stall share {fmt(stats.get('stall_share'), '{:.1%}')}, "
                  f"SSD {fmt(stats.get('ssd_gbps'), '{:.2f}')} GB/s, "
                  f"{fmt(stats.get('bytes_read_per_token'), '{:,.0f}')} B read/token")
+    pc, tot = stats.get("prompt_cache") or {}, stats.get("totals") or {}
+    if "capacity_bytes" in pc:
+        lines.append(f"prompt cache: {tot.get('prompt_cache_hits', 0)} hits of {tot.get('prompt_cache_lookups', 0)} "
+                     f"lookups, {tot.get('prompt_cache_reused_tokens', 0)} tokens reused")
+    for p in stats.get("prefill") or []:
+        lines.append(f"prefilling: {p['done']}/{p['total']} tokens ({p.get('cached', 0)} cached)")
     if mem:
         lines.append(f"memory: peak tree {mem.get('peak_tree_bytes', 0) / 2**20:.0f} MiB of a "
                      f"{mem.get('budget', 0) / 2**20:.0f} MiB budget; {mem.get('n_slots')} expert slots")
@@ -104,6 +111,54 @@ def format_split(gen_stats: dict) -> str:
             + (f"; time to first token {ttft:.3f} s" if ttft is not None else ""))
 
 
+class PrefillProgress:
+    """While a prompt is prefilled: its progress (tokens done / total, rate) on `out`, one
+    carriage-returned line, from the metrics stream of the runtime serving `endpoint` (a client
+    endpoint: telemetry.metrics_endpoint finds the stream). `stop()` ends it (the first piece
+    arrived) and ends the line where one was written."""
+
+    def __init__(self, endpoint: str, out=sys.stderr, interval: float = 0.2):
+        self.endpoint, self.out, self.interval = endpoint, out, interval
+        self.shown = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefill-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from deltafin.runtime.telemetry import metrics_endpoint
+        from deltafin.tools.monitor import Feed, prefill_text
+        feed = Feed(metrics_endpoint(self.endpoint))
+        try:
+            while not self._stop.wait(self.interval):
+                snaps = feed.poll()
+                progress = snaps[-1].get("prefill") if snaps else None
+                if progress and not self._stop.is_set():
+                    self.out.write(f"\rprefill {prefill_text(progress)}   ")
+                    self.out.flush()
+                    self.shown += 1
+        finally:
+            feed.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self.shown:
+            self.out.write("\n")
+            self.out.flush()
+            self.shown = 0
+
+
+def stream_with_progress(client: Client, endpoint: str, prompt, **kw):
+    """client.stream(prompt, **kw)'s pieces, with the prefill's progress on stderr until the first."""
+    progress = PrefillProgress(endpoint)
+    try:
+        for piece in client.stream(prompt, **kw):
+            progress.stop()
+            yield piece
+    finally:
+        progress.stop()
+
+
 def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | None = None,
              chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
              config: str | None = None, supervisor_args: list[str] | None = None) -> int:
@@ -112,8 +167,8 @@ def run_once(model, prompt: str, max_tokens: int = 128, memory_budget: str | Non
     try:
         with running_supervisor(model, memory_budget, extra) as (endpoint, _proc):
             with Client(endpoint, timeout=600) as c:
-                for piece in c.stream(prompt, max_tokens=max_tokens, chat=chat,
-                                      temperature=temperature, top_p=top_p, seed=seed):
+                for piece in stream_with_progress(c, endpoint, prompt, max_tokens=max_tokens, chat=chat,
+                                                  temperature=temperature, top_p=top_p, seed=seed):
                     sys.stdout.write(piece)
                     sys.stdout.flush()
                 sys.stdout.write("\n")

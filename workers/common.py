@@ -184,6 +184,11 @@ class WorkerProcess:
         return M.Metrics(source=self.role, pid=os.getpid(), seq=seq, time=time.time(), stats=stats,
                          sync=synced)
 
+    def publish_now(self) -> None:
+        """A snapshot on the metrics stream at once (progress the next tick would show late)."""
+        if self.publisher is not None:
+            self.publisher.now()
+
     def connect_data_plane(self) -> zmq.Socket:
         """DEALER to the router; returns once the router has answered our hello, so the
         router can address us by identity from then on (ROUTER_MANDATORY would fail before)."""

@@ -50,6 +50,7 @@ class ComputeProcess(WorkerProcess):
         if self.dist is not None:  # ranks run one request at a time, in step (serve_in_step)
             self.compute.scheduler.max_batch = 1
         self.queue = RequestQueue(self.compute.scheduler.max_batch)
+        self.compute.on_prefill_chunk = self.publish_now
         self.in_request = False
         self.preloading = False
         self.handlers = {M.Generate: self.on_request, M.Logits: self.on_request, M.Cancel: self.on_cancel}

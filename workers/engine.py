@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -61,6 +62,7 @@ class Compute:
         # (no tokenizer library, but a parse that leaves ~13 MiB of heap on the demo store).
         self.eos_ids = set(eos) if eos is not None else eos_ids(store.tokenizer_dir, store.config)
         self.max_context, self.prefill_chunk = int(cc.max_context), int(cc.prefill_chunk)
+        self.on_prefill_chunk: Callable[[], None] | None = None  # the process publishes progress then
         self.vocab = int(store.config["vocab_size"])
         experts_cls = experts_cls or SlotExperts
         self.routing, self.standin, self.bench_mode = bench_mode(
@@ -127,6 +129,11 @@ class Compute:
         # measurement by about what the activation reserve already covers.
         mx.eval(self.model(mx.array([0], dtype=mx.int32), self.model.make_cache(), zero_experts))
         mx.clear_cache()
+
+    def prefill_progress(self) -> None:
+        """A prefill chunk ended: the metrics stream says so now, not at its next tick."""
+        if self.on_prefill_chunk is not None:
+            self.on_prefill_chunk()
 
     # -- passes --------------------------------------------------------------------------------
     def forward(self, ids: list[int], cache, phase: str = "prefill"):

@@ -48,9 +48,10 @@ class RequestManager:
     already ended for the client)."""
 
     def __init__(self, tokenizer: Tokenizer, compute, limits: M.RequestLimits, reply, forward,
-                 finished, log):
+                 finished, log, default_max_tokens: int = 0):
         self.tokenizer = tokenizer
         self.compute = compute  # the typed config's compute section
+        self.default_max_tokens = default_max_tokens  # http.default_max_tokens: for max_tokens nil
         self.limits = limits
         self.reply, self.forward, self.finished, self.log = reply, forward, finished, log
         self.inflight: dict[tuple, float] = {}   # key -> start time
@@ -167,7 +168,7 @@ class RequestManager:
                     continue
                 self.sides[key] = TextSide(self.tokenizer, msg, len(ids), opening(self.tokenizer, msg, ids))
                 if tokenized is not None or msg.max_tokens is None:
-                    raw = M.encode(as_token_ids(msg, ids, self.compute.max_context))
+                    raw = M.encode(as_token_ids(msg, ids, self.compute.max_context, self.default_max_tokens))
             self.forward(ident, raw)
             if key in self.cancelling:  # cancelled while it waited here
                 self.forward(ident, M.encode(M.Cancel(id=msg.id)))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import mlx.core as mx
 
 from deltafin.protocol import messages as M
+from deltafin.runtime import metrics
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.workers import logprobs
 from deltafin.workers.sources import ExpertUnavailable, RequestError
@@ -256,6 +257,7 @@ class Scheduler:
             seq.filled += len(chunk)
             if pc and len(chunk) == pc.block:
                 pc.insert(head, seq.filled, seq.cache)
+            c.prefill_progress()
         if seq.filled >= len(head):
             self.filling.remove(seq)
             if seq.req.max_tokens <= 0:
@@ -391,7 +393,17 @@ class Scheduler:
                 "mean_size": rows / steps if steps else None,
                 "decode_tokens": int(tokens), "decode_expert_bytes": int(nbytes),
                 "expert_bytes_per_token": nbytes / tokens if tokens else None,
-                "kv_used_bytes": self.kv_used, "kv_peak_bytes": self.kv_peak, "kv_pool_bytes": self.kv_pool}
+                "kv_used_bytes": self.kv_used, "kv_peak_bytes": self.kv_peak, "kv_pool_bytes": self.kv_pool,
+                "prefill": [prefill_progress(seq) for seq in list(self.filling)]}
+
+
+def prefill_progress(seq: Sequence) -> dict:
+    """Where a sequence's prefill stands: prompt tokens done (the prompt cache's among them) of
+    its total, and the rate of those it computed since it started."""
+    t0 = seq.marks["start"][0]["t"] if "start" in seq.marks else None
+    computed = seq.filled - (seq.reused or 0)
+    return {"id": str(seq.req.id), "done": seq.filled, "total": len(seq.head), "cached": seq.reused or 0,
+            "tok_s": metrics.tok_s(computed, time.perf_counter() - t0) if t0 is not None and computed else None}
 
 
 

@@ -95,7 +95,7 @@ class Supervisor:
         # Stats answers wait (briefly) for snapshots newer than the last finished request
         self.stats = StatsWaits(self._ask_snapshots)
         self.requests = RequestManager(tokenizer, config.compute, limits, self._reply, self._forward,
-                                       self.stats.finished, self.log)
+                                       self.stats.finished, self.log, config.http.default_max_tokens)
         self.workers: Workers | None = None
         self.segment: Segment | None = None
         self.ctx = zmq.Context()

@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
                                       "but /health (default: $DELTAFIN_API_KEY, else none)")
     p.add_argument("--max-context", type=int, help="longest prompt + answer in tokens; given, it is kept "
                    "(default: config, 2048, lowered where its KV reserve would starve the expert slots)")
+    p.add_argument("--prompt-cache", metavar="SIZE", help="memory for prompt prefixes kept across requests, "
+                   "e.g. 64MiB (compute.prompt_cache; default: config, 0 = off)")
     p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES),
                    help="activation dtype (compute.dtype; default: config, auto = the checkpoint's)")
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
@@ -64,6 +66,7 @@ def run_config(a: argparse.Namespace):
     return load_config(a.config, {"runtime.memory_budget": a.memory_budget,
                                   "runtime.allow_remote": True if a.allow_remote else None,
                                   "compute.max_context": a.max_context, "compute.dtype": a.dtype,
+                                  "compute.prompt_cache": a.prompt_cache,
                                   "compute.fit_context": False if a.max_context else None,
                                   "cache.max_slots": a.max_slots, "cache.policy": a.policy,
                                   "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
