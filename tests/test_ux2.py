@@ -182,6 +182,19 @@ def test_forecast_scales_the_shipped_trace_to_another_shape_and_says_so(tmp_path
     assert small.returncode != 0 and "is below what kimi-k2 needs before any expert" in small.stderr
 
 
+def test_forecast_of_a_machine_not_at_hand_takes_its_disk_and_memory_bandwidth(tmp_path):
+    """--disk-gbps and --memory-gbps replace the probes (a Mac forecast from Linux): the lines say
+    they were given, and twice the disk gives a faster forecast of the same disk-bound preset."""
+    outs = []
+    for disk in ("3", "6"):
+        r, out = run_forecast(tmp_path, "--preset", "kimi-k3", "--cache-frac", "0.08", "--disk-gbps", disk,
+                              "--memory-gbps", "1000")
+        assert f"assumes: disk given: {float(disk):.2f} GB/s" in r.stdout and "1000.0 GB/s (given)" in r.stdout
+        outs.append(out)
+    assert outs[0]["tok_s_middle"] < outs[1]["tok_s_middle"]
+    assert not list((tmp_path / "cache").glob(".deltafin-probe-*"))
+
+
 def test_shipped_routing_statistics_are_what_the_script_derives(tmp_path):
     """configs/routing_stats.json names its source and holds each (policy, fraction) case; the
     script's statistics of a trace agree with the replay's own hit rate."""

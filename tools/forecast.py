@@ -263,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-compute", action="store_true", help="measure compute with every expert resident "
                    "(loads the whole store into memory)")
     p.add_argument("--disk-gbps", type=float, help="direct-read bandwidth to assume instead of probing")
+    p.add_argument("--memory-gbps", type=float, help="a preset's forecast: memory bandwidth to assume instead of "
+                   "measuring it here (with --disk-gbps: a machine you do not have)")
     p.add_argument("--hop-ms", type=float, help="message round trip to assume instead of measuring")
     p.add_argument("--prepare-ms", type=float, help="prepare time per expert to assume instead of measuring")
     p.add_argument("--calibrate", choices=("run", "micro"), help="with a store: 'run' (default) measures the "
@@ -314,9 +316,10 @@ def main(argv=None) -> int:
 
 
 def one_flag(a) -> bool:
-    """A preset with a budget or one cache fraction and no measurement given: the forecast that
-    answers from the shipped routing statistics and probes of this machine (tools/forecast_preset.py)."""
-    given = (a.store, a.check, a.trace, a.hosts, a.disk_gbps, a.prepare_ms, a.hop_ms, a.calibrate,
+    """A preset with a budget or one cache fraction and no measurement given (but the disk's and
+    memory's bandwidth, for another machine): the forecast that answers from the shipped routing
+    statistics and probes of this machine (tools/forecast_preset.py)."""
+    given = (a.store, a.check, a.trace, a.hosts, a.prepare_ms, a.hop_ms, a.calibrate,
              a.standin_moe_ms, a.standin_dense_ms, a.compute_ms_per_token)
     return bool(a.preset) and all(g is None for g in given) and not a.measure_compute and \
         (a.memory_budget is not None or len(a.cache_frac or []) == 1)

@@ -121,11 +121,15 @@ def forecast_preset(a, cfg, shape, config: dict, policy: str, threads: int) -> d
     case = interpolated(stats, policy, frac)
     where = cache_dir()
     where.mkdir(parents=True, exist_ok=True)
-    disk = probe_scratch(where, shape.record_bytes, sorted({1, threads}))
+    if a.disk_gbps:
+        disk = {"gbps_by_queue_depth": {1: a.disk_gbps, threads: a.disk_gbps}, "record_bytes": shape.record_bytes,
+                "given": True}
+    else:
+        disk = probe_scratch(where, shape.record_bytes, sorted({1, threads}))
     measured = disk["gbps_by_queue_depth"]
     gbps = {q: float(np.interp(q, sorted(measured), [measured[d] for d in sorted(measured)]))
             for q in range(1, threads + 1)}  # between the depths probed: linear
-    mem = measure_memory_gbps()
+    mem = {"gbps": a.memory_gbps, "how": "given"} if a.memory_gbps else measure_memory_gbps()
     hop = measure_hop(shape.top_k)
     prepare_s = shape.record_bytes / (mem["gbps"] * 1e9)
     bound_s = (plan["token_bytes"] + shape.top_k * shape.n_moe * shape.record_bytes) / (mem["gbps"] * 1e9)
@@ -166,6 +170,7 @@ def assumption_lines(a, shape, plan: dict, out: dict, stats: dict, case: dict) -
         f"{format_size(parts['processes'])} (assumed) + {out['n_slots']} expert slots "
         f"({out['cache_frac']:.1%} of {shape.n_moe * shape.n_experts} experts)"
         + ("" if a.memory_budget else f"; the budget needed: --memory-budget {format_size(out['budget'], up=True)}"),
+        f"assumes: disk given: {a.disk_gbps:.2f} GB/s at every queue depth (--disk-gbps)" if disk.get("given") else
         f"assumes: disk probed here: {bw} ({format_size(disk['record_bytes'])} reads of a scratch file in "
         f"{disk['path']}, direct I/O {'on' if disk['direct_io'] else 'off: the page cache may overstate it'})",
         f"assumes: compute not measured (no store): memory-bound decode, "
