@@ -95,14 +95,26 @@ def test_supervisor_prints_its_plan_and_lowers_an_unasked_context(tiny_stores):
 
 
 # -- a checkpoint where a store is wanted --------------------------------------------------------
-def test_a_checkpoint_given_as_a_store_is_told_how_to_convert(tmp_path):
+def test_a_checkpoint_given_to_the_supervisor_is_converted_once_and_served(tmp_path, monkeypatch):
+    """Store() names a checkpoint and the commands that take it; deltafin-supervisor --model
+    CHECKPOINT converts it once into the deltafin cache (as `deltafin chat` does) and serves it, a
+    second start reuses that store, and a MODEL that is neither is refused with exit 2."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
     from deltafin.tools.synth import tiny
     src = tiny(ARCH, tmp_path / "ckpt", seed=3)
     with pytest.raises(StoreError, match=r"this is a checkpoint.*deltafin-convert .* OUT.*deltafin chat"):
         Store(src)
-    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(src)],
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        with running_supervisor(src, "2GiB", timeout=300) as (ep, _):
+            with Client(ep, timeout=120) as c:
+                assert len(c.generate([1, 2, 3], max_tokens=4).token_ids) == 4
+    stores = list((tmp_path / "cache" / "stores").iterdir())
+    assert len(stores) == 1 and (stores[0] / "manifest.json").exists()
+    r = subprocess.run([sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(tmp_path / "nothing")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "deltafin-convert" in r.stderr
+    assert r.returncode == 2 and "neither a deltafin store" in r.stderr
 
 
 # -- help -----------------------------------------------------------------------------------------

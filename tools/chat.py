@@ -14,11 +14,7 @@ Commands: /stats (the runtime's figures), /budget (its memory), /quit (or end of
 from __future__ import annotations
 
 import argparse
-import hashlib
-import re
-import shutil
 import sys
-from pathlib import Path
 
 from deltafin.client import Client, DeltafinError
 from deltafin.runtime import archinfo
@@ -27,78 +23,13 @@ from deltafin.runtime.cli import Help
 from deltafin.runtime.config import ConfigError, format_size, load_config, parse_size
 from deltafin.runtime.dtypes import itemsize as dtype_itemsize
 from deltafin.runtime.layerkinds import prefix_unsupported
-from deltafin.runtime.store import Store, StoreError, is_checkpoint
+from deltafin.runtime.store import Store, StoreError
 from deltafin.tools import convert
-from deltafin.tools.demo_model import cache_dir
+from deltafin.tools.model_source import ModelSourceError, say, store_for
 from deltafin.tools.run import StartError, format_latencies, running_supervisor, stream_with_progress
 
 COMMANDS = "/stats, /budget, /quit"
-MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face model id, org/name
 PROMPT_CACHE_SHARE = 0.1  # the chat's prompt cache takes at most this share of the budget
-
-
-class ChatError(RuntimeError):
-    pass
-
-
-def say(message: str) -> None:
-    print(f"deltafin: {message}", file=sys.stderr, flush=True)
-
-
-def converted_path(src: Path, name: str | None = None) -> Path:
-    """Where a checkpoint's store lives: the cache, named by `name` (default: the checkpoint
-    directory's) and a digest of the checkpoint's path."""
-    digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:10]
-    return cache_dir() / "stores" / f"{name or src.resolve().name}-{digest}"
-
-
-def tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def hub_snapshot(model_id: str, download: bool = False) -> Path:
-    """The local Hugging Face cache's snapshot of a model id (huggingface_hub's cache layout,
-    $HF_HUB_CACHE or ~/.cache/huggingface/hub); fetched into it first only when `download`."""
-    import huggingface_hub
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    try:
-        return Path(huggingface_hub.snapshot_download(model_id, local_files_only=not download))
-    except LocalEntryNotFoundError:
-        raise ChatError(f"{model_id} is not in the local Hugging Face cache "
-                        f"({huggingface_hub.constants.HF_HUB_CACHE}): pass --download to fetch it") from None
-    except Exception as e:  # the network, an unknown or gated repository
-        raise ChatError(f"{model_id}: could not be fetched ({type(e).__name__}: {e})") from None
-
-
-def store_for(model: str, download: bool = False) -> Path:
-    """The store to run: MODEL itself, or MODEL converted once (a checkpoint directory, or a
-    model id's snapshot in the Hugging Face cache)."""
-    path = Path(model).expanduser()
-    if (path / "manifest.json").exists():
-        return path
-    name = None
-    if not path.exists() and MODEL_ID.match(model):
-        path, name = hub_snapshot(model, download), model.replace("/", "--")
-        say(f"{model}: the Hugging Face cache's snapshot {path}")
-    if not is_checkpoint(path):
-        raise ChatError(f"{model}: neither a deltafin store, a Hugging Face / mlx-lm checkpoint "
-                        f"directory (config.json and *.safetensors), nor a model id in the Hugging Face cache")
-    out = converted_path(path, name)
-    if (out / "manifest.json").exists():
-        say(f"using the store converted before: {out}")
-        return out
-    need = tree_bytes(path)  # a 4-bit store is smaller than its float source: this bound is safe
-    out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if free < need:
-        raise ChatError(f"converting {path} needs up to {format_size(need, up=True)} in {out.parent}; "
-                        f"{format_size(free)} free")
-    say(f"{path} is a checkpoint: converting it once into {out} ({format_size(free)} free)")
-    if convert.main([str(path), str(out), "--force"]) != 0:
-        shutil.rmtree(out, ignore_errors=True)
-        raise ChatError(f"converting {path} failed (above)")
-    say(f"converted: {format_size(tree_bytes(out))} store in {out}")
-    return out
 
 
 def answer_line(stats: dict) -> str:
@@ -206,7 +137,7 @@ def main(argv=None) -> int:
             with Client(endpoint, timeout=600) as client:
                 repl(client, a, endpoint)
         return 0
-    except (ChatError, StoreError, StartError, DeltafinError, ConfigError, convert.ConvertError) as e:
+    except (ModelSourceError, StoreError, StartError, DeltafinError, ConfigError, convert.ConvertError) as e:
         say(f"error: {e}")
         return 1
     except KeyboardInterrupt:

@@ -53,7 +53,7 @@ from deltafin.workers.http_auth import API_KEY_ENV
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.stats_waits import STATS_SYNC_S, StatsWaits
 from deltafin.workers.router_process import prefetch_setting
-from deltafin.workers.supervisor_args import check_http, parser, run_config
+from deltafin.workers.supervisor_args import check_http, parser, resolved_model, run_config
 from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
 
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
@@ -557,6 +557,7 @@ def main(argv=None) -> int:
             # no client requests and keep the private default endpoint
             log(f"rank {rank[0]} of {rank[1]} follows rank 0: --endpoint {a.endpoint} is rank 0's")
             a.endpoint = None
+        a.model = str(resolved_model(a.model, a.download))
         store = Store(a.model)
         store.check_files()
         check_bench_config(store, config)  # a trace that does not fit: refused now

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from deltafin.runtime.cli import Help
 from deltafin.runtime.config import load_config
@@ -15,7 +16,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-supervisor",
                                 description="Run a deltafin model: router, loader and compute workers "
                                             "over shared memory, serving clients on a ZeroMQ endpoint.")
-    p.add_argument("--model", required=True, help="expert store directory (deltafin-convert output)")
+    p.add_argument("--model", required=True, help="a deltafin store; or a Hugging Face / mlx-lm checkpoint "
+                   "directory or a model id in the local Hugging Face cache, converted once into a store "
+                   "in the deltafin cache (tools/model_source.py)")
+    p.add_argument("--download", action="store_true", help="with a model id missing from the Hugging Face "
+                   "cache: fetch it first")
     p.add_argument("--memory-budget", help="bound for the whole process tree, e.g. 6GiB or 6G (powers of 1024), "
                                            "6GB (powers of 1000) (default: config, auto = half the memory)")
     p.add_argument("--endpoint", help="client endpoint, ipc://PATH (in a directory only you can open; "
@@ -87,3 +92,12 @@ def check_http(a: argparse.Namespace) -> None:
             parse_listen(a.http, a.allow_remote)
         except ValueError as e:
             raise SecurityError(str(e)) from None
+
+
+def resolved_model(model: str, download: bool):
+    """The store --model names: itself, or a checkpoint / model id converted once (the same
+    resolution as `deltafin chat`; the converter is loaded only for a MODEL that is no store)."""
+    if (Path(model).expanduser() / "manifest.json").exists():
+        return model
+    from deltafin.tools.model_source import store_for
+    return store_for(model, download)
