@@ -101,13 +101,14 @@ def runtime_pass(endpoint: str, wins: list[list[int]], generate: int) -> dict:
     return out
 
 
-def store_reference(store_path: str, wins: list[list[int]]) -> list[np.ndarray]:
-    """The exact logits: the store with every expert resident, lossy off, in this process."""
+def store_reference(store_path: str, wins: list[list[int]], config: str | None = None) -> list[np.ndarray]:
+    """The exact logits: the store with every expert resident, lossy off, in this process; the
+    configuration file's other settings (compute.dtype) as the runtime has them."""
     from deltafin.runtime.config import load_config
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
     store = Store(store_path)
-    cfg = load_config().to_dict()
+    cfg = load_config(config, {"lossy.mode": "off", "cache.max_slots": 0}).to_dict()
     source, staging, loader = local_router(store, cfg, n_slots=len(store.records))
     try:
         compute = Compute(store, cfg, source, staging, store.max_record_bytes)
@@ -157,25 +158,36 @@ def supervisor_flags(a, tmp: Path) -> list[str]:
     return flags
 
 
-def evaluate(a) -> dict:
+def prepare(a) -> tuple[str, str, list[list[int]]]:
+    """(the store, where the text came from, the windows of token ids to evaluate)."""
     store_path = a.model
     text, source = load_text(a.text)
     if store_path is None:  # a running runtime: its store, as its welcome names it
         with Client(a.endpoint, timeout=60) as c:
             store_path = c.info.model
-    store = Store(store_path)
-    wins = windows(token_ids(store, text, a.tokens), a.window)
+    return store_path, source, windows(token_ids(Store(store_path), text, a.tokens), a.window)
+
+
+def reference_logits(a, store_path: str, wins: list[list[int]]) -> list[np.ndarray] | None:
+    if a.reference == "store":
+        return store_reference(store_path, wins, a.config)
+    if a.reference == "mlx-lm":
+        return mlx_lm_reference(a.mlx_model, wins)
+    return None
+
+
+def evaluate(a, ref: list[np.ndarray] | None = None) -> dict:
+    """One evaluation as deltafin-eval's flags `a` ask; ref: the reference's logits where the
+    caller computed them already (the same windows)."""
+    store_path, source, wins = prepare(a)
     if a.endpoint:
         run = runtime_pass(a.endpoint, wins, a.generate)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             with running_supervisor(store_path, a.memory_budget, supervisor_flags(a, Path(tmp))) as (ep, _):
                 run = runtime_pass(ep, wins, a.generate)
-    ref = None
-    if a.reference == "store":
-        ref = store_reference(store_path, wins)
-    elif a.reference == "mlx-lm":
-        ref = mlx_lm_reference(a.mlx_model, wins)
+    if ref is None:
+        ref = reference_logits(a, store_path, wins)
     result = compare(run.pop("logits"), ref, wins)
     positions = sum(len(w) for w in wins)
     return {"store": str(store_path), "text": source, "tokens": positions, "windows": len(wins),
