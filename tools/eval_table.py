@@ -6,8 +6,9 @@ several margins, each a fresh runtime at the same share of the experts, in alter
         --rounds 2 --tokens 128 --generate 32 --json OUT.json
 
 Per setting: perplexity and its change against the exact reference, top-1 agreement, bytes the
-loader read per evaluated position and per decoded token, and decode tok/s of a greedy
-generation (medians over the rounds; the ratio to exact is taken within each round first). The
+loader read per evaluated position (demand and prefetch), bytes of the misses compute waited for
+per decoded token, and decode tok/s of a greedy generation (medians over the rounds; the ratio to
+exact is taken within each round first). The
 Markdown table goes to stdout (docs/BENCHMARKS.md, "Lossy routing").
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ def rows(runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| setting | ppl | ppl change | top-1 agreement | MB read / position | MB read / decode token "
+    lines = ["| setting | ppl | ppl change | top-1 agreement | MB read / position | MB demand-read / decode token "
              "| decode tok/s | vs exact | rerouted / position |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
