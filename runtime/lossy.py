@@ -47,8 +47,10 @@ def reroute(ids: np.ndarray, logits: np.ndarray, resident: np.ndarray, margin: f
     (the gate's), resident [E] bool. A token's routed expert e that is not resident is replaced
     by a resident expert r not among the token's experts where logit[r] >= logit[e] - margin x
     (max - min of the token's logits); at most max_swaps(max_share, k) per token, the lowest-
-    scored missing experts first, each by the best-scored resident expert left. Returns the new
-    ids (a copy where anything changed) and the number of replacements."""
+    scored missing experts first, each by the best-scored resident expert left. A missing expert
+    that another row of the pass keeps is read anyway: its rows keep it too (a pass of many rows,
+    a prefill chunk or a batch, saves only the experts no row keeps). Returns the new ids (a copy
+    where anything changed) and the number of replacements."""
     n, k = ids.shape
     cap = max_swaps(max_share, k)
     missing = ~resident[ids]
@@ -67,4 +69,7 @@ def reroute(ids: np.ndarray, logits: np.ndarray, resident: np.ndarray, margin: f
                 break  # the best resident one is too far below; the stronger ones need more
             out[t, j] = pool.pop(0)
             swaps += 1
-    return out, swaps
+    read_anyway = ids[~resident[ids] & (out == ids)]
+    undo = (out != ids) & np.isin(ids, read_anyway)
+    out[undo] = ids[undo]
+    return out, swaps - int(undo.sum())
