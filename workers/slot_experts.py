@@ -14,6 +14,11 @@ requests are in flight while it waits and computes. Each expert's result depends
 tokens and weights, so the output is the same whatever the memory budget, the slot assignment or
 the order experts arrive in.
 
+With the opt-in lossy mode (`[lossy] mode = "cache_aware"`, runtime/lossy.py) a layer whose ids
+come back is rerouted first (`_reroute`): the model hands its gate logits over (`gate_logits`)
+and missing experts may give way to resident ones; with it off nothing changes and the output
+stays exact.
+
 A layer not all resident runs one of three ways: its experts made resident by one need, then one
 call (`_one_need`); in pieces while its misses are read (`_in_pieces`); or in chunks of the
 layer's slots where it uses more experts than it has slots (`_in_chunks`).
