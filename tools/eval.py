@@ -13,7 +13,9 @@ decode tok/s and bytes read per decoded token.
 
 The runtime is one the command starts (`--model STORE`, with the supervisor's budget, slots and
 lossy flags; each window's positions then run one per forward pass, `--chunk`, as a generation
-runs them) or one already running (`--endpoint EP`).
+runs them) or one already running (`--endpoint EP`; its compute.prefill_chunk decides the passes,
+and a lossy mode reroutes little in a pass of many rows, which read most experts anyway: start it
+with prefill_chunk = 1 to measure what a generation sees).
 
 The default text, configs/heldout.txt, ships with deltafin: the "Execution model", "Exceptions"
 and "The import system" topics of Python 3.11.7's documentation as the standard library carries
@@ -222,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
                                             "through the runtime on held-out text (teacher-forced logits).")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="expert store: the command starts a runtime on it")
-    where.add_argument("--endpoint", help="a running runtime's client endpoint instead")
+    where.add_argument("--endpoint", help="a running runtime's client endpoint instead (its own "
+                       "compute.prefill_chunk: 1 to measure a lossy mode as a generation runs)")
     p.add_argument("--text", help="UTF-8 text file (default: configs/heldout.txt, Python 3.11 docs)")
     p.add_argument("--tokens", type=int, default=1024, help="the text's first N tokens are evaluated")
     p.add_argument("--window", type=int, default=256, help="tokens per logits request (one sequence each)")
