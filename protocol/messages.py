@@ -60,6 +60,7 @@ class Welcome:
     max_context: int
     max_request_bytes: int = 0  # the largest request frame the endpoint takes (0: not said)
     max_prompt_bytes: int = 0   # the longest prompt text in UTF-8 bytes (0: not said)
+    lossy: str = ""             # the run's lossy setting ("exact", or its mode; "": not said)
 
 
 @message("generate")

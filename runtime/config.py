@@ -15,6 +15,7 @@ import psutil
 
 from deltafin.runtime.cache import policy_names
 from deltafin.runtime.dtypes import FLOAT_DTYPES
+from deltafin.runtime.lossy import MODES as LOSSY_MODES
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,15 @@ class BenchConfig:
 
 
 @dataclass
+class LossyConfig:
+    """Opt-in settings that give up exactness for fewer reads (runtime/lossy.py). "off": every
+    answer is bit for bit the one of the whole model in memory."""
+    mode: str = "off"  # or "cache_aware"
+    margin: float = 0.1
+    max_share: float = 0.5
+
+
+@dataclass
 class HttpConfig:
     """The HTTP frontend's limits (deltafin-supervisor --http; docs/HTTP.md, "Limits")."""
     header_timeout_s: float = 10.0  # a request's head complete within this of the connection opening or the last answer
@@ -164,6 +174,7 @@ class Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    lossy: LossyConfig = field(default_factory=LossyConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -249,6 +260,18 @@ class Config:
         parse_size(self.compute.prompt_cache)
         if not 0 <= self.compute.max_queue <= MAX_QUEUE:
             raise ConfigError(f"compute.max_queue must be within 0..{MAX_QUEUE}")
+        self._check_lossy()
+
+    def _check_lossy(self) -> None:
+        lossy = self.lossy
+        if lossy.mode not in LOSSY_MODES:
+            raise ConfigError(f"lossy.mode {lossy.mode!r}: use {' or '.join(map(repr, LOSSY_MODES))}")
+        if not 0.0 <= lossy.margin <= 1.0:
+            raise ConfigError("lossy.margin must be within 0..1 (a share of a token's gate-logit range)")
+        if not 0.0 < lossy.max_share <= 1.0:
+            raise ConfigError("lossy.max_share must be within 0..1, above 0 (a share of a token's top-k)")
+        if lossy.mode != "off" and self.distributed.enabled:
+            raise ConfigError("lossy.mode: the ranks of distributed.enabled run exact only (use \"off\")")
 
 
     def _check_numbers(self) -> None:

@@ -206,6 +206,7 @@ def merge(parts: dict, missing: list, supervisor: dict) -> dict:
         "model": supervisor["model"],
         "run_id": supervisor["run_id"], "supervisor_pid": os.getpid(),
         "bench_mode": compute.get("bench_mode"),
+        "lossy": compute.get("lossy"),
         "workers": {**parts, **({"router": router_raw} if router else {})},
         "missing": missing, "snapshot_age_s": supervisor.get("ages", {}),
     }

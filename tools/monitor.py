@@ -331,11 +331,19 @@ def heat_rows(snap: dict, width: int = 64) -> list[tuple[str, str, str]]:
     return rows
 
 
+def setting_label(snap: dict) -> str:
+    """The run's lossy setting as the monitor shows it: "exact", or "LOSSY <its name>"."""
+    lossy = snap.get("lossy") or {}
+    if not lossy:
+        return "setting unknown"
+    return "exact" if lossy.get("exact") else f"LOSSY {lossy.get('name')}"
+
+
 def format_text(snap: dict, disk_gbps: float | None = None) -> str:
     """--once without --json: the snapshot as plain text (window = the supervisor's own)."""
     w = snap.get("window")
     lines = [f"run {snap.get('run_id')}  pid {snap.get('supervisor_pid')}  "
-             f"{(snap.get('model') or {}).get('architecture')}  seq {snap['seq']}",
+             f"{(snap.get('model') or {}).get('architecture')}  {setting_label(snap)}  seq {snap['seq']}",
              f"stage      p50 ms    p99 ms        n   (last {w['seconds']:.1f} s)" if w else
              "stage      p50 ms    p99 ms        n   (no window yet)"]
     for s, (p50, p99, n) in stage_rows(w).items():

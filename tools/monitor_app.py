@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Footer, Static
 from deltafin.runtime.telemetry import STAGES
 from deltafin.tools.monitor import (PROBE_QUEUE_DEPTH, PROBE_SECONDS, SPARK_POINTS, Feed, MonitorModel,
                                     budget_line, chart, heat_rows, memory_rows, sparkline, stage_rows,
-                                    throughput_rows)
+                                    setting_label, throughput_rows)
 
 HELP_TEXT = """[b]deltafin-monitor[/b]
 
@@ -146,7 +146,7 @@ class MonitorApp(App):
             age = time.time() - snap["time"]
             m = snap.get("model") or {}
             line1 += (f"   run {snap.get('run_id')}  pid {snap.get('supervisor_pid')}  "
-                      f"{m.get('architecture')}  seq {snap['seq']}  {age:.1f} s ago")
+                      f"{m.get('architecture')}  {setting_label(snap)}  seq {snap['seq']}  {age:.1f} s ago")
         w = self.model.window
         line2 = (f"window: last {w['seconds']:.1f} s" if w else "window: waiting for a second snapshot")
         line2 += f" (of {self.model.window_s:.0f} s, r resets)   disk: "

@@ -83,6 +83,10 @@ def format_latencies(stats: dict) -> str:
         lines.insert(0, f"BENCHMARK MODE: routing {mode.get('routing')}, compute "
                         + (f"stand-in ({standin['moe_ms']} ms per MoE layer, {standin['dense_ms']} ms "
                            f"per dense layer)" if standin else "real"))
+    lossy = stats.get("lossy") or {}
+    if lossy and not lossy.get("exact"):
+        lines.insert(0, f"LOSSY MODE {lossy.get('name')}: not the exact model's answer "
+                        f"({lossy.get('rerouted', 0)} experts rerouted)")
     lines.append(f"decode {fmt(stats.get('decode_tok_s'), '{:.2f}')} tok/s, prefill "
                  f"{fmt(stats.get('prefill_tok_s'), '{:.2f}')} tok/s, hit rate "
                  f"{fmt(stats.get('hit_rate'), '{:.1%}')}, stall share {fmt(stats.get('stall_share'), '{:.1%}')}, "

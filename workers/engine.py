@@ -23,10 +23,10 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
-from deltafin.runtime import archinfo, dtypes, metrics
+from deltafin.runtime import archinfo, dtypes, lossy, metrics
 from deltafin.runtime.benchmode import StandInModel, bench_mode
 from deltafin.runtime.budget import kv_reserve_bytes, prompt_cache_bytes, sequence_cache_bytes
-from deltafin.runtime.config import Config, as_config
+from deltafin.runtime.config import Config, LossyConfig, as_config
 from deltafin.runtime.layerkinds import prefix_unsupported
 from deltafin.runtime.metrics import Counter, Latency
 from deltafin.runtime.models import build_model
@@ -71,7 +71,8 @@ class Compute:
             self.model = StandInModel(self.model.n_layers, store.moe_layers, self.vocab,
                                       self.standin["moe_ms"], self.standin["dense_ms"])
         self.pipeline = Pipeline.resolve(config.bench, gpu=on_gpu(), standin=bool(self.standin))
-        extra = {"pipeline": self.pipeline, "cache": config.cache} if issubclass(experts_cls, SlotExperts) else {}
+        extra = ({"pipeline": self.pipeline, "cache": config.cache, "lossy_cfg": config.lossy}
+                 if issubclass(experts_cls, SlotExperts) else {})
         self.experts = experts_cls(store, pool_buf, slot_bytes, source, self.dtype, routing=self.routing, **extra)
         if isinstance(self.experts, SlotExperts):
             resident = source.resident_slots(store)
@@ -260,7 +261,7 @@ class Compute:
                  "decode_tok_s": metrics.tok_s(n_decode, t_decode) if n_decode else None,
                  "ttft_s": seq.ttft_s,
                  **{f"{k}_s": v - split0[k] for k, v in split2.items() if k in ("ipc", "wait", "prepare")},
-                 "bench_mode": self.bench_mode}
+                 "bench_mode": self.bench_mode, "lossy": self.lossy()}
         stats["total_s"] = t_prefill + t_decode
         stats["compute_s"] = max(0.0, stats["total_s"] - stats["ipc_s"] - stats["wait_s"] - stats["prepare_s"])
         # The decode phase alone (the benchmark's time per token): its stage split, expert uses,
@@ -281,6 +282,13 @@ class Compute:
         self._end_request(str(seq.req.id))
         return M.Done(id=seq.req.id, text="", token_ids=out_ids, finish_reason=seq.finish or "length",
                       stats=stats)
+
+    def lossy(self) -> dict:
+        """The lossy setting in effect (runtime/lossy.py) and what it did; a provider without
+        one (the mmap baseline, the distributed ranks') runs exact."""
+        if isinstance(self.experts, SlotExperts):
+            return self.experts.lossy_report()
+        return lossy.setting(LossyConfig())
 
     def _split(self) -> dict:
         e = self.experts
@@ -308,7 +316,7 @@ class Compute:
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,
                                  "fills": tier.fills, "placement": tier.placement} if tier else {}),
                 "mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
-                "batch": self.scheduler.stats(), "bench_mode": self.bench_mode,
+                "batch": self.scheduler.stats(), "bench_mode": self.bench_mode, "lossy": self.lossy(),
                 "prompt_cache": (self.prompt_cache.stats() if self.prompt_cache
                                  else {"enabled": False, "reason": self.prompt_cache_off})}
 

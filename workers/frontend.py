@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deltafin.client import Client, DeltafinError, RuntimeUnavailable
 from deltafin.protocol.messages import short
+from deltafin.runtime import lossy
 from deltafin.runtime.cli import Help
 from deltafin.runtime.prometheus import prometheus_text
 from deltafin.workers.frontend_process import LISTENING, parse_listen
@@ -114,6 +115,8 @@ class HttpFrontend:
         info = self.pool.connect(connect_timeout)
         self.store_path = info.model  # the runtime's store, named in `welcome`
         self.model_id = Path(info.model).name
+        # the run's setting, exact or lossy, in every OpenAI response (runtime/lossy.py)
+        self.fingerprint = lossy.fingerprint(info.lossy) if info.lossy else None
         self.max_context = info.max_context
         # A larger body is refused while arriving, before any of it is parsed (never more than
         # the runtime's request limit, which could not relay it).
@@ -230,7 +233,7 @@ class HttpFrontend:
             await check_schema(params)
         except ApiError as e:
             return self.error(e)
-        return await self._answer(prompt, params, CompletionShape(self.model_id, params), "prompt")
+        return await self._answer(prompt, params, CompletionShape(self.model_id, params, self.fingerprint), "prompt")
 
     async def chat_completions(self, request):
         try:
@@ -238,7 +241,7 @@ class HttpFrontend:
             await check_schema(params)
         except ApiError as e:
             return self.error(e)
-        return await self._answer(messages, params, ChatShape(self.model_id, params), "messages")
+        return await self._answer(messages, params, ChatShape(self.model_id, params, self.fingerprint), "messages")
 
     async def messages(self, request):
         try:

@@ -54,8 +54,10 @@ class CompletionShape:
 
     prefix, obj_whole, obj_chunk = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, model_id: str, p: dict):
-        self.model_id, self.p = model_id, p
+    def __init__(self, model_id: str, p: dict, fingerprint: str | None = None):
+        """fingerprint: the runtime's setting as `system_fingerprint` (runtime/lossy.py: exact or
+        a lossy mode), in every frame."""
+        self.model_id, self.p, self.fingerprint = model_id, p, fingerprint
         self.rid = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.offset = 0  # characters of text streamed (the logprobs' text_offset)
@@ -66,7 +68,7 @@ class CompletionShape:
 
     def _frame(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model_id,
-                "choices": choices, **extra}
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def whole(self, gen) -> dict:
         lps = completion_logprobs(gen.logprobs) if gen.logprobs is not None else None
@@ -105,8 +107,8 @@ class ChatShape(CompletionShape):
 
     prefix, obj_whole, obj_chunk = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model_id: str, p: dict):
-        super().__init__(model_id, p)
+    def __init__(self, model_id: str, p: dict, fingerprint: str | None = None):
+        super().__init__(model_id, p, fingerprint)
         self.splitter = ReplySplitter(p["parse_tools"])
         self.calls = 0
         self.unsent: list | None = None  # logprob entries not yet sent (requests that ask)

@@ -14,6 +14,11 @@ requests are in flight while it waits and computes. Each expert's result depends
 tokens and weights, so the output is the same whatever the memory budget, the slot assignment or
 the order experts arrive in.
 
+With the opt-in lossy mode (`[lossy] mode = "cache_aware"`, runtime/lossy.py) a layer whose ids
+come back is rerouted first (`_reroute`): the model hands its gate logits over (`gate_logits`)
+and missing experts may give way to resident ones; with it off nothing changes and the output
+stays exact.
+
 A layer not all resident runs one of three ways: its experts made resident by one need, then one
 call (`_one_need`); in pieces while its misses are read (`_in_pieces`); or in chunks of the
 layer's slots where it uses more experts than it has slots (`_in_chunks`).
@@ -26,8 +31,9 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin.protocol import messages as M
+from deltafin.runtime import lossy
 from deltafin.runtime.benchmode import Routing
-from deltafin.runtime.config import BenchConfig, CacheConfig
+from deltafin.runtime.config import BenchConfig, CacheConfig, LossyConfig
 from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.workers.passes import ExpertProvider
@@ -43,9 +49,10 @@ class SlotExperts(ExpertProvider):
 
     def __init__(self, store: Store, staging_buf, slot_bytes: int, source: ExpertSource, dtype,
                  routing: Routing | None = None, pipeline: Pipeline | None = None,
-                 cache: CacheConfig | None = None):
+                 cache: CacheConfig | None = None, lossy_cfg: LossyConfig | None = None):
         """pipeline: how reads overlap compute (workers/pipeline.py; None: the runtime's on this
-        backend); cache: the [cache] section (whether the router prefetches)."""
+        backend); cache: the [cache] section (whether the router prefetches); lossy_cfg: the
+        [lossy] section (None: off, exact)."""
         super().__init__(store, source, dtype, routing)
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         self.tier: ResidentTier | None = None
@@ -56,6 +63,9 @@ class SlotExperts(ExpertProvider):
         self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
+        self.lossy = lossy_cfg or LossyConfig()
+        self._gate = None  # (layer, its gate's logits) where a lossy mode reroutes it
+        self.rerouted_most = 0  # the most experts replaced in one token's row of a layer
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -307,6 +317,9 @@ class SlotExperts(ExpertProvider):
         flat = self._read_ids(x, ids)
         experts = np.unique(flat).tolist()
         early = self.take_fills(layer, experts)
+        if self._gate is not None:
+            flat = self._reroute(layer, flat)
+            experts = np.unique(flat).tolist()
         g = tier.group_of[layer]
         if len(experts) > tier.n_slots[g]:
             return self._in_chunks(layer, x, inds, flat, experts)
@@ -315,6 +328,39 @@ class SlotExperts(ExpertProvider):
                         (self.pipe.stream_misses and tier.host[g])):
             return self._in_pieces(layer, x, inds, flat, experts)
         return self._one_need(layer, x, inds, flat, experts, flush_ahead=early and not missing)
+
+    def reroutes(self, layer: int) -> bool:
+        """Whether the model should hand this layer's gate logits over (`gate_logits`): a lossy
+        mode is on, the gate routes, and the layer's experts are not all resident."""
+        return (self.lossy.mode == "cache_aware" and self.routing.mode == "gate"
+                and not self.tier.full(layer))
+
+    def gate_logits(self, layer: int, logits) -> None:
+        self._gate = (layer, logits)
+
+    def _reroute(self, layer: int, flat: np.ndarray) -> np.ndarray:
+        """The layer's ids after the lossy mode's rerouting (runtime/lossy.py) against what is
+        resident now; counts the replacements, and the most in one token."""
+        (at, logits), self._gate = self._gate, None
+        if at != layer:
+            return flat
+        scores = self._host(logits.astype(mx.float32)).reshape(flat.shape[0], -1)
+        new, n = lossy.reroute(flat, scores, self.tier.slot_of[layer] >= 0, self.lossy.margin,
+                               self.lossy.max_share)
+        if n:
+            per_token = (new != flat).sum(axis=1)
+            self.counters.add("rerouted", n)
+            self.counters.add("rerouted_tokens", int((per_token > 0).sum()))
+            self.rerouted_most = max(self.rerouted_most, int(per_token.max()))
+        return new
+
+    def lossy_report(self) -> dict:
+        """The [lossy] setting and what it did: experts replaced, token rows with a replacement
+        (one per token and layer), the most replaced in one token's row."""
+        return {**lossy.setting(self.lossy), "rerouted": int(self.counters.get("rerouted")),
+                "rerouted_tokens": int(self.counters.get("rerouted_tokens")),
+                "rerouted_most": self.rerouted_most,
+                "max_per_token": lossy.max_swaps(self.lossy.max_share, self.store.top_k)}
 
     def _all_resident(self, layer: int, x, inds, ids):
         """Every expert of the layer resident: no question to ask, the ids index the layer's

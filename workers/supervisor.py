@@ -34,7 +34,7 @@ from pathlib import Path
 
 import zmq
 from deltafin.protocol import messages as M
-from deltafin.runtime import archinfo, tiers
+from deltafin.runtime import archinfo, lossy, tiers
 from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
@@ -150,6 +150,8 @@ class Supervisor:
             self.log(line)
         self.log(f"{self.plan.n_slots} expert slots in the resident tier; tree measured "
                  f"{format_size(self.startup_tree_bytes)}")
+        if self.config.lossy.mode != "off":
+            self.log(f"lossy mode {lossy.name(self.config.lossy)}: answers are NOT the exact model's")
         return self.client.endpoint
 
     def _start_workers(self) -> None:
@@ -411,7 +413,8 @@ class Supervisor:
                                                 vocab_size=self.requests.limits.vocab_size,
                                                 max_context=self.requests.limits.max_context,
                                                 max_request_bytes=self.client.max_bytes,
-                                                max_prompt_bytes=self.requests.limits.max_prompt_bytes))
+                                                max_prompt_bytes=self.requests.limits.max_prompt_bytes,
+                                                lossy=lossy.name(self.config.lossy)))
         if isinstance(msg, M.Health):
             workers = {r: {**self.ready_info.get(r, {}), "pid": p.pid, "alive": self.workers.alive(r)}
                        for r, p in self.workers.procs.items()}

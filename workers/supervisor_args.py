@@ -8,6 +8,7 @@ from pathlib import Path
 from deltafin.runtime.cli import Help
 from deltafin.runtime.config import load_config
 from deltafin.runtime.dtypes import FLOAT_DTYPES
+from deltafin.runtime.lossy import MODES as LOSSY_MODES
 from deltafin.runtime.security import SecurityError
 from deltafin.workers.frontend_process import parse_listen
 
@@ -52,6 +53,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", choices=("on", "off", "auto"), help="prefetch reads from routing prediction (cache.prefetch)")
     p.add_argument("--routing-history", metavar="TRACE.npz",
                    help="routing trace the router's predictor learns from at start (cache.routing_history)")
+    lossy = p.add_argument_group("lossy modes, off by default (every stats reply, the monitor and the "
+                                 "HTTP system_fingerprint name the setting; [lossy] in configs/default.toml)")
+    lossy.add_argument("--lossy", choices=LOSSY_MODES, help="off: exact; cache_aware: a missing routed expert "
+                       "may be replaced by a resident one scored within the margin (lossy.mode)")
+    lossy.add_argument("--lossy-margin", type=float, metavar="M",
+                       help="share of a token's gate-logit range a replacement may score below (lossy.margin)")
+    lossy.add_argument("--lossy-max-share", type=float, metavar="S",
+                       help="share of a token's top-k that may be replaced, at most (lossy.max_share)")
     bench = p.add_argument_group("benchmark modes (every stats report says which is on)")
     bench.add_argument("--record-trace", metavar="OUT.npz",
                        help="record the routing of every token processed (saved after each request)")
@@ -82,7 +91,9 @@ def run_config(a: argparse.Namespace):
                                   "bench.routing_trace": absolute(a.routing_trace),
                                   "bench.standin": True if a.standin else None,
                                   "bench.standin_moe_ms": a.standin_moe_ms,
-                                  "bench.standin_dense_ms": a.standin_dense_ms})
+                                  "bench.standin_dense_ms": a.standin_dense_ms,
+                                  "lossy.mode": a.lossy, "lossy.margin": a.lossy_margin,
+                                  "lossy.max_share": a.lossy_max_share})
 
 
 def check_http(a: argparse.Namespace) -> None:
