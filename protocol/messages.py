@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from deltafin.protocol.codec import (MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_STOP_STRINGS, REGISTRY,
                                      ProtocolError, decode, decode_request, encode, message, short)
