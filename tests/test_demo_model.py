@@ -204,7 +204,7 @@ def generations(store, tmp_path_factory):
     ref_prefill = np.array(ref_model(mx.array(ids, dtype=mx.int32)[None])[0])
     ref_cache = make_prompt_cache(ref_model)
     ref, ref_logits = _greedy(lambda t: ref_model(t[None], cache=ref_cache)[0], ids, N_TOKENS)
-    return {"moe": moe, "ref": ref, "text": tok.decode(moe), "ref_text": tok.decode(ref), "counts": counts,
+    return {"moe": moe, "ref": ref, "top_k": store.config["num_experts_per_tok"], "text": tok.decode(moe), "ref_text": tok.decode(ref), "counts": counts,
             "logits": moe_logits, "ref_logits": ref_logits, "prefill": prefill, "ref_prefill": ref_prefill}
 
 
@@ -225,12 +225,14 @@ def test_answer_is_coherent_english(generations):
 
 
 def test_routing_is_skewed_but_spread(generations):
-    """Trained routers: every layer spreads over several experts, and the experts differ in use."""
+    """Trained routers: every layer uses every expert, and in most layers some expert serves
+    many more of the tokens than another (identical experts under a centred router did not)."""
     counts = generations["counts"]
-    share = counts / counts.sum(1, keepdims=True)
-    print("\nrouting share per expert, layer 15:", np.round(share[15], 3))
-    assert (counts > 0).sum(1).min() >= counts.shape[1] // 4
-    assert (share.max(1) > 2 / counts.shape[1]).any()  # some expert at twice its uniform share
+    k = generations["top_k"]
+    used = counts / (counts.sum(1, keepdims=True) / k)  # share of the tokens each expert served
+    print("\nshare of tokens per expert, layer 15:", np.round(used[15], 2))
+    assert (counts > 0).all()
+    assert (used.max(1) - used.min(1) >= 0.25).mean() >= 0.5
 
 
 def test_demo_subcommand_registers():

@@ -47,7 +47,7 @@ SEQ = 256  # tokens per calibration / held-out sequence
 RUNTIME_SEQS = 2  # held-out sequences --runtime-store sends through the runtime
 LOGIT_STD = 0.05  # the shipped router's logit spread: Mixtral's top-k softmax weights stay near 1/k
 SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "demo_moe.npz"
-SHIPPED_SHA256 = "TBD"  # of the shipped file; moefy prints it when it writes one
+SHIPPED_SHA256 = "b0c65c8bcb2e7cca9f3ee2669cd2236100ce2b9a3d1e79878bbd5706737c755b"  # of the shipped file; moefy prints it when it writes one
 SKIP_MODULES = ("antigravity", "this", "idlelib", "test", "tkinter", "turtle", "lib2to3", "ensurepip",
                 "pydoc_data", "venv", "__main__", "__phello__", "_pyrepl")
 
