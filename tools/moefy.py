@@ -1,7 +1,11 @@
 """MoEfication of the demo model: SmolLM2-135M-Instruct's FFNs split into experts that differ.
 
-  python -m deltafin.tools.moefy [--experts 16] [--top-k 4] [--out configs/demo_moe.npz]
-                                 [--evaluate] [--trace OUT.npz] [--json OUT.json]
+  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--out FILE]     (writes the MoE file)
+  python -m deltafin.tools.moefy --evaluate FILE [--trace OUT.npz] [--json OUT.json]
+                                 [--runtime-store STORE]          (held-out perplexity, routing)
+
+Numbers are computed in numpy float32 from the dequantized GGUF (OpenBLAS; set
+OPENBLAS_NUM_THREADS=1 on a shared machine): MLX's CPU matmuls are far slower here.
 
 Each layer's FFN (SwiGLU, 1536 neurons) is cut into `experts` experts of whole 32-neuron blocks:
 the down projection's Q4_1 groups (MLX affine group 32) run along the neurons, so a block is the
@@ -416,7 +420,7 @@ def routing_stats(ids: np.ndarray, lengths, n_experts: int) -> dict:
 
 # ---------------------------------------------------------------- CLI
 
-def _setup(args):
+def _setup():
     from tokenizers import Tokenizer
 
     from deltafin.tools.demo_model import GGUFModel, fetch_gguf, write_tokenizer
@@ -443,7 +447,7 @@ def main(argv=None) -> int:
                                            "(deltafin-synth demo --moe MOE)")
     a = p.parse_args(argv)
     log = lambda m: print(f"moefy: {m}", file=sys.stderr, flush=True)
-    dense, tok = _setup(a)
+    dense, tok = _setup()
     if a.evaluate:
         return _evaluate(dense, tok, a, log)
     seqs = token_sequences(tok, stdlib_docstrings(False, a.calib_seqs * SEQ * 6), a.calib_seqs)
