@@ -18,8 +18,8 @@ from deltafin.tools.demo_model import build_demo_store, cache_dir
 from deltafin.tools.run import run_once
 
 DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
-# About a quarter of the 480 expert records (57 MiB) fit in the slot pool at once: 300 MiB gave
-# 72 slots (measured), each 10 MiB more about 86 more.
+# About a third of the 480 expert records (57 MiB) fit in the slot pool at once: 310 MiB gave
+# 154 slots, 300 MiB 72 (measured).
 DEFAULT_BUDGET = "310MiB"
 # A demo answer is short; reserving KV cache for 512 tokens instead of 2048 leaves more of the
 # budget for expert slots.
