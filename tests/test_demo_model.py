@@ -14,6 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 from deltafin.runtime.store import Store  # noqa: E402
 from deltafin.tools import demo_model as dm  # noqa: E402
+from deltafin.tools import moefy  # noqa: E402
 
 N_TOKENS = 24
 QUESTION = "Write a short paragraph about why the sky is blue."
@@ -110,13 +111,16 @@ def test_store_layout(store):
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(store.manifest["tokenizer"]["files"])
 
 
-def _greedy(step, ids, n):
-    out, x = [], ids
+def _greedy_logits(step, ids, n):
+    """Greedy tokens and each step's last logits."""
+    out, logits, x = [], [], ids
     for _ in range(n):
-        nxt = int(mx.argmax(step(mx.array(x, dtype=mx.int32))[-1]).item())
+        lg = step(mx.array(x, dtype=mx.int32))[-1]
+        logits.append(np.array(lg))
+        nxt = int(mx.argmax(lg).item())
         out.append(nxt)
         x = [nxt]
-    return out
+    return out, np.stack(logits)
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +147,11 @@ def generations(store, gguf_path, tmp_path_factory):
         return resident(layer, x, inds)
 
     cache = model.make_cache()
-    moe = _greedy(lambda t: model(t, cache, experts), ids, N_TOKENS)
+    moe = _greedy_logits(lambda t: model(t, cache, experts), ids, N_TOKENS)[0]
 
     ref_model, _ = load_model(dm.write_dense_checkpoint(tmp_path_factory.mktemp("dense"), gguf_path))
     ref_cache = make_prompt_cache(ref_model)
-    ref = _greedy(lambda t: ref_model(t[None], cache=ref_cache)[0], ids, N_TOKENS)
+    ref = _greedy_logits(lambda t: ref_model(t[None], cache=ref_cache)[0], ids, N_TOKENS)[0]
     return {"moe": moe, "ref": ref, "text": tok.decode(moe), "ref_text": tok.decode(ref), "counts": counts}
 
 
@@ -171,6 +175,128 @@ def test_routing_uses_every_expert(generations):
     print("\nrouting share per expert (all layers):", np.round(share, 3))
     assert (counts > 0).sum(1).min() >= 6  # every layer spreads over most experts
     assert share.min() > 0.05 and share.max() < 0.25
+
+
+# -- the MoEfied demo (--moe, docs/DEMO-MOE.md) -------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_store(gguf_path, tmp_path_factory):
+    """The MoEfied demo store (deltafin-demo --moe): the shipped configs/demo_moe.npz."""
+    return Store(dm.build_demo_store(tmp_path_factory.mktemp("demo-moe") / "store", gguf_path=gguf_path, moe=True))
+
+
+def test_shipped_moe_file():
+    """The shipped assignment/routers: the checksum the loader checks, a partition of every
+    layer's 48 blocks, float16 routers, under 1 MB; a damaged copy is refused."""
+    import hashlib
+    raw = moefy.SHIPPED.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == moefy.SHIPPED_SHA256 and len(raw) < 1 << 20
+    moe = moefy.load_moe(None, 30, 576, 1536)
+    n_l, n_e, per = moe["experts"].shape
+    assert n_l == 30 and n_e * per == 48 and moe["gates"].shape == (30, n_e, 576)
+    assert moe["gates"].dtype == np.float16 and np.isfinite(moe["gates"]).all()
+    assert 1 <= int(moe["top_k"]) < n_e
+
+
+def test_damaged_moe_file_is_refused(tmp_path):
+    bad = tmp_path / "demo_moe.npz"
+    bad.write_bytes(moefy.SHIPPED.read_bytes()[:-100])
+    with pytest.raises(moefy.MoefyError):
+        moefy.load_moe(bad)
+    moe = dict(np.load(moefy.SHIPPED))
+    moe["experts"] = moe["experts"].copy()
+    moe["experts"][3, 0, 0] = moe["experts"][3, 1, 0]  # a block in two experts, one in none
+    np.savez(bad, **moe)
+    with pytest.raises(moefy.MoefyError, match="partition"):
+        moefy.load_moe(bad, 30, 576, 1536)
+
+
+def test_moe_store_layout(moe_store):
+    moe = moefy.load_moe()
+    n_e, k = moe["gates"].shape[1], int(moe["top_k"])
+    c = moe_store.config
+    assert c["model_type"] == "mixtral" and c["num_local_experts"] == n_e and c["num_experts_per_tok"] == k
+    assert c["intermediate_size"] * n_e == 1536
+    assert c["head_dim"] == 64 and c["tie_word_embeddings"] and c["rope_theta"] == 100000.0
+    assert c["rms_norm_eps"] == 1e-5 and moe_store.moe_layers == list(range(30))
+    assert (moe_store.bits, moe_store.group_size) == (4, 32)
+    assert moe_store.manifest["dense_quantization"]["model.embed_tokens"]["bits"] == 8
+    assert list(moe_store.verify()) == []
+    a, b = moe_store.read_expert(7, 0), moe_store.read_expert(7, 5)
+    assert all(a[x].shape == b[x].shape for x in a) and not any(np.array_equal(a[x], b[x]) for x in a)
+    assert a["down_proj.scales"].dtype == np.float32
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(moe_store.manifest["tokenizer"]["files"])
+
+
+def test_moe_experts_are_exact_slices_of_the_gguf_ffn(moe_store, model_gguf):
+    """Each expert's dequantized weights are the GGUF's own: rows of gate/up, columns of down
+    times top_k, for the 32-neuron blocks the shipped file gives it; the experts cover the FFN."""
+    moe = moefy.load_moe()
+    k = int(moe["top_k"])
+    for layer in (0, 29):
+        dense = {p: model_gguf.float32(f"model.layers.{layer}.mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
+        for e, blocks in enumerate(moe["experts"][layer]):
+            rec = moe_store.read_expert(layer, e)
+            cols = np.concatenate([np.arange(b * 32, b * 32 + 32) for b in blocks])
+            deq = {p: _mlx_dequant(4, rec[f"{p}.weight"], rec[f"{p}.scales"], rec[f"{p}.biases"]) for p in dense}
+            np.testing.assert_array_equal(deq["gate_proj"], dense["gate_proj"][cols])
+            np.testing.assert_array_equal(deq["up_proj"], dense["up_proj"][cols])
+            np.testing.assert_array_equal(deq["down_proj"], dense["down_proj"][:, cols] * k)
+
+
+@pytest.fixture(scope="module")
+def moe_generations(moe_store, tmp_path_factory):
+    """The store's model (deltafin, experts resident) and mlx-lm's Mixtral on an export of the
+    same store: greedy continuations, last-position logits, prefill logits, routing counts."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from tokenizers import Tokenizer
+
+    from deltafin.runtime.models import build_model
+    from deltafin.runtime.models.switch import ResidentExperts
+    from deltafin.tools.export_mlx import export_mlx
+    tok = Tokenizer.from_file(str(moe_store.tokenizer_dir / "tokenizer.json"))
+    ids = tok.encode(dm.chat_prompt(moe_store.tokenizer_dir, [{"role": "user", "content": QUESTION}])).ids
+
+    model = build_model(moe_store.config, moe_store.dense_weights(), moe_store.manifest["dense_quantization"], "float32")
+    stacked = {}
+    for layer in moe_store.moe_layers:
+        recs = [moe_store.read_expert(layer, e) for e in range(moe_store.n_experts)]
+        stacked[layer] = {k: mx.array(np.stack([r[k] for r in recs])) for k in recs[0]}
+    resident = ResidentExperts(stacked, moe_store.bits, moe_store.group_size)
+    counts = np.zeros((model.n_layers, moe_store.n_experts), np.int64)
+
+    def experts(layer, x, inds):  # the real routing decisions, counted
+        counts[layer] += np.bincount(np.array(inds).ravel(), minlength=moe_store.n_experts)
+        return resident(layer, x, inds)
+
+    prefill = np.array(model(mx.array(ids, dtype=mx.int32), model.make_cache(), experts))
+    cache = model.make_cache()
+    moe, moe_logits = _greedy_logits(lambda t: model(t, cache, experts), ids, N_TOKENS)
+
+    ref_model, _ = load_model(export_mlx(moe_store.path, tmp_path_factory.mktemp("export") / "mlx"))
+    ref_prefill = np.array(ref_model(mx.array(ids, dtype=mx.int32)[None])[0])
+    ref_cache = make_prompt_cache(ref_model)
+    ref, ref_logits = _greedy_logits(lambda t: ref_model(t[None], cache=ref_cache)[0], ids, N_TOKENS)
+    return {"moe": moe, "ref": ref, "top_k": moe_store.config["num_experts_per_tok"], "text": tok.decode(moe), "ref_text": tok.decode(ref), "counts": counts,
+            "logits": moe_logits, "ref_logits": ref_logits, "prefill": prefill, "ref_prefill": ref_prefill}
+
+
+def test_moe_logits_equal_mlx_lm(moe_generations):
+    print("\nstore :", repr(moe_generations["text"]), "\nmlx-lm:", repr(moe_generations["ref_text"]))
+    np.testing.assert_array_equal(moe_generations["prefill"], moe_generations["ref_prefill"])
+    assert moe_generations["moe"] == moe_generations["ref"]
+    np.testing.assert_array_equal(moe_generations["logits"], moe_generations["ref_logits"])
+
+
+def test_moe_routing_is_skewed_but_spread(moe_generations):
+    """Trained routers: every layer uses every expert, and in most layers some expert serves
+    many more of the tokens than another (identical experts under a centred router did not)."""
+    counts = moe_generations["counts"]
+    k = moe_generations["top_k"]
+    used = counts / (counts.sum(1, keepdims=True) / k)  # share of the tokens each expert served
+    print("\nshare of tokens per expert, layer 15:", np.round(used[15], 2))
+    assert (counts > 0).all()
+    assert (used.max(1) - used.min(1) >= 0.25).mean() >= 0.5
 
 
 def test_demo_subcommand_registers():

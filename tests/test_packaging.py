@@ -22,7 +22,8 @@ def test_wheel_holds_only_the_deltafin_namespace(tmp_path):
     for module in ("deltafin/runtime/store.py", "deltafin/workers/router.py", "deltafin/workers/loader.py",
                    "deltafin/workers/compute.py", "deltafin/protocol/messages.py", "deltafin/client/__init__.py",
                    "deltafin/tools/convert.py", "deltafin/runtime/models/mixtral.py",
-                   "deltafin/configs/default.toml", "deltafin/configs/routing_stats.json"):
+                   "deltafin/configs/default.toml", "deltafin/configs/routing_stats.json",
+                   "deltafin/configs/demo_moe.npz"):
         assert module in names
     # every module of the tree, subpackages included (a package missing from pyproject's list is
     # left out of the wheel, and only a non-editable install shows it)

