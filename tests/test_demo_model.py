@@ -202,7 +202,7 @@ def test_damaged_moe_file_is_refused(tmp_path):
     bad.write_bytes(moefy.SHIPPED.read_bytes()[:-100])
     with pytest.raises(moefy.MoefyError):
         moefy.load_moe(bad)
-    moe = dict(np.load(moefy.SHIPPED))
+    moe = dict(np.load(moefy.SHIPPED, allow_pickle=False))
     moe["experts"] = moe["experts"].copy()
     moe["experts"][3, 0, 0] = moe["experts"][3, 1, 0]  # a block in two experts, one in none
     np.savez(bad, **moe)

@@ -323,7 +323,7 @@ def load_moe(path=None, n_layers: int | None = None, hidden: int | None = None,
     if path == SHIPPED and hashlib.sha256(path.read_bytes()).hexdigest() != SHIPPED_SHA256:
         raise MoefyError(f"{path} does not have the sha256 this deltafin ships ({SHIPPED_SHA256}): reinstall it")
     try:
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:
             moe = {k: z[k] for k in ("experts", "gates", "top_k", "block")}
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise MoefyError(f"{path}: not a MoE file from deltafin.tools.moefy: {e}") from None

@@ -10,6 +10,7 @@ from deltafin.runtime.config import load_config
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.lossy import MODES as LOSSY_MODES
 from deltafin.runtime.security import SecurityError
+from deltafin.runtime.store import is_checkpoint
 from deltafin.workers.frontend_process import parse_listen
 
 
@@ -106,9 +107,11 @@ def check_http(a: argparse.Namespace) -> None:
 
 
 def resolved_model(model: str, download: bool):
-    """The store --model names: itself, or a checkpoint / model id converted once (the same
-    resolution as `deltafin chat`; the converter is loaded only for a MODEL that is no store)."""
-    if (Path(model).expanduser() / "manifest.json").exists():
+    """The store --model names: a checkpoint directory or a model id converted once (the same
+    resolution as `deltafin chat`; the converter is loaded only then); any other folder as it is,
+    so opening it says what it is (a store, a damaged one, a folder that holds none)."""
+    path = Path(model).expanduser()
+    if path.is_dir() and not is_checkpoint(path):
         return model
     from deltafin.tools.model_source import store_for
     return store_for(model, download)
