@@ -111,6 +111,29 @@ def test_store_layout(store):
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(store.manifest["tokenizer"]["files"])
 
 
+def _resident_model(store):
+    """The store's model with every expert resident, the chat prompt's ids, and routing counts
+    [layer, expert] filled by each call: (model, experts provider, ids, counts, tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from deltafin.runtime.models import build_model
+    from deltafin.runtime.models.switch import ResidentExperts
+    tok = Tokenizer.from_file(str(store.tokenizer_dir / "tokenizer.json"))
+    ids = tok.encode(dm.chat_prompt(store.tokenizer_dir, [{"role": "user", "content": QUESTION}])).ids
+    model = build_model(store.config, store.dense_weights(), store.manifest["dense_quantization"], "float32")
+    stacked = {}
+    for layer in store.moe_layers:
+        recs = [store.read_expert(layer, e) for e in range(store.n_experts)]
+        stacked[layer] = {k: mx.array(np.stack([r[k] for r in recs])) for k in recs[0]}
+    resident = ResidentExperts(stacked, store.bits, store.group_size)
+    counts = np.zeros((model.n_layers, store.n_experts), np.int64)
+
+    def experts(layer, x, inds):  # the real routing decisions, counted
+        counts[layer] += np.bincount(np.array(inds).ravel(), minlength=store.n_experts)
+        return resident(layer, x, inds)
+    return model, experts, ids, counts, tok
+
+
 def _greedy_logits(step, ids, n):
     """Greedy tokens and each step's last logits."""
     out, logits, x = [], [], ids
@@ -127,25 +150,7 @@ def _greedy_logits(step, ids, n):
 def generations(store, gguf_path, tmp_path_factory):
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
-    from tokenizers import Tokenizer
-
-    from deltafin.runtime.models import build_model
-    from deltafin.runtime.models.switch import ResidentExperts
-    tok = Tokenizer.from_file(str(store.tokenizer_dir / "tokenizer.json"))
-    ids = tok.encode(dm.chat_prompt(store.tokenizer_dir, [{"role": "user", "content": QUESTION}])).ids
-
-    model = build_model(store.config, store.dense_weights(), store.manifest["dense_quantization"], "float32")
-    stacked = {}
-    for layer in store.moe_layers:
-        recs = [store.read_expert(layer, e) for e in range(store.n_experts)]
-        stacked[layer] = {k: mx.array(np.stack([r[k] for r in recs])) for k in recs[0]}
-    resident = ResidentExperts(stacked, store.bits, store.group_size)
-    counts = np.zeros((model.n_layers, store.n_experts), np.int64)
-
-    def experts(layer, x, inds):  # the real routing decisions, counted
-        counts[layer] += np.bincount(np.array(inds).ravel(), minlength=store.n_experts)
-        return resident(layer, x, inds)
-
+    model, experts, ids, counts, tok = _resident_model(store)
     cache = model.make_cache()
     moe = _greedy_logits(lambda t: model(t, cache, experts), ids, N_TOKENS)[0]
 
@@ -249,26 +254,9 @@ def moe_generations(moe_store, tmp_path_factory):
     same store: greedy continuations, last-position logits, prefill logits, routing counts."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
-    from tokenizers import Tokenizer
 
-    from deltafin.runtime.models import build_model
-    from deltafin.runtime.models.switch import ResidentExperts
     from deltafin.tools.export_mlx import export_mlx
-    tok = Tokenizer.from_file(str(moe_store.tokenizer_dir / "tokenizer.json"))
-    ids = tok.encode(dm.chat_prompt(moe_store.tokenizer_dir, [{"role": "user", "content": QUESTION}])).ids
-
-    model = build_model(moe_store.config, moe_store.dense_weights(), moe_store.manifest["dense_quantization"], "float32")
-    stacked = {}
-    for layer in moe_store.moe_layers:
-        recs = [moe_store.read_expert(layer, e) for e in range(moe_store.n_experts)]
-        stacked[layer] = {k: mx.array(np.stack([r[k] for r in recs])) for k in recs[0]}
-    resident = ResidentExperts(stacked, moe_store.bits, moe_store.group_size)
-    counts = np.zeros((model.n_layers, moe_store.n_experts), np.int64)
-
-    def experts(layer, x, inds):  # the real routing decisions, counted
-        counts[layer] += np.bincount(np.array(inds).ravel(), minlength=moe_store.n_experts)
-        return resident(layer, x, inds)
-
+    model, experts, ids, counts, tok = _resident_model(moe_store)
     prefill = np.array(model(mx.array(ids, dtype=mx.int32), model.make_cache(), experts))
     cache = model.make_cache()
     moe, moe_logits = _greedy_logits(lambda t: model(t, cache, experts), ids, N_TOKENS)

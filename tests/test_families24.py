@@ -87,14 +87,20 @@ def test_the_store_keeps_each_family_s_experts(family):
         np.testing.assert_array_equal(got[name], ref, err_msg=name)
 
 
-def test_teacher_forced_logits_equal_mlx_lm_at_every_budget(family):
-    q4, store, _ = family
-    ref = mlx_lm_logits(q4, PROMPT)
+def logits_equal_mlx_lm_at_every_budget(checkpoint, store) -> None:
+    """The runtime's teacher-forced logits on `store` equal mlx-lm's on `checkpoint`, bit for bit,
+    with every expert resident, a quarter of them and the minimum (top-k)."""
+    ref = mlx_lm_logits(checkpoint, PROMPT)
     assert ref.std() > 0.3
     n = len(store.records)
     for n_slots in (n, n // 4, store.top_k):
         np.testing.assert_array_equal(compute_logits(store, n_slots, PROMPT), ref,
                                       err_msg=f"{store.config['model_type']} with {n_slots} of {n} experts resident")
+
+
+def test_teacher_forced_logits_equal_mlx_lm_at_every_budget(family):
+    q4, store, _ = family
+    logits_equal_mlx_lm_at_every_budget(q4, store)
 
 
 def test_float_checkpoint_converts_to_mlx_s_own_quantization(family):
@@ -291,12 +297,7 @@ def test_openai_mxfp4_logits_equal_mlx_lm_on_the_same_checkpoint(openai_gpt_oss)
     sanitize splitting the blocks): the runtime's teacher-forced logits equal mlx-lm's on that
     very checkpoint, bit for bit, with every expert resident, a quarter and the minimum."""
     src, store = openai_gpt_oss
-    ref = mlx_lm_logits(src, PROMPT)
-    assert ref.std() > 0.3
-    n = len(store.records)
-    for n_slots in (n, n // 4, store.top_k):
-        np.testing.assert_array_equal(compute_logits(store, n_slots, PROMPT), ref,
-                                      err_msg=f"{n_slots} of {n} experts resident")
+    logits_equal_mlx_lm_at_every_budget(src, store)
 
 
 def test_openai_mxfp4_refuses_requantization(openai_gpt_oss, tmp_path, capsys):

@@ -115,16 +115,22 @@ def test_a_fill_follows_an_expert_the_router_moved(tiny_stores):
     assert tier.missing(layer, range(store.n_experts)) == [0, 1, 3, 5, 6, 7]
 
 
+def _stacked_experts(rng, n_experts: int, d: int, f: int) -> dict:
+    """Random SwiGLU experts quantized 4-bit g64, stacked [E, out, in] as mlx-lm holds them."""
+    w = {}
+    for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+        parts = [mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), 64, 4) for _ in range(n_experts)]
+        for i, part in enumerate(("weight", "scales", "biases")):
+            w[f"{name}.{part}"] = mx.stack([p[i] for p in parts])
+    return w
+
+
 def test_gather_on_pools_by_slot_equals_gather_on_stacked_experts():
     """Each row's result depends only on its row and its expert, not on the slot numbering, on
     the sorted (>= 64 pairs) and the unsorted path alike."""
     E, D, F = 8, 128, 64
     rng = np.random.default_rng(0)
-    w = {}
-    for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
-        parts = [mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), 64, 4) for _ in range(E)]
-        for i, part in enumerate(("weight", "scales", "biases")):
-            w[f"{name}.{part}"] = mx.stack([p[i] for p in parts])
+    w = _stacked_experts(rng, E, D, F)
     where = rng.permutation(20)[:E]  # expert e lives in slot where[e] of a 20-slot pool
     pool = {k: mx.zeros((20, *v.shape[1:]), dtype=v.dtype) for k, v in w.items()}
     for k in pool:
@@ -139,7 +145,6 @@ def test_gather_on_pools_by_slot_equals_gather_on_stacked_experts():
         np.testing.assert_array_equal(np.array(stacked), np.array(pooled))
 
 
-
 @pytest.mark.parametrize("pad", [False, True])
 def test_a_layer_in_chunks_equals_the_one_call_padded_or_not(pad):
     """Chunks of a layer's experts (run_pairs, joined by in_token_order) give the one call's rows,
@@ -147,11 +152,7 @@ def test_a_layer_in_chunks_equals_the_one_call_padded_or_not(pad):
     the row count picks the kernel); on the sorted and the unsorted path."""
     E, D, F = 8, 128, 64
     rng = np.random.default_rng(1)
-    w = {}
-    for name, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
-        parts = [mx.quantize(mx.array(rng.standard_normal(shape).astype(np.float32)), 64, 4) for _ in range(E)]
-        for i, part in enumerate(("weight", "scales", "biases")):
-            w[f"{name}.{part}"] = mx.stack([p[i] for p in parts])
+    w = _stacked_experts(rng, E, D, F)
     quant = uniform_quant(w, 4, 64)
     for rows in (3, 40):  # 6 pairs: unsorted; 80 pairs: sorted
         x = mx.array(rng.standard_normal((rows, D)).astype(np.float32))

@@ -318,7 +318,7 @@ def upcycled(g: "GGUFModel", tok_dir: Path, n_experts: int, top_k: int, seed: in
     share = counts / counts.sum(1, keepdims=True)
     log(f"router: share of top-{top_k} choices per expert on {len(xs[0])} calibration tokens "
         f"x {len(xs)} layers: {routing} (per layer {share.min():.3f}..{share.max():.3f})")
-    return {"config": cfg, "gates": gates, "experts": lambda ffn: [whole_record(ffn)] * n_experts,
+    return {"config": cfg, "gates": gates, "experts": lambda layer, ffn: [whole_record(ffn)] * n_experts,
             "about": {"seed": seed, "upcycled": "identical experts", "calibration_routing": routing},
             "says": f"{n_experts} identical experts, top-{top_k}"}
 
@@ -340,9 +340,8 @@ def moefied(g: "GGUFModel", moe_path) -> dict:
     cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
                       intermediate_size=per_expert * GROUP, output_router_logits=False, router_aux_loss_coef=0.0)
     moe_file = Path(moe_path or SHIPPED)
-    layers = iter(moe["experts"])
     return {"config": cfg, "gates": [gate.astype(np.float32) for gate in moe["gates"]],
-            "experts": lambda ffn: [expert_record(ffn, blocks, top_k) for blocks in next(layers)],
+            "experts": lambda layer, ffn: [expert_record(ffn, blocks, top_k) for blocks in moe["experts"][layer]],
             "about": {"moefied": moe_file.name, "moe_sha256": hashlib.sha256(moe_file.read_bytes()).hexdigest()},
             "says": f"{n_experts} experts of {per_expert * GROUP} neurons, top-{top_k}"}
 
@@ -380,7 +379,7 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                     writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
             for layer, gate in enumerate(kind["gates"]):
                 writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
-                for e, record in enumerate(kind["experts"](ffn_of(g, layer))):
+                for e, record in enumerate(kind["experts"](layer, ffn_of(g, layer))):
                     writer.add_expert(layer, e, record)
             for f in tok_files:
                 writer.add_tokenizer_file(f)

@@ -163,13 +163,9 @@ class Dense:
         """Per-token negative log-likelihood [B, S-1] of ids[:, 1:] from the last hidden state x."""
         h = rms_norm(x, self.w["model.norm.weight"], self.eps)
         head = self.w["lm_head.weight" if "lm_head.weight" in self.w else "model.embed_tokens.weight"]
-        out = []
-        for r in range(x.shape[0]):  # one sequence at a time: [S, vocab] logits
-            logits = (h[r, :-1] @ head.T).astype(np.float64)
-            top = logits.max(-1)
-            lse = top + np.log(np.exp(logits - top[:, None]).sum(-1))
-            out.append(lse - logits[np.arange(len(logits)), ids[r, 1:]])
-        return np.stack(out)
+        from deltafin.tools.eval import next_token_scores
+        # one sequence at a time: [S, vocab] logits
+        return np.stack([next_token_scores(h[r] @ head.T, ids[r])[0] for r in range(x.shape[0])])
 
 
 # ---------------------------------------------------------------- experts and router
@@ -378,15 +374,13 @@ def runtime_nll(store_path, seqs: np.ndarray, budget: str = "1GiB") -> np.ndarra
     """Teacher-forced NLL [B, S-1] of seqs through the running runtime (a supervisor on the
     store, logits requests), float64 log-softmax of its float32 logits."""
     from deltafin.client import Client
+    from deltafin.tools.eval import next_token_scores
     from deltafin.tools.run import running_supervisor
     out = []
     with running_supervisor(store_path, budget, ["--max-context", str(2 * SEQ)]) as (ep, _):
         with Client(ep, timeout=600) as c:
             for row in seqs:
-                logits = np.asarray(c.logits([int(t) for t in row]), np.float64)[:-1]
-                top = logits.max(-1)
-                lse = top + np.log(np.exp(logits - top[:, None]).sum(-1))
-                out.append(lse - logits[np.arange(len(logits)), row[1:]])
+                out.append(next_token_scores(c.logits([int(t) for t in row]), row)[0])
     return np.stack(out)
 
 
