@@ -1,6 +1,8 @@
 """Realistic-width, few-layer checkpoints of the new families: transformers-layout bf16 checkpoint
 (deltafin-synth tiny with overrides) -> mlx_lm convert (the family's usual quantization) -> deltafin
 store; then deltafin-resident-compare (every expert resident) against mlx-lm on the same checkpoint.
+With STREAM=0.25,1.0 (shares of the experts resident) it then runs the real supervisor at each share
+and checks its greedy tokens (PROMPT_N of them) against mlx-lm's on the same checkpoint.
 usage: wide.py OUTDIR SCALE FAMILY[,FAMILY...]   (SCALE 1 = realistic widths; 8 = widths / 8 for a CPU dry run)"""
 import json, os, subprocess, sys, time
 from pathlib import Path
@@ -10,6 +12,31 @@ from deltafin.tools import convert
 from deltafin.tools.synth import for_mlx_lm, tiny
 
 out, scale, fams = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+
+
+def stream(arch, ckpt, store, shares, n=int(os.environ.get("STREAM_N", "64"))):
+    """Real processes at each share of the experts resident: greedy tokens against mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+    from deltafin.client import Client
+    from deltafin.runtime.store import Store
+    from deltafin.tools.run import running_supervisor
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(9)]
+    model, _ = load_model(ckpt)
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    del model
+    keys = len(Store(store).records)
+    for share in shares:
+        t = time.time()
+        with running_supervisor(store, "64GiB", ["--max-slots", str(max(1, int(keys * share))), "--dtype", "auto"]) as (ep, _):
+            with Client(ep, timeout=300) as c:
+                done = c.generate(prompt, max_tokens=n)
+        got = done.token_ids
+        first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        print(f"== {arch} streamed at {share:.0%} of the experts on {mx.default_device()}: "
+              f"{'same tokens as mlx-lm' if got and got == ref[:len(got)] else f'tokens differ from token {first}'}"
+              f" ({len(got)} of {n} tokens{'' if len(got) == n else ', stopped at an end token'}, {done.stats.get('decode_tok_s', 0):.1f} tok/s, {time.time() - t:.0f} s)", flush=True)
 S = lambda x: max(64, x // scale // 64 * 64) if scale > 1 else x
 H = lambda x: max(2, x // scale) if scale > 1 else x
 SPECS = {  # arch: (tiny kwargs, config overrides, mlx-lm q mode, group)
@@ -55,3 +82,5 @@ for arch in fams:
                         "--json", str(out / f"rc_{arch}.json")], capture_output=True, text=True, timeout=600)
     print(r.stdout[-1500:], r.stderr[-1500:], flush=True)
     print(f"== {arch}: compared in {time.time() - t1:.0f} s", flush=True)
+    if os.environ.get("STREAM"):
+        stream(arch, q, st, [float(x) for x in os.environ["STREAM"].split(",")])
