@@ -123,9 +123,9 @@ class TextSide:
 
     def _named(self, entry: dict) -> dict:
         """A log-probability entry with each token's text: `token`, and a third item of `top`'s."""
-        text = self.tokenizer.decode
-        return {**entry, "token": text([entry["token_id"]]),
-                "top": [[i, lp, text([i])] for i, lp in entry["top"]]}
+        text = self.tokenizer.token_text
+        return {**entry, "token": text(entry["token_id"]),
+                "top": [[i, lp, text(i)] for i, lp in entry["top"]]}
 
     def _piece(self, token: M.Token, final: bool = False) -> M.Token | None:
         """The text not yet sent, as token's message; at the end (final) also no text, where

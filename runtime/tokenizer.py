@@ -182,6 +182,10 @@ class Tokenizer:
                 run.append(i)
         return "".join(parts) + self.tok.decode(run, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what a log-probability entry names)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
     def render_chat(self, prompt, tools: list | None = None) -> str:
         """prompt: one user message, or a list of {role, content} messages (the HTTP frontend).
         tools: function tools, passed to the template as `tools` (as transformers does)."""

@@ -144,6 +144,22 @@ def test_only_the_answers_markers_are_kept(tmp_path):
     assert tok.decode(ids, markers=True) == "hithere<|end|>" and tok.decode(ids) == "hithere"
 
 
+def test_logprob_entries_name_special_tokens_by_their_text(tmp_path):
+    """A log-probability entry's `token` (and its top tokens') is the token's own text, special
+    tokens included, while the answer's text skips them."""
+    tok = build_tokenizer(tmp_path, list(K.KEPT))
+    call, eos = tok.tok.token_to_id("<|tool_call_begin|>"), tok.tok.token_to_id(EOS)
+    hi = tok.tok.encode("hi", add_special_tokens=False).ids
+    req = M.Generate(id=1, prompt="x", stream=True, logprobs=2)
+    side = TextSide(tok, req, 1)
+    out = [side.accept(M.Token(id=1, index=i, token_id=t, text="", logprobs=[
+        {"token_id": t, "logprob": -0.5, "top": [[t, -0.5], [eos, -1.0]]}])) for i, t in enumerate(hi + [call])]
+    entries = [e for o in out if o for e in o.logprobs] + (side.flush().logprobs or [])
+    assert [e["token"] for e in entries][-1] == "<|tool_call_begin|>"
+    assert all(e["top"][1][2] == EOS for e in entries)
+    assert "".join(o.text for o in out if o) == "hi"
+
+
 THINKING_TEMPLATE = TEMPLATE + "<think>\n"
 
 
