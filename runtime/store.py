@@ -10,6 +10,7 @@ Writers build in OUT.partial-<pid> and rename at the end, so a store that exists
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -104,7 +105,7 @@ def views_from_buffer(buf, layout: dict) -> dict[str, np.ndarray]:
     """numpy views of a record's tensors inside buf (no copy). bfloat16 comes back as uint16."""
     out = {}
     for t in layout["tensors"]:
-        arr = np.frombuffer(buf, dtype=NAME_TO_NP[t["dtype"]], count=int(np.prod(t["shape"])),
+        arr = np.frombuffer(buf, dtype=NAME_TO_NP[t["dtype"]], count=math.prod(t["shape"]),
                             offset=t["offset"])
         out[t["name"]] = arr.reshape(t["shape"])
     return out
