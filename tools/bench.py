@@ -632,7 +632,8 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
             r.pop("token_ids", None) if not r.get("ok") else None
             runs[name].append(r)
             log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
-        bench_quality.score_round(runs)
+        if s.quality:
+            bench_quality.score_round(runs)
         for name in contenders:
             if runs[name]:
                 r = summarize_rounds(runs[name])

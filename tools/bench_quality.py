@@ -83,7 +83,7 @@ def score_round(runs: dict[str, list[dict]]) -> None:
     """The latest round: each deltafin run's scores against the exact run's (deltafin-eval's
     comparison), as "quality" in place of its scores."""
     ref = runs.get(EXACT, [])[-1:]
-    ref_scores = ref[0]["quality"].get("scores") if ref and ref[0].get("ok") else None
+    ref_scores = (ref[0].get("quality") or {}).get("scores") if ref else None
     for rs in runs.values():
         q = rs[-1].get("quality") if rs else None
         if not q or "scores" not in q:
