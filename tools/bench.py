@@ -658,8 +658,7 @@ def _write_report(report: dict, out: Path, t_start: float, plot: str | None) -> 
     why = chart(report, out / "chart.png")
     print(table(report) + bench_quality.table(report))
     if plot:
-        bench_quality.plot(report, plot)
-        print(f"quality plot: {plot}")
+        print(bench_quality.plot(report, plot) or f"quality plot: {plot}")
     print(f"\nreport: {out / 'report.json'}" + (f"\nchart: {out / 'chart.png'}" if not why else f"\n{why}"))
     log(f"done in {report['elapsed_s']:.0f} s")
 

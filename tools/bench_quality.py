@@ -15,6 +15,7 @@ from xml.sax.saxutils import escape
 
 import numpy as np
 
+from deltafin.client import DeltafinError
 from deltafin.runtime.store import Store
 from deltafin.tools import eval as ev
 
@@ -70,8 +71,13 @@ def sections(mode_sections: dict | None, wins: list[list[int]] | None) -> dict |
 def measure(endpoint: str, wins: list[list[int]]) -> dict:
     """The running runtime's scores on the windows (deltafin-eval's runtime pass): its setting,
     what it read and rerouted meanwhile, and per position the next token's negative
-    log-likelihood and the most likely next token (under "scores", taken out by `score_round`)."""
-    run = ev.runtime_pass(endpoint, wins, generate=0)
+    log-likelihood and the most likely next token (under "scores", taken out by `score_round`);
+    {"error": why} where the runtime refused (e.g. a window's logits over its reply limit): the
+    contender's speed figures stand without a quality figure."""
+    try:
+        run = ev.runtime_pass(endpoint, wins, generate=0)
+    except DeltafinError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     scores = [ev.next_token_scores(lg, w) for lg, w in zip(run.pop("logits"), wins)]
     positions = sum(len(w) for w in wins)
     return {"setting": run["setting"], "rerouted": (run["lossy"] or {}).get("rerouted", 0),
@@ -113,7 +119,7 @@ def table(report: dict) -> str:
     lines = []
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for regime, rr in report["regimes"].items():
-        if not rr.get("quality"):
+        if rr.get("quality") is None:
             continue
         d = report["setup"]["quality"]
         lines += [f"\n[{regime}] quality: {d['tokens']} tokens of {d['text']} in windows of {d['window']}, "
@@ -125,6 +131,9 @@ def table(report: dict) -> str:
             lines.append(f"{q['contender']:<24}{fmt(q['decode_tok_s'], '.2f'):>13}{fmt(mb, '.1f'):>8}"
                          f"{fmt(q['hit_rate'], '.2f'):>6}{q['ppl']:>10.3f}{fmt(q['ppl_vs_exact'], '.4f'):>10}"
                          f"{fmt(q['top1_agreement'], '.1%'):>12}{q['rerouted_per_position']:>13.2f}  {q['setting']}")
+        for name, r in rr["contenders"].items():
+            if (r.get("quality") or {}).get("error"):
+                lines.append(f"{name:<24}no quality figure: {r['quality']['error']}")
     return "\n".join(lines)
 
 
@@ -132,7 +141,7 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     """About n round values spanning lo..hi."""
     step = 10 ** np.floor(np.log10((hi - lo) / n))
     step *= min((m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) <= n), default=10)
-    return [float(v) for v in np.arange(np.ceil(lo / step) * step, hi + step / 2, step)]
+    return [float(v) for v in np.arange(np.ceil(lo / step) * step, hi, step)]
 
 
 def _span(vals: list[float]) -> tuple[float, float]:
@@ -170,9 +179,12 @@ def svg(points: list[dict], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(report: dict, path: str) -> None:
-    """The real regime's quality rows as an SVG at path."""
+def plot(report: dict, path: str) -> str | None:
+    """The real regime's quality rows as an SVG at path; why not, where no row has a figure."""
+    if not report["regimes"]["real"].get("quality"):
+        return "no contender has a quality figure: no plot"
     s = report["setup"]
     title = (f"{s['store_name']}: decode tok/s against perplexity, {s['n_slots']} of {s['n_experts_total']} "
              f"expert slots")
     Path(path).write_text(svg(report["regimes"]["real"]["quality"], title))
+    return None
