@@ -84,3 +84,26 @@ def test_lossy_contenders_parse_into_the_runtimes_flags():
     assert "margin" in bench_modes.bad_contender("deltafin-lossy@2")
     assert "<margin>" in bench_modes.bad_contender("deltafin-lossy@x")
     assert "<margin>" in bench_modes.bad_contender("deltafin-lossy@0.1:0.5:1")
+
+
+def test_a_refused_quality_pass_keeps_the_speed_figures_and_says_why():
+    """A runtime that refuses the windows (over its reply limit) is scored as having no quality
+    figure; the others are still scored against the exact run, and the table says why."""
+    win = [5, 1, 2]
+    logits = np.zeros((3, 8), np.float32)
+    logits[:, 1], logits[:, 2] = 2.0, 1.0
+    scores = [ev.next_token_scores(logits, win)]
+    quality = lambda: {"setting": "exact", "rerouted": 0, "scores": list(scores)}
+    runs = {"deltafin": [{"ok": True, "quality": quality()}],
+            "deltafin-sync-lru": [{"ok": True, "quality": quality()}],
+            LOSSY: [{"ok": True, "quality": {"error": "RequestError: over the reply limit"}}]}
+    bench_quality.score_round(runs)
+    rr = {"contenders": {n: {**rs[-1], "decode_tok_s": 1.0} for n, rs in runs.items()}}
+    rr["quality"] = bench_quality.rows(rr)
+    assert [q["contender"] for q in rr["quality"]] == ["deltafin", "deltafin-sync-lru"]
+    assert all(q["ppl_vs_exact"] == 1.0 and q["top1_agreement"] == 1.0 for q in rr["quality"])
+    report = {"setup": {"quality": {"tokens": 3, "text": "t", "window": 3, "reference": "deltafin"}},
+              "regimes": {"real": rr}}
+    text = bench_quality.table(report)
+    assert f"{LOSSY:<24}no quality figure: RequestError: over the reply limit" in text
+    assert "scores" not in runs["deltafin"][0]["quality"]
