@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
                    f"run ({EXACT}, among the contenders) on held-out text, through each deltafin contender's runtime")
     q.add_argument("--quality-text", help="UTF-8 text file (default: deltafin-eval's, configs/heldout.txt)")
     q.add_argument("--quality-tokens", type=int, default=128, help="the text's first N tokens are evaluated")
-    q.add_argument("--quality-window", type=int, default=64, help="tokens per logits request")
+    q.add_argument("--quality-window", type=int, default=32, help="tokens per logits request (a "
+                   "window's logits must fit the runtime's reply limit: the demo at 310 MiB takes 39)")
     q.add_argument("--plot", metavar="OUT.svg", help="with --quality: decode tok/s against perplexity, an SVG")
 
 
