@@ -18,7 +18,7 @@ import pytest
 
 from deltafin.runtime.store import Store
 from deltafin.runtime.traces import save_trace
-from deltafin.tools import bench, bench_report, forecast
+from deltafin.tools import bench, bench_modes, bench_report, forecast
 from deltafin.tools.memcap import MemoryCap
 from deltafin.tools.peer_runner import PEERS, missing_package
 
@@ -46,7 +46,7 @@ def test_every_contender_runs_or_says_why(bench_run):
     _, _, report, _ = bench_run
     assert set(report["regimes"]) == {"standin", "real"}
     for regime, rr in report["regimes"].items():
-        assert set(rr["contenders"]) == set(bench.CONTENDERS)
+        assert set(rr["contenders"]) == set(bench_modes.CONTENDERS)
         for name, r in rr["contenders"].items():
             if name in ("mlx-lm", *PEERS) and regime == "standin":
                 assert not r["ok"] and "not applicable" in r["cause"]
@@ -57,7 +57,7 @@ def test_every_contender_runs_or_says_why(bench_run):
             assert r["ok"], f"{regime}/{name}: {r.get('cause')}"
             assert r["generated_tokens"] == rr["max_tokens"]
             assert r["decode_tok_s"] > 0 and r["peak_tree_pss_bytes"] > 0
-        for name in bench.DELTAFIN_MODES:
+        for name in bench_modes.DELTAFIN_MODES:
             r = rr["contenders"][name]
             assert r["bench_mode"]["routing"].startswith("trace:")
             assert (r["bench_mode"]["standin"] is not None) == (regime == "standin")
@@ -87,7 +87,7 @@ def test_greedy_tokens_agree_across_deltafin_modes_and_mmap(bench_run):
     """Policy and expert source never change the output (real compute, same routing)."""
     _, _, report, _ = bench_run
     real = report["regimes"]["real"]["contenders"]
-    tokens = {n: real[n]["token_ids"] for n in (*bench.DELTAFIN_MODES, "mmap")}
+    tokens = {n: real[n]["token_ids"] for n in (*bench_modes.DELTAFIN_MODES, "mmap")}
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens
 
 
@@ -97,7 +97,7 @@ def test_chart_and_table(bench_run):
     png = run / "chart.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = bench_report.table(report)
-    for name in bench.CONTENDERS:
+    for name in bench_modes.CONTENDERS:
         assert name in text
 
 
@@ -153,7 +153,7 @@ def test_a_peer_at_equal_memory_needs_both_peaks_first():
     gb, why = bench.equal_memory_gb(s, {"deltafin": [{**ok, "peak_tree_pss_bytes": 1e6}],
                                         "mlx-vlm": [{**ok, "peak_tree_pss_bytes": 6e9}]}, "mlx-vlm")
     assert gb is None and "below" in why
-    assert bench.bad_contender("mlx-vlm@mem") is None and bench.bad_contender("mlx-lm@mem")
+    assert bench_modes.bad_contender("mlx-vlm@mem") is None and bench_modes.bad_contender("mlx-lm@mem")
 
 
 def test_a_peer_without_its_package_is_skipped_with_the_cause(tiny_stores, monkeypatch):
@@ -181,16 +181,16 @@ def test_token_agreement_finds_the_first_divergence():
 
 
 def test_prefetch_contenders_parse_into_cache_overrides():
-    assert bench.prefetch_mode("deltafin-pf:t=0.6:d=1") == {
+    assert bench_modes.prefetch_mode("deltafin-pf:t=0.6:d=1") == {
         "prefetch": True, "prefetch_threshold": 0.6, "prefetch_depth": 1}
-    assert bench.mode_config("deltafin-pf:d=3") == {"cache": {"prefetch": True, "prefetch_depth": 3}}
-    assert bench.bad_contender("deltafin-pf:t=0.6:d=1") is None and bench.bad_contender("mmap") is None
+    assert bench_modes.mode_config("deltafin-pf:d=3") == {"cache": {"prefetch": True, "prefetch_depth": 3}}
+    assert bench_modes.bad_contender("deltafin-pf:t=0.6:d=1") is None and bench_modes.bad_contender("mmap") is None
     for bad, why in [("deltafin-pf:t=1.5", "prefetch_threshold"), ("deltafin-pf:d=0", "prefetch_depth"),
                      ("deltafin-pf:t=x", "bad value"), ("deltafin-pf:gate=off", "not t="),
                      ("deltafin-pf:x=1", "not t="),
                      ("deltafin-pf:t=", "not t=")]:
-        assert why in bench.bad_contender(bad)
-    assert bench.bad_contender("deltafin-fast") == "deltafin-fast"
+        assert why in bench_modes.bad_contender(bad)
+    assert bench_modes.bad_contender("deltafin-fast") == "deltafin-fast"
     assert bench.main(["--contenders", "deltafin-pf:t=0.6,d=1"]) == 2  # commas split contenders
 
 
@@ -258,7 +258,7 @@ def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
     if calibrate == "run":  # constants measured by a real run of the runtime on the store
         cal = f["calibration"]["run"]
         assert cal["prepare_s_per_miss"] > 0 and cal["hop_s_per_missing_layer"] > 0
-    assert {c["contender"] for c in f["cases"]} == set(bench.DELTAFIN_MODES)
+    assert {c["contender"] for c in f["cases"]} == set(bench_modes.DELTAFIN_MODES)
     for c in f["cases"]:
         fc = c["forecast"]
         parts = fc["compute_s"] + fc["rest_s"] + fc["read_s"] + fc["prepare_s"] + fc["messages_s"]

@@ -28,91 +28,14 @@ from deltafin.runtime.cli import Help
 from deltafin.runtime.config import format_size, load_config, parse_size
 from deltafin.runtime.procs import stop_process
 from deltafin.runtime.store import Store
+from deltafin.tools import bench_quality
+from deltafin.tools.bench_modes import (CONTENDERS, EQUAL_MEMORY, LOSSY_PREFIX, PF_PREFIX, bad_contender, is_deltafin,
+                                         mode_config, mode_flags)
 from deltafin.tools.peer_runner import PEERS
 from deltafin.tools.treesampler import TreeSampler
 
-# deltafin's named modes: the runtime, the reference design ("sync-lru": synchronous layers,
-# LRU, bench.pipeline "sync") and one mode per question still open (docs/BENCHMARKS.md).
-DELTAFIN_MODES = {
-    "deltafin": [],
-    "deltafin-sync-lru": ["--policy", "lru"],
-    "deltafin-lfuda": ["--policy", "lfuda"],
-    "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
-    "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
-    "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
-    "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
-    "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
-}
-# Modes' settings that have no flag of their own: written to a TOML file passed with --config.
-DELTAFIN_MODE_CONFIG = {
-    "deltafin-sync-lru": {"bench": {"pipeline": "sync"}},
-    "deltafin-chunked": {"bench": {"chunk_bytes": 1 << 20}},
-    "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
-    "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
-    "deltafin-no-leases": {"bench": {"leases": False}},
-}
-# The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
-# model's own gate, with their expert budget at deltafin's share of the experts.
-CONTENDERS = [*DELTAFIN_MODES, "mmap", "mlx-lm", *PEERS]
-# Prefetch settings as contenders, for a sweep: "deltafin-pf:t=0.6:d=1" is the default with
-# prefetch on at threshold 0.6, depth 1. Colons, not commas, so that --contenders still splits on
-# commas.
-PF_PREFIX = "deltafin-pf:"
-# A peer at deltafin's measured peak memory: "mlx-vlm@mem" is mlx-vlm with its expert budget moved
-# by deltafin's peak tree PSS minus mlx-vlm's own, both measured earlier in the same round at an
-# equal share of the experts (so deltafin and the peer come before it in --contenders).
-EQUAL_MEMORY = "@mem"
-PF_KEYS = {"t": ("prefetch_threshold", float), "d": ("prefetch_depth", int)}
 REGIMES = ("standin", "real")
 PRESET_DEFAULT = "dsv2-lite"
-
-
-def prefetch_mode(name: str) -> dict:
-    """The [cache] overrides a "deltafin-pf:t=..:d=.." contender names; ValueError
-    for a malformed one."""
-    if not name.startswith(PF_PREFIX):
-        raise ValueError(f"{name}: not a {PF_PREFIX} contender")
-    cache: dict = {"prefetch": True}
-    for part in name[len(PF_PREFIX):].split(":"):
-        key, _, value = part.partition("=")
-        if key not in PF_KEYS or not value:
-            raise ValueError(f"{name}: {part!r} is not t=<threshold> or d=<depth>")
-        field_name, conv = PF_KEYS[key]
-        try:
-            cache[field_name] = conv(value)
-        except (KeyError, ValueError):
-            raise ValueError(f"{name}: bad value in {part!r}") from None
-    load_config(None, {f"cache.{k}": v for k, v in cache.items()})  # the config's own range checks
-    return cache
-
-
-def is_deltafin(name: str) -> bool:
-    return name in DELTAFIN_MODES or name.startswith(PF_PREFIX)
-
-
-def mode_flags(name: str) -> list[str]:
-    return DELTAFIN_MODES.get(name, [])
-
-
-def mode_config(name: str) -> dict | None:
-    """The TOML sections a deltafin mode writes for --config (None: no file)."""
-    if name.startswith(PF_PREFIX):
-        return {"cache": prefetch_mode(name)}
-    return DELTAFIN_MODE_CONFIG.get(name)
-
-
-def bad_contender(name: str) -> str | None:
-    if name in CONTENDERS:
-        return None
-    if name.endswith(EQUAL_MEMORY) and name[:-len(EQUAL_MEMORY)] in PEERS:
-        return None
-    if name.startswith(PF_PREFIX):
-        try:
-            prefetch_mode(name)
-            return None
-        except Exception as e:  # ValueError or the config's ConfigError
-            return str(e)
-    return name
 
 
 def log(msg: str) -> None:
@@ -152,6 +75,7 @@ class Setup:
     cap: bool = True
     peers: dict = field(default_factory=dict)  # peer -> (its layout, or None and why it cannot run)
     tag: str = ""  # added to a contender's file names (the round, with --rounds)
+    quality: list[list[int]] | None = None  # --quality: the held-out windows each deltafin run is asked for
 
     @property
     def record_bytes(self) -> int:
@@ -227,7 +151,7 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
     from deltafin.tools.run import StartError, running_supervisor
     extra = ["--max-slots", str(s.n_slots), "--max-context", str(s.max_context), "--dtype", s.dtype,
              *_common_flags(s, regime), *mode_flags(mode)]
-    sections = mode_config(mode)
+    sections = bench_quality.sections(mode_config(mode), s.quality)
     if sections:
         toml = s.out / f"{regime}-{mode}{s.tag}.toml"
         toml.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
@@ -246,6 +170,7 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
                         gen = c.generate(s.prompt_ids, max_tokens=s.max_tokens)
                         wall = time.perf_counter() - t0
                         stats = c.stats()
+                    quality = bench_quality.measure(endpoint, s.quality) if s.quality else None
                 finally:
                     mem = sampler.stop()
         except (StartError, DeltafinError, OSError) as e:
@@ -282,6 +207,7 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         # estimate): then the contender ran with fewer slots than the bound assumes.
         "slots_short": (s.n_slots - got_slots) if got_slots is not None and got_slots < s.n_slots else 0,
         "bench_mode": g.get("bench_mode"), "loader": _loader_figures(stats), **mem,
+        **({"quality": quality} if quality else {}),
     }
 
 
@@ -539,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-drop-cache", action="store_true", help="do not drop the page cache before contenders")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per contender before it is failed")
     p.add_argument("--out", help="output directory (default: ./deltafin-bench-<time>)")
+    bench_quality.add_arguments(p)
     return p
 
 
@@ -574,7 +501,7 @@ def main(argv=None) -> int:
         s = Setup(**setup_common, max_tokens=setup["max_tokens"][regime])
         rr = _regime_with_bound(s, regime, a, preset)
         _run_rounds(s, regime, contenders, a, (ckpt, ckpt_error), rr, report)
-    _write_report(report, out, t_start)
+    _write_report(report, out, t_start, a.plot)
     return 0
 
 
@@ -585,7 +512,11 @@ def _chosen(a) -> tuple[list[str], list[str]] | None:
     bad = [r for r in regimes if r not in REGIMES] + [why for why in map(bad_contender, contenders) if why]
     if bad or a.rounds < 1:
         log(f"unknown regime or contender: {', '.join(bad) or '-'} (regimes {REGIMES}, contenders {CONTENDERS}, "
-            f"or {PF_PREFIX}t=<threshold>:d=<depth>); --rounds >= 1")
+            f"{PF_PREFIX}t=<threshold>:d=<depth> or {LOSSY_PREFIX}<margin>[:<max_share>]); --rounds >= 1")
+        return None
+    why = bench_quality.problem(a, regimes, contenders)
+    if why:
+        log(why)
         return None
     return regimes, contenders
 
@@ -603,7 +534,7 @@ def _prepare(a, preset: dict, out: Path) -> tuple[dict, dict]:
     n_slots = max(store.top_k, int(round(a.cache_frac * n_total)))
     n_prompt = a.prompt_tokens or preset["prompt_tokens"]
     max_tokens = {r: a.max_tokens or preset["max_tokens"][r] for r in REGIMES}
-    max_context = max(64, n_prompt + max(max_tokens.values()) + 16)
+    max_context = max(64, n_prompt + max(max_tokens.values()) + 16, a.quality_window if a.quality else 0)
     budget = parse_size(a.memory_budget) if a.memory_budget else plan_budget_for_slots(store, n_slots, max_context, a.dtype)
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(1, int(store.config["vocab_size"]), n_prompt).tolist()
@@ -622,8 +553,9 @@ def _prepare(a, preset: dict, out: Path) -> tuple[dict, dict]:
     if history is not None and not history.exists():
         history = None
     log(f"routing history for the predictor: {history or 'none (starts cold)'}")
+    quality, quality_setup = bench_quality.prepare(a, store)
     setup_common = dict(store=store, trace_path=trace_path, trace_ids=trace_ids, history_path=history,
-                        n_slots=n_slots, budget=budget,
+                        n_slots=n_slots, budget=budget, quality=quality,
                         prompt_ids=prompt_ids, max_context=max_context, dtype=a.dtype, standin_moe_ms=moe_ms,
                         standin_dense_ms=dense_ms, timeout_s=a.timeout, out=out, disk=disk,
                         drop_cache=not a.no_drop_cache, cap=not a.no_cap)
@@ -635,7 +567,7 @@ def _prepare(a, preset: dict, out: Path) -> tuple[dict, dict]:
              "n_slots": n_slots, "cache_frac": n_slots / n_total, "budget_bytes": budget,
              "routing": f"trace:{trace_path.name}" if trace_path else "gate",
              "prompt_tokens": n_prompt, "max_tokens": max_tokens, "max_context": max_context,
-             "compute_dtype": a.dtype, "loader_threads": qd}
+             "compute_dtype": a.dtype, "loader_threads": qd, "quality": quality_setup}
     return setup_common, setup
 
 
@@ -700,6 +632,8 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
             r.pop("token_ids", None) if not r.get("ok") else None
             runs[name].append(r)
             log(f"[{regime}] {name}: " + (f"{r['decode_tok_s']:.2f} tok/s" if r.get("decode_tok_s") else r.get("cause", "?")))
+        if s.quality:
+            bench_quality.score_round(runs)
         for name in contenders:
             if runs[name]:
                 r = summarize_rounds(runs[name])
@@ -710,17 +644,21 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
                 rr["contenders"][name] = r
         rr["rounds"] = i + 1
         rr["prefetch_sweep"] = prefetch_sweep(rr["contenders"])
+        if s.quality:
+            rr["quality"] = bench_quality.rows(rr)
         report["regimes"][regime] = rr
         (s.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
 
 
-def _write_report(report: dict, out: Path, t_start: float) -> None:
-    """report.json, chart.png and the table on the terminal."""
+def _write_report(report: dict, out: Path, t_start: float, plot: str | None) -> None:
+    """report.json, chart.png (and the quality plot, where asked) and the table on the terminal."""
     from deltafin.tools.bench_report import chart, table
     report["elapsed_s"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     why = chart(report, out / "chart.png")
-    print(table(report))
+    print(table(report) + bench_quality.table(report))
+    if plot:
+        print(bench_quality.plot(report, plot) or f"quality plot: {plot}")
     print(f"\nreport: {out / 'report.json'}" + (f"\nchart: {out / 'chart.png'}" if not why else f"\n{why}"))
     log(f"done in {report['elapsed_s']:.0f} s")
 

@@ -9,7 +9,8 @@ import numpy as np
 import psutil
 
 from deltafin.runtime.config import format_size
-from deltafin.tools.bench import PF_PREFIX, REGIMES
+from deltafin.tools.bench import REGIMES
+from deltafin.tools.bench_modes import PF_PREFIX
 
 
 # ------------------------------------------------------------------------------------ rounds

@@ -130,10 +130,16 @@ def mlx_lm_reference(ckpt: str, wins: list[list[int]]) -> list[np.ndarray]:
 
 def compare(test: list[np.ndarray], ref: list[np.ndarray] | None, wins: list[list[int]]) -> dict:
     """Perplexity of the runtime's logits, and against the reference's where there is one."""
-    ours = [next_token_scores(lg, w) for lg, w in zip(test, wins)]
+    return compare_scores([next_token_scores(lg, w) for lg, w in zip(test, wins)],
+                          None if ref is None else [next_token_scores(lg, w) for lg, w in zip(ref, wins)])
+
+
+def compare_scores(ours: list[tuple[np.ndarray, np.ndarray]],
+                   theirs: list[tuple[np.ndarray, np.ndarray]] | None) -> dict:
+    """Perplexity from each window's next_token_scores, and against the reference's where there
+    is one: its perplexity, the change in percent and the top-1 agreement."""
     out = {"runtime": summarize(ours)}
-    if ref is not None:
-        theirs = [next_token_scores(lg, w) for lg, w in zip(ref, wins)]
+    if theirs is not None:
         out["reference"] = summarize(theirs)
         agree = np.concatenate([a[1] == b[1] for a, b in zip(ours, theirs)])
         out["top1_agreement"] = float(agree.mean())

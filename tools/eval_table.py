@@ -21,15 +21,12 @@ from pathlib import Path
 
 from deltafin.runtime.cli import Help
 from deltafin.tools import eval as ev
+from deltafin.tools.bench_modes import lossy_flags
 
 
 def settings(margins: list[float], max_share: float) -> list[tuple[str, list[str]]]:
     """(label, deltafin-eval flags) for exact and each margin."""
-    out = [("exact", [])]
-    for m in margins:
-        out.append((f"cache_aware m={m:g}", ["--lossy", "cache_aware", "--lossy-margin", str(m),
-                                             "--lossy-max-share", str(max_share)]))
-    return out
+    return [("exact", []), *((f"cache_aware m={m:g}", lossy_flags(m, max_share)) for m in margins)]
 
 
 def eval_args(a, flags: list[str]):
