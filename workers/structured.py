@@ -52,6 +52,18 @@ def grammar_of(schema_text: str) -> str:
     return grammar
 
 
+def lark_grammar(text: str) -> str:
+    """The llguidance grammar (its JSON text) of a Lark grammar `text` (a request's `grammar`:
+    workers/toolcalls writes them for tool_choice "required"); SchemaError where llguidance
+    refuses it."""
+    grammar = llguidance.grammar_from("lark", text)
+    failed, why = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, limits=llguidance.LLParserLimits(**LIMITS))
+    if failed:
+        raise SchemaError(f"invalid grammar: {why[0]}")
+    return grammar
+
+
 class TokenTable:
     """The model's tokens as llguidance sees them (bytes per id, the EOS ids), built on first use
     from the store's tokenizer.json; vocab: the model's logits width (ids past the tokenizer's
@@ -69,12 +81,15 @@ class TokenTable:
                                                      eos_token=self.eos)
             return self._table
 
-    def grammar(self, schema_text: str) -> "Grammar":
-        """A sequence's grammar for its request's json_schema; SchemaError where it is refused."""
-        matcher = llguidance.LLMatcher(self.get(), grammar_of(schema_text), log_level=0,
+    def grammar(self, schema_text: str | None = None, grammar: str | None = None) -> "Grammar":
+        """A sequence's grammar for its request's json_schema or (Lark) grammar; SchemaError
+        where it is refused."""
+        compiled = grammar_of(schema_text) if schema_text is not None else lark_grammar(grammar)
+        matcher = llguidance.LLMatcher(self.get(), compiled, log_level=0,
                                        limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
-            raise SchemaError(f"invalid JSON schema: {matcher.get_error()}")
+            raise SchemaError(f"invalid {'JSON schema' if schema_text is not None else 'grammar'}: "
+                              f"{matcher.get_error()}")
         return Grammar(matcher, self.vocab)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from deltafin.runtime import markers
+from deltafin.workers.toolcalls.grammar import JSON_STYLE, repeat
 
 START, END = markers.TOOL_CALL, markers.TOOL_CALL_END
 
@@ -24,3 +25,15 @@ def parse(body: str, tools: list | None) -> list[dict]:
     if not isinstance(args, dict):
         raise ValueError("a tool call's arguments must be a JSON object")
     return [{"name": call["name"], "arguments": args}]
+
+
+def grammar(tools: list, mark, parallel: bool) -> list[str]:
+    """Lark rules `calls` (workers/toolcalls/grammar.py): blocks of `{"name": NAME, "arguments":
+    ARGS}` as the Qwen3 / Hermes templates write them, one object schema per tool."""
+    calls = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]},
+        "arguments": t["function"].get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
+        "x-guidance": JSON_STYLE}
+    return [f"calls: {repeat('call', parallel, mark(chr(10)))}",
+            f"call: {mark(START)} {mark(chr(10))} %json {json.dumps(calls)} {mark(chr(10))} {mark(END)}"]
