@@ -5,6 +5,8 @@ and parsed back by the project's own reply splitter; a wrong name, arguments off
 call at all, or a second call where only one is allowed are refused."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deltafin.runtime import markers as K
@@ -97,3 +99,71 @@ def test_a_call_in_the_format_is_taken_and_anything_else_refused(tmp_path, fmt):
 def test_a_template_without_a_known_format_is_refused():
     with pytest.raises(ToolChoiceError, match="chat template"):
         tool_grammar("{{ messages }}", {}, [WEATHER], parallel=True)
+
+
+HERMES = ("{% if tools %}<|im_start|>system\nCall a tool: <tool_call>{\"name\": ..., \"arguments\": ...}"
+          "</tool_call>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "<|im_start|>assistant\n")
+SMALL = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                          "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": SMALL}} for n in ("get_weather", "get_time")]
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _valid(name: str, args: dict, names=("get_weather", "get_time")) -> bool:
+    return (name in names and set(args) == {"city", "days"} and isinstance(args["city"], str)
+            and len(args["city"]) <= 6 and isinstance(args["days"], int) and 0 <= args["days"] <= 9)
+
+
+def _openai_checks(url: str) -> None:
+    import openai
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = oa.models.list().data[0].id
+    base = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0)
+    plain = oa.chat.completions.create(**base).choices[0]
+    assert not plain.message.tool_calls  # the random model writes no call of its own
+    for choice, names in (("required", ("get_weather", "get_time")),
+                          ({"type": "function", "function": {"name": "get_time"}}, ("get_time",))):
+        out = oa.chat.completions.create(**base, tool_choice=choice, parallel_tool_calls=False).choices[0]
+        calls = out.message.tool_calls
+        assert out.finish_reason == "tool_calls" and len(calls) == 1, out
+        assert _valid(calls[0].function.name, json.loads(calls[0].function.arguments), names), calls
+        chunks = list(oa.chat.completions.create(**{**base, "temperature": 0.8}, tool_choice=choice,
+                                                 stream=True, seed=3))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert deltas and all(d.function.name in names for d in deltas if d.function and d.function.name)
+        args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        assert _valid(deltas[0].function.name, json.loads(args), names), args
+
+
+def _anthropic_checks(url: str) -> None:
+    import anthropic
+    ac = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": SMALL} for t in TOOLS]
+    for choice, temperature in (({"type": "any"}, 0.0), ({"type": "any", "disable_parallel_tool_use": True}, 1.0)):
+        msg = ac.messages.create(model="store", max_tokens=200, messages=ASK, tools=tools, tool_choice=choice,
+                                 extra_body={"temperature": temperature})
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert uses and all(_valid(u.name, u.input) for u in uses), msg
+        if choice.get("disable_parallel_tool_use"):  # (a random model may call on to max_tokens)
+            assert msg.stop_reason == "tool_use" and len(uses) == 1, msg
+
+
+def test_required_and_named_tool_calls_over_http(tiny_stores, tmp_path_factory):
+    """A random tiny model under tool_choice required / a named function / Anthropic's any
+    answers with a call of an offered tool whose arguments match its schema, streamed and not;
+    a template of no known format is refused with a 400."""
+    import openai
+    from tests.test_http import http_runtime
+    from tests.test_toolcall_tokens import _store_with
+    store = _store_with(tiny_stores, tmp_path_factory, "hermes", HERMES)
+    with http_runtime(store) as (_, url, _proc):
+        _openai_checks(url)
+        _anthropic_checks(url)
+    with http_runtime(tiny_stores("qwen3_moe")) as (_, url, _proc):
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="tool-call format"):
+            oa.chat.completions.create(model=oa.models.list().data[0].id, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", max_tokens=20)
