@@ -167,3 +167,25 @@ def test_required_and_named_tool_calls_over_http(tiny_stores, tmp_path_factory):
         with pytest.raises(openai.BadRequestError, match="tool-call format"):
             oa.chat.completions.create(model=oa.models.list().data[0].id, messages=ASK, tools=TOOLS,
                                        tool_choice="required", max_tokens=20)
+
+
+def test_thinking_the_prompt_opened_must_close_before_the_call(tmp_path):
+    template, special, plain, good, _ = FORMATS["json"]
+    tok = build_tokenizer(tmp_path, special, plain, template)
+    table = TokenTable(tmp_path, tok.eos_ids, tok.vocab_size)
+    opened = tool_grammar(template, tok.added, [WEATHER, TIME], parallel=True, opened=K.THINK)
+    call = good.split("</think>", 1)[1]
+    assert _walk(table, opened, tok.tok.encode("the user wants Paris</think>" + call, add_special_tokens=False).ids)
+    assert not _walk(table, opened, tok.tok.encode(call, add_special_tokens=False).ids)
+    assert not _walk(table, opened, tok.tok.encode("Paris</think>sunny", add_special_tokens=False).ids)
+
+
+def test_the_protocol_takes_tool_choice_only_as_it_can_enforce_it():
+    from deltafin.protocol import messages as M
+    chat = dict(id=1, messages=ASK, tools=TOOLS)
+    for bad, why in ((dict(chat, tool_choice="auto"), "tool_choice must be"),
+                     (dict(id=1, prompt="hi", tool_choice="required"), "needs chat messages and tools"),
+                     (dict(chat, tool_choice="required", json_schema="{}"), "cannot be asked together"),
+                     (dict(id=1, prompt="hi", grammar="start: \"a\"", json_schema="{}"), "cannot be asked together")):
+        with pytest.raises(M.BadRequest, match=why):
+            M.check_request(M.Generate(**bad), M.RequestLimits(vocab_size=512, max_context=2048))

@@ -17,11 +17,11 @@ tokenizer has it as one, as a string literal otherwise."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
+from deltafin.workers.structured import JSON_STYLE  # arguments laid out as a json_schema's answer is
 
-# the JSON layout of arguments: as workers/structured.py writes a json_schema's answer
-REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # escaped where a marker's text ends a lazy regex
 
 
 class ToolChoiceError(ValueError):
@@ -68,7 +68,7 @@ def alternatives(tools: list, write) -> list[str]:
             *(f"call{i}: {write(t)}" for i, t in enumerate(tools))]
 
 
-def tagged_arguments(tools: list, mark, key: "callable", end: str, sep: str = "") -> list[str]:
+def tagged_arguments(tools: list, mark: Marks, key: Callable[[str], str], end: str, sep: str = "") -> list[str]:
     """Rules `args{i}` of each tool: its declared parameters in the schema's order, the
     required ones always, the others optional, each key(name) VALUE end sep; a string VALUE is
     text (up to the first end), any other the parameter's `%json`."""
