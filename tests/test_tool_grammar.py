@@ -96,6 +96,25 @@ def test_a_call_in_the_format_is_taken_and_anything_else_refused(tmp_path, fmt):
         assert not _walk(table, one, ids)
 
 
+REF_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}, "at": {"$ref": "#/$defs/at"}},
+    "required": ["zone", "at"], "$defs": {"zone": {"enum": ["CET", "UTC"]},
+                                          "at": {"type": "array", "items": {"$ref": "#/$defs/zone"}}}}}}
+REF_CALLS = {"json": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "%s", "at": ["UTC"]}}\n</tool_call>',
+             "glm": '<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>"%s"</arg_value>\n'
+                    '<arg_key>at</arg_key>\n<arg_value>["UTC"]</arg_value>\n</tool_call>'}
+
+
+@pytest.mark.parametrize("fmt", REF_CALLS)
+def test_arguments_schemas_keep_their_refs(tmp_path, fmt):
+    template, special, plain, _, _ = FORMATS[fmt]
+    tok = build_tokenizer(tmp_path, special, plain, template)
+    table = TokenTable(tmp_path, tok.eos_ids, tok.vocab_size)
+    grammar = tool_grammar(template, tok.added, [REF_TOOL], parallel=False)
+    assert _walk(table, grammar, tok.tok.encode(REF_CALLS[fmt] % "CET", add_special_tokens=False).ids)
+    assert not _walk(table, grammar, tok.tok.encode(REF_CALLS[fmt] % "EST", add_special_tokens=False).ids)
+
+
 def test_a_template_without_a_known_format_is_refused():
     with pytest.raises(ToolChoiceError, match="chat template"):
         tool_grammar("{{ messages }}", {}, [WEATHER], parallel=True)

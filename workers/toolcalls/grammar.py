@@ -68,6 +68,19 @@ def alternatives(tools: list, write) -> list[str]:
             *(f"call{i}: {write(t)}" for i, t in enumerate(tools))]
 
 
+def _resolved(sub, root: dict) -> dict:
+    """A parameter's schema on its own: a local `$ref` followed, the root's definitions carried
+    along for the refs inside it."""
+    seen = 0
+    while isinstance(sub, dict) and str(sub.get("$ref", "")).startswith("#/") and seen < 32:
+        target = root
+        for part in sub["$ref"][2:].split("/"):
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        sub, seen = target, seen + 1
+    defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    return {**defs, **sub} if isinstance(sub, dict) else defs
+
+
 def tagged_arguments(tools: list, mark: Marks, key: Callable[[str], str], end: str, sep: str = "") -> list[str]:
     """Rules `args{i}` of each tool: its declared parameters in the schema's order, the
     required ones always, the others optional, each key(name) VALUE end sep; a string VALUE is
@@ -78,10 +91,11 @@ def tagged_arguments(tools: list, mark: Marks, key: Callable[[str], str], end: s
         required, items = set(params.get("required") or ()), []
         for j, (name, sub) in enumerate((params.get("properties") or {}).items()):
             value = f"v{i}_{j}"
-            if isinstance(sub, dict) and sub.get("type") == "string":
+            sub = _resolved(sub, params)
+            if sub.get("type") == "string":
                 rules.append(mark.until(value, end))
             else:
-                rules.append(f"{value}: %json {json.dumps({**(sub or {}), 'x-guidance': JSON_STYLE})} {mark(end)}")
+                rules.append(f"{value}: %json {json.dumps({**sub, 'x-guidance': JSON_STYLE})} {mark(end)}")
             item = f"{key(name)} {value} {sep}"
             items.append(item if name in required else f"({item})?")
         rules.append(f"args{i}: {' '.join(items)}" if items else f"args{i}: {mark(' ')}?")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from deltafin.runtime import markers
-from deltafin.workers.toolcalls.grammar import JSON_STYLE, repeat
+from deltafin.workers.toolcalls.grammar import alternatives, repeat, schema
 
 START, END = markers.TOOL_CALL, markers.TOOL_CALL_END
 
@@ -29,11 +29,11 @@ def parse(body: str, tools: list | None) -> list[dict]:
 
 def grammar(tools: list, mark, parallel: bool) -> list[str]:
     """Lark rules `calls` (workers/toolcalls/grammar.py): blocks of `{"name": NAME, "arguments":
-    ARGS}` as the Qwen3 / Hermes templates write them, one object schema per tool."""
-    calls = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": t["function"]["name"]},
-        "arguments": t["function"].get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
-        "x-guidance": JSON_STYLE}
-    return [f"calls: {repeat('call', parallel, mark(chr(10)))}",
-            f"call: {mark(START)} {mark(chr(10))} %json {json.dumps(calls)} {mark(chr(10))} {mark(END)}"]
+    ARGS}` as the Qwen3 / Hermes templates write them, ARGS the tool's schema at the root of its
+    own `%json` (so its `$ref`s resolve)."""
+    nl = mark("\n")
+
+    def call(tool: dict) -> str:
+        head = f'{{"name": {json.dumps(tool["function"]["name"])}, "arguments": '
+        return f"{mark(START)} {nl} {json.dumps(head)} {schema(tool)} {json.dumps('}')} {nl} {mark(END)}"
+    return [f"calls: {repeat('call', parallel, nl)}", *alternatives(tools, call)]
