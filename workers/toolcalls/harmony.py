@@ -27,10 +27,15 @@ def route(header: str) -> tuple[str, str | None]:
 
 def grammar(tools: list, mark, parallel: bool) -> list[str]:
     """Lark rules `reasoning` (an analysis message) and `calls`: one commentary message to
-    `functions.NAME` with JSON arguments, ended by `<|call|>` (a harmony answer makes one call:
-    `<|call|>` ends it)."""
-    return [f"reasoning: {mark(K.CHANNEL)} \"analysis\" {mark(K.MESSAGE)} /(?s:.*)/ {mark(K.END)} "
-            f"{mark(K.START)} \"assistant\"",
-            "calls: call",
-            *alternatives(tools, lambda t: f"{mark(K.CHANNEL)} {json.dumps('commentary to=functions.' + t['function']['name'])} "
-                                           f"(\" \" {mark(K.CONSTRAIN)} \"json\")? {mark(K.MESSAGE)} {schema(t)} {mark(K.CALL)}")]
+    `functions.NAME` (the recipient after the channel or before it) with JSON arguments, ended
+    by `<|call|>` (a harmony answer makes one call: `<|call|>` ends it)."""
+    json_tag = f'(" " {mark(K.CONSTRAIN)} "json" | " json")?'
+
+    def call(tool: dict) -> str:
+        to = json.dumps(" to=functions." + tool["function"]["name"])
+        headers = (f'{mark(K.CHANNEL)} "commentary" {to} {json_tag}',
+                   f'{to} {mark(K.CHANNEL)} "commentary" {json_tag}')
+        return f"({' | '.join(headers)}) {mark(K.MESSAGE)} {schema(tool)} {mark(K.CALL)}"
+    return [f'reasoning: {mark(K.CHANNEL)} "analysis" {mark(K.MESSAGE)} /(?s:.*)/ {mark(K.END)} '
+            f'{mark(K.START)} "assistant"',
+            "calls: call", *alternatives(tools, call)]

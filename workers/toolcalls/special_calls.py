@@ -76,5 +76,6 @@ def kimi_grammar(tools: list, mark, parallel: bool) -> list[str]:
     calls (Kimi-K2)."""
     return [f"calls: {mark(K.KIMI_SECTION_BEGIN)} {repeat('call', parallel)} {mark(K.KIMI_SECTION_END)}",
             "INDEX: /[0-9]{1,3}/",
-            *alternatives(tools, lambda t: f"{mark(K.KIMI_CALL_BEGIN)} {json.dumps('functions.' + t['function']['name'] + ':')} "
-                                            f"INDEX {mark(K.KIMI_ARGUMENT_BEGIN)} {schema(t)} {mark(K.KIMI_CALL_END)}")]
+            *alternatives(tools, lambda t: f"{mark(K.KIMI_CALL_BEGIN)} "
+                                            f"{json.dumps('functions.' + t['function']['name'] + ':')} INDEX "
+                                            f"{mark(K.KIMI_ARGUMENT_BEGIN)} {schema(t)} {mark(K.KIMI_CALL_END)}")]
