@@ -1,10 +1,12 @@
-"""Structured output: a JSON Schema the answer must match, enforced while decoding (llguidance).
+"""Structured output: a JSON Schema or a grammar the answer must match, enforced while decoding
+(llguidance).
 
 A request's `json_schema` (text; `ANY_OBJECT` for any JSON object) is compiled to an llguidance
 grammar (`grammar_of`: the HTTP frontend checks it this way before sending, compute again when
-it starts the sequence). In compute each constrained sequence holds a `Grammar`: before a token
-is sampled, `allowed()` gives the tokens the grammar accepts next (EOS only once the JSON is
-complete), the sampler sets the others to -inf (workers/scheduler.py), and `advance` moves the
+it starts the sequence); a request's `grammar` is Lark text (`lark_grammar`: the supervisor
+writes one for tool_choice "required", workers/toolcalls). In compute each constrained sequence holds a `Grammar`: before a token
+is sampled, `allowed()` gives the tokens the grammar accepts next (EOS only once the JSON or
+the grammar is complete), the sampler sets the others to -inf (workers/scheduler.py), and `advance` moves the
 grammar on with the token taken. The JSON is written compactly (", " and ": " between items, no
 other whitespace), so a small model cannot loop on blank space.
 
