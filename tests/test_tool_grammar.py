@@ -123,6 +123,8 @@ def test_arguments_schemas_keep_their_refs(tmp_path, fmt):
 def test_a_template_without_a_known_format_is_refused():
     with pytest.raises(ToolChoiceError, match="chat template"):
         tool_grammar("{{ messages }}", {}, [WEATHER], parallel=True)
+    with pytest.raises(ToolChoiceError, match="parameters must be"):
+        tool_grammar("<tool_call>", {}, [{"type": "function", "function": {"name": "f", "parameters": [1]}}], True)
 
 
 HERMES = ("{% if tools %}<|im_start|>system\nCall a tool: <tool_call>{\"name\": ..., \"arguments\": ...}"

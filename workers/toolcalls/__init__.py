@@ -194,6 +194,9 @@ def tool_grammar(template: str | None, added: dict[str, int], tools: list, paral
     (runtime/textside.opening)."""
     if not tools:
         raise ToolChoiceError("tool_choice 'required' needs tools")
+    for t in tools:
+        if not isinstance(t.get("function"), dict) or not isinstance(t["function"].get("parameters") or {}, dict):
+            raise ToolChoiceError("a tool's function.parameters must be a JSON Schema object")
     fmt, mark = tool_format(template), Marks(added)
     lines = WRITERS[fmt](tools, mark, parallel)
     if fmt == "harmony":
