@@ -69,7 +69,12 @@ class Generate:
     the rest of the context (max_context - prompt tokens). tools: OpenAI function tools
     ({type, function: {name, description, parameters}}) given to the chat template as `tools`.
     json_schema: a JSON Schema (its JSON text) the answer must match, enforced while decoding
-    (`{"type": "object"}`: any JSON object); the answer stops once the JSON is complete."""
+    (`{"type": "object"}`: any JSON object); the answer stops once the JSON is complete.
+    tool_choice "required" (chat requests with tools): the answer must call one of `tools`, in
+    the model family's tool-call format with arguments matching the tool's parameters schema
+    (exactly one call where parallel_tool_calls is false); the supervisor writes it as
+    `grammar`, an llguidance Lark grammar the answer must match (compute takes json_schema or
+    grammar, not both)."""
     id: int
     prompt: str | None = None
     token_ids: list | None = None
@@ -89,6 +94,9 @@ class Generate:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     json_schema: str | None = None    # None: unconstrained
+    tool_choice: str | None = None    # None: calls optional; "required"
+    parallel_tool_calls: bool = True
+    grammar: str | None = None        # None: unconstrained
 
 
 @message("cancel")
@@ -283,10 +291,16 @@ def check_request(msg, limits: RequestLimits) -> None:
 
 
 SAMPLING_OPTIONS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                    "json_schema")
+                    "json_schema", "tool_choice", "parallel_tool_calls", "grammar")
 
 
 def _check_sampling(msg: Generate) -> None:
+    if msg.json_schema is not None and (msg.grammar is not None or msg.tool_choice is not None):
+        raise BadRequest("json_schema and grammar (or tool_choice) cannot be asked together")
+    if msg.tool_choice not in (None, "required"):
+        raise BadRequest(f"tool_choice must be nil or 'required', got {msg.tool_choice!r}")
+    if msg.tool_choice is not None and not (msg.tools and msg.messages is not None):
+        raise BadRequest("tool_choice 'required' needs chat messages and tools")
     if msg.top_k < 0:
         raise BadRequest(f"top_k must be an integer >= 0 (0: off), got {msg.top_k}")
     if not (math.isfinite(msg.min_p) and 0 <= msg.min_p <= 1):

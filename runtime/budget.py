@@ -24,6 +24,12 @@ MARGIN = 32 << 20
 MEASURE_QUANTUM = 8 << 20  # the measured tree is rounded up to this, so launches alike size the pool alike
 FEW_SLOTS = 0.25  # a share of the experts below which the plan says what would give more
 CONTEXT_FLOOR = 512  # compute.fit_context lowers max_context no further than this
+# llguidance's token table in compute (workers/structured.TokenTable, built on the first
+# json_schema or tool_choice request), per vocabulary entry. Measured (RSS of the process once
+# the table is built and the parse's freed memory is handed back, plus one grammar and its mask):
+# 38.8 MiB for the demo store's 49,152 tokens (830 B each), 37.3 MiB for a 32,000-entry table of
+# GLM-4.5's tokenizer (1,220 B each), 3.1 MiB for the tiny stores' 603; the larger rate, rounded up.
+TOKEN_TABLE_BYTES_PER_TOKEN = 1280
 
 
 class BudgetError(RuntimeError):
@@ -78,6 +84,7 @@ class BudgetPlan:
     processes: int = PROCESS_OVERHEAD_ESTIMATE
     frontend: int = 0       # with --http: the frontend's bodies in flight (it is measured with the tree)
     prompt_cache: int = 0   # compute.prompt_cache: prompt prefixes' keys and values kept across requests
+    token_table: int = 0    # llguidance's token table for constrained decoding (stores with a tokenizer)
     resident: dict = field(default_factory=dict)  # group -> resident slots, once sized
     layouts: dict = field(default_factory=dict, repr=False)  # group -> record layout (set_dtype)
 
@@ -91,7 +98,8 @@ class BudgetPlan:
 
     @property
     def reserves(self) -> int:
-        return self.kv_cache + self.prompt_cache + self.mlx_cache + self.activations + self.frontend + MARGIN
+        return (self.kv_cache + self.prompt_cache + self.mlx_cache + self.activations + self.frontend
+                + self.token_table + MARGIN)
 
     @property
     def min_resident(self) -> int:
@@ -113,6 +121,7 @@ class BudgetPlan:
         return (f"dense weights {format_size(self.dense)} + KV cache {format_size(self.kv_cache)} + "
                 f"{f'prompt cache {format_size(self.prompt_cache)} + ' if self.prompt_cache else ''}"
                 f"MLX cache {format_size(self.mlx_cache)} + activations {format_size(self.activations)} + "
+                f"{f'token table {format_size(self.token_table)} + ' if self.token_table else ''}"
                 f"{f'HTTP bodies {format_size(self.frontend)} + ' if self.frontend else ''}"
                 f"processes {format_size(self.processes)} + {self.staging_slots} staging slots of "
                 f"{format_size(self.slot_bytes)} + {self.min_slots} resident experts of {per}"
@@ -176,6 +185,8 @@ class BudgetPlan:
                  f"positions, shared by up to {max_batch} sequences)",
                  f"  activations        {format_size(self.activations)} (prefill chunk {chunk} tokens)",
                  f"  MLX buffer cache   {format_size(self.mlx_cache)}",
+                 *([f"  token table        {format_size(self.token_table)} (constrained decoding's, "
+                    f"{self.token_table // TOKEN_TABLE_BYTES_PER_TOKEN} tokens)"] if self.token_table else []),
                  f"  staging            {self.staging_slots} slots of {format_size(self.slot_bytes)}",
                  f"  processes          {format_size(self.processes)}"
                  + (f" + HTTP bodies {format_size(self.frontend)}" if self.frontend else ""),
@@ -253,6 +264,7 @@ def plan_budget(store: Store, config: Config, max_context: int = 0) -> BudgetPla
         dense=dense,
         kv_cache=kv_reserve_bytes(store.config, itemsize, max_context or cc.max_context, cc.kv_tokens, cc.max_batch),
         prompt_cache=prompt_cache_bytes(store.config, config),
+        token_table=vocab * TOKEN_TABLE_BYTES_PER_TOKEN if (store.tokenizer_dir / "tokenizer.json").is_file() else 0,
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

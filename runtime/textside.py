@@ -38,15 +38,19 @@ def prompt_ids(tokenizer: Tokenizer, req: M.Generate, max_context: int) -> list[
     return ids
 
 
-def as_token_ids(req: M.Generate, ids: list[int], max_context: int, default_max_tokens: int = 0) -> M.Generate:
+def as_token_ids(req: M.Generate, ids: list[int], max_context: int, default_max_tokens: int = 0,
+                 grammar: str | None = None) -> M.Generate:
     """The request as compute takes it: ids in place of the prompt text or messages, and
     max_tokens nil made the rest of the context, or default_max_tokens (http.default_max_tokens)
-    where that is smaller and not 0."""
+    where that is smaller and not 0; grammar: the one written for its tool_choice (which it
+    replaces)."""
     rest = max_context - len(ids)
     if req.max_tokens is not None:
         max_tokens = req.max_tokens
     else:
         max_tokens = min(rest, default_max_tokens) if default_max_tokens > 0 else rest
+    if grammar is not None:
+        req = dataclasses.replace(req, grammar=grammar, tool_choice=None)
     return dataclasses.replace(req, prompt=None, messages=None, tools=None, token_ids=list(ids),
                                chat=False, max_tokens=max_tokens)
 

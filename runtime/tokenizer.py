@@ -116,8 +116,10 @@ class Tokenizer:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_ids = eos
         # special tokens that structure a chat answer (runtime/markers.py), kept by decode(markers=True)
-        self.markers = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()
-                        if t.special and t.content in KEPT}
+        added = self.tok.get_added_tokens_decoder()
+        self.markers = {i: t.content for i, t in added.items() if t.special and t.content in KEPT}
+        # every added token, by its text: llguidance matches these by id only (workers/toolcalls/grammar.py)
+        self.added = {t.content: i for i, t in added.items()}
 
     @property
     def vocab_size(self) -> int:

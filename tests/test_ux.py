@@ -66,10 +66,13 @@ def test_the_plan_names_each_part_and_what_gives_more_slots(tiny_stores):
     lines = plan.explain(2048, 8, 128)
     assert lines == budget.plan_budget(store, cfg).explain(2048, 8, 128)  # deterministic
     text = "\n".join(lines)
-    for part in ("dense weights", "KV cache", "max_context 2048", "activations", "staging",
+    for part in ("dense weights", "KV cache", "max_context 2048", "activations", "token table", "staging",
                  "expert slots", "few slots", "--max-context 512", "--memory-budget"):
         assert part in text, part
     total = sum(plan.group_experts.values())
+    vocab = int(store.config["vocab_size"])
+    assert plan.token_table == vocab * budget.TOKEN_TABLE_BYTES_PER_TOKEN  # the store has a tokenizer
+    assert re.search(rf"token table +\S+ \S+ \(constrained decoding's, {vocab} tokens\)", text)
     assert re.search(rf"expert slots +\d+ of {total} experts \(\d+%\)", text)
     # the suggested budget gives what it says
     suggested = re.search(r"--memory-budget (\S+) \(about (\d+)\)", text)

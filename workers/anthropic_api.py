@@ -54,26 +54,28 @@ def _turn(m, i: int) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> tuple[list | None, bool]:
-    """(tools in OpenAI's shape for the template and the parser, parallel calls allowed) of
-    `tools` and `tool_choice` (auto, any, a named tool, none)."""
+def _tools(body: dict) -> tuple[list | None, bool, str | None]:
+    """(tools in OpenAI's shape for the template and the parser, parallel calls allowed, the
+    runtime's tool_choice) of `tools` and `tool_choice` (auto, any, a named tool, none): `any`
+    and a named tool are the runtime's "required", enforced while decoding."""
     tools, choice = body.get("tools"), body.get("tool_choice") or {"type": "auto"}
     if not tools:
-        return None, True
+        return None, True, None
     if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                               for t in tools):
         raise ApiError(400, "tools must be a list of {name, description, input_schema}", param="tools")
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise ApiError(400, "tool_choice.type must be auto, any, tool or none", param="tool_choice")
     if choice["type"] == "none":
-        return None, True
+        return None, True, None
     if choice["type"] == "tool":
         tools = [t for t in tools if t["name"] == choice.get("name")]
         if not tools:
             raise ApiError(400, "tool_choice names no tool among the tools", param="tool_choice")
     fns = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                              "parameters": t.get("input_schema") or {}}} for t in tools]
-    return fns, not choice.get("disable_parallel_tool_use", False)
+    return (fns, not choice.get("disable_parallel_tool_use", False),
+            None if choice["type"] == "auto" else "required")
 
 
 def messages_request(body: dict) -> tuple[list[dict], dict]:
@@ -92,13 +94,13 @@ def messages_request(body: dict) -> tuple[list[dict], dict]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
-    tools, parallel = _tools(body)
+    tools, parallel, required = _tools(body)
     return chat, {"max_tokens": _number(body, "max_tokens", None, 1, integer=True),
                   "temperature": float(_number(body, "temperature", 1.0, 0, 1)),
                   "top_p": float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)), "seed": None,
                   "stop": [s for s in stop if s] or None if stop else None, "stream": stream,
                   "include_usage": False, "tools": tools, "parse_tools": tools, "logprobs": None,
-                  "parallel_tool_calls": parallel, **penalties({"top_k": body.get("top_k")} if body.get("top_k") else {})}
+                  "parallel_tool_calls": parallel, "tool_choice": required, **penalties({"top_k": body.get("top_k")} if body.get("top_k") else {})}
 
 
 def _event(name: str, data: dict) -> str:

@@ -218,8 +218,11 @@ class Compute:
             raise RequestError("max_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
         self._check_ids(ids, req.max_tokens)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+        if req.tool_choice is not None:
+            raise RequestError("compute takes a grammar; tool_choice is written as one by the supervisor")
         try:
-            grammar = self.tokens.grammar(req.json_schema) if req.json_schema is not None else None
+            grammar = (self.tokens.grammar(req.json_schema, req.grammar)
+                       if req.json_schema is not None or req.grammar is not None else None)
         except SchemaError as e:
             raise RequestError(str(e)) from None
         return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),

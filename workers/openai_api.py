@@ -203,16 +203,17 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def chat_tools(body: dict) -> tuple[list | None, list | None, bool]:
+def chat_tools(body: dict) -> tuple[list | None, list | None, bool, str | None]:
     """(tools for the chat template, tools whose calls are parsed out of the answer, parallel
-    calls allowed) of a body's `tools`, `tool_choice` and `parallel_tool_calls`. tool_choice
-    "none" shows no tools and parses none; a named function shows that one alone; "required"
-    shows them all (the answer is not constrained: a reply without a call stays content)."""
+    calls allowed, the runtime's tool_choice) of a body's `tools`, `tool_choice` and
+    `parallel_tool_calls`. tool_choice "none" shows no tools and parses none; "required" shows
+    them all and a named function that one alone, and both are enforced while decoding (the
+    runtime's tool_choice "required": a call of one of the tools shown)."""
     tools = body.get("tools")
     if tools is None or tools == []:
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-        return None, None, True
+        return None, None, True, None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) for t in tools):
@@ -220,7 +221,7 @@ def chat_tools(body: dict) -> tuple[list | None, list | None, bool]:
                             "'description', 'parameters'}}", param="tools")
     choice = body.get("tool_choice", "auto")
     if choice == "none":
-        return None, None, True
+        return None, None, True, None
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         tools = [t for t in tools if t["function"]["name"] == name]
@@ -232,7 +233,7 @@ def chat_tools(body: dict) -> tuple[list | None, list | None, bool]:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
-    return tools, tools, parallel
+    return tools, tools, parallel, (None if choice == "auto" else "required")
 
 
 def completion_request(body: dict, max_context: int) -> tuple:
@@ -269,7 +270,7 @@ def chat_request(body: dict) -> tuple[list[dict], dict]:
         raise ApiError(400, "'functions' is not supported (use 'tools')", param="functions")
     p = sampling(body, None)
     p["json_schema"] = response_format(body)
-    p["tools"], p["parse_tools"], p["parallel_tool_calls"] = chat_tools(body)
+    p["tools"], p["parse_tools"], p["parallel_tool_calls"], p["tool_choice"] = chat_tools(body)
     if not isinstance(body.get("logprobs", False), bool):
         raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
     top = _number(body, "top_logprobs", None, 0, 20, integer=True)

@@ -30,13 +30,15 @@ from deltafin.protocol import messages as M
 from deltafin.runtime.procs import WakePipe
 from deltafin.runtime.textside import TextSide, as_token_ids, opening, prompt_ids
 from deltafin.runtime.tokenizer import PromptTooLong, Tokenizer, TokenizerError
+from deltafin.workers.toolcalls import ToolChoiceError, tool_grammar
 
 
 def tokenize_error(rid: int, e: Exception) -> M.Error:
     """The answer to a prompt that cannot be tokenized: too long, no chat template, a template
-    that refused the messages (`bad_request`); anything else is a bug (`internal`)."""
+    that refused the messages, tool_choice "required" with a template of no known tool-call
+    format (`bad_request`); anything else is a bug (`internal`)."""
     from jinja2.exceptions import TemplateError
-    if isinstance(e, (PromptTooLong, TokenizerError, TemplateError)):
+    if isinstance(e, (PromptTooLong, TokenizerError, TemplateError, ToolChoiceError)):
         return M.Error(id=rid, code=M.ErrorCode.BAD_REQUEST, message=str(e))
     return M.Error(id=rid, code=M.ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
 
@@ -161,17 +163,28 @@ class RequestManager:
             if isinstance(msg, M.Generate):
                 try:
                     ids = tokenized.result() if tokenized is not None else list(msg.token_ids)
+                    opened = opening(self.tokenizer, msg, ids)
+                    grammar = self._tool_grammar(msg, opened)
                 except Exception as e:
                     self.inflight.pop(key, None)
                     self.cancelling.discard(key)
                     self.reply(ident, tokenize_error(msg.id, e))
                     continue
-                self.sides[key] = TextSide(self.tokenizer, msg, len(ids), opening(self.tokenizer, msg, ids))
-                if tokenized is not None or msg.max_tokens is None:
-                    raw = M.encode(as_token_ids(msg, ids, self.compute.max_context, self.default_max_tokens))
+                self.sides[key] = TextSide(self.tokenizer, msg, len(ids), opened)
+                if tokenized is not None or msg.max_tokens is None or grammar is not None:
+                    raw = M.encode(as_token_ids(msg, ids, self.compute.max_context, self.default_max_tokens,
+                                                grammar))
             self.forward(ident, raw)
             if key in self.cancelling:  # cancelled while it waited here
                 self.forward(ident, M.encode(M.Cancel(id=msg.id)))
+
+    def _tool_grammar(self, msg: M.Generate, opened: str) -> str | None:
+        """The Lark grammar compute enforces for tool_choice "required" (workers/toolcalls), or
+        None; ToolChoiceError where the model's format is not known."""
+        if msg.tool_choice is None:
+            return None
+        return tool_grammar(self.tokenizer.chat_template, self.tokenizer.added, msg.tools,
+                            msg.parallel_tool_calls, opened)
 
     # -- from compute -------------------------------------------------------------------------------
     def on_reply(self, ident: bytes, reply) -> None:

@@ -1,10 +1,12 @@
-"""Structured output: a JSON Schema the answer must match, enforced while decoding (llguidance).
+"""Structured output: a JSON Schema or a grammar the answer must match, enforced while decoding
+(llguidance).
 
 A request's `json_schema` (text; `ANY_OBJECT` for any JSON object) is compiled to an llguidance
 grammar (`grammar_of`: the HTTP frontend checks it this way before sending, compute again when
-it starts the sequence). In compute each constrained sequence holds a `Grammar`: before a token
-is sampled, `allowed()` gives the tokens the grammar accepts next (EOS only once the JSON is
-complete), the sampler sets the others to -inf (workers/scheduler.py), and `advance` moves the
+it starts the sequence); a request's `grammar` is Lark text (`lark_grammar`: the supervisor
+writes one for tool_choice "required", workers/toolcalls). In compute each constrained sequence holds a `Grammar`: before a token
+is sampled, `allowed()` gives the tokens the grammar accepts next (EOS only once the JSON or
+the grammar is complete), the sampler sets the others to -inf (workers/scheduler.py), and `advance` moves the
 grammar on with the token taken. The JSON is written compactly (", " and ": " between items, no
 other whitespace), so a small model cannot loop on blank space.
 
@@ -14,6 +16,7 @@ tokenizer.json once per process, on the first constrained request (about 0.35 s 
 itself). Unconstrained requests never touch this module's state."""
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from pathlib import Path
@@ -52,6 +55,29 @@ def grammar_of(schema_text: str) -> str:
     return grammar
 
 
+def lark_grammar(text: str) -> str:
+    """The llguidance grammar (its JSON text) of a Lark grammar `text` (a request's `grammar`:
+    workers/toolcalls writes them for tool_choice "required"); SchemaError where llguidance
+    refuses it."""
+    grammar = llguidance.grammar_from("lark", text)
+    failed, why = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, limits=llguidance.LLParserLimits(**LIMITS))
+    if failed:
+        raise SchemaError(f"invalid grammar: {why[0]}")
+    return grammar
+
+
+def release_freed() -> None:
+    """Hands the C allocator's freed pages back to the system (glibc's malloc_trim; nothing
+    where there is none): building a token table frees its parse of tokenizer.json, about 25 MiB
+    on the demo store, which glibc would otherwise keep in the process (runtime/budget.py
+    charges the table without it)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class TokenTable:
     """The model's tokens as llguidance sees them (bytes per id, the EOS ids), built on first use
     from the store's tokenizer.json; vocab: the model's logits width (ids past the tokenizer's
@@ -67,14 +93,18 @@ class TokenTable:
             if self._table is None:
                 self._table = llguidance.LLTokenizer(self.path.read_text(), n_vocab=self.vocab,
                                                      eos_token=self.eos)
+                release_freed()
             return self._table
 
-    def grammar(self, schema_text: str) -> "Grammar":
-        """A sequence's grammar for its request's json_schema; SchemaError where it is refused."""
-        matcher = llguidance.LLMatcher(self.get(), grammar_of(schema_text), log_level=0,
+    def grammar(self, schema_text: str | None = None, grammar: str | None = None) -> "Grammar":
+        """A sequence's grammar for its request's json_schema or (Lark) grammar; SchemaError
+        where it is refused."""
+        compiled = grammar_of(schema_text) if schema_text is not None else lark_grammar(grammar)
+        matcher = llguidance.LLMatcher(self.get(), compiled, log_level=0,
                                        limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
-            raise SchemaError(f"invalid JSON schema: {matcher.get_error()}")
+            raise SchemaError(f"invalid {'JSON schema' if schema_text is not None else 'grammar'}: "
+                              f"{matcher.get_error()}")
         return Grammar(matcher, self.vocab)
 
 

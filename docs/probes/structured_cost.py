@@ -1,5 +1,6 @@
-"""Decode tok/s of constrained (json_schema) against unconstrained requests on the demo store:
-same chat prompt, greedy, alternating rounds in one supervisor (all experts resident).
+"""Decode tok/s of constrained (json_schema; a tool_choice "required" grammar, Hermes
+`<tool_call>` JSON, sent as the protocol's `grammar`) against unconstrained requests on the demo
+store: same chat prompt, greedy, alternating rounds in one supervisor (all experts resident).
 python docs/probes/structured_cost.py [ROUNDS] [TOKENS]   (docs: 7 32)"""
 import json
 import statistics
@@ -7,7 +8,9 @@ import sys
 from pathlib import Path
 
 from deltafin.client import Client
+from deltafin.runtime.tokenizer import Tokenizer
 from deltafin.tools.run import running_supervisor
+from deltafin.workers.toolcalls import tool_grammar
 
 STORE = Path.home() / ".cache/deltafin/demo-store"
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
@@ -15,7 +18,9 @@ N = int(sys.argv[2]) if len(sys.argv) > 2 else 48
 MSG = [{"role": "user", "content": "List many facts about the sky as a JSON object with a 'facts' array of strings."}]
 SCHEMA = json.dumps({"type": "object", "properties": {"facts": {"type": "array", "items": {"type": "string"},
                      "minItems": 80}}, "required": ["facts"]})
-kinds = {"plain": {}, "json_schema": {"json_schema": SCHEMA}}
+TOOL = {"type": "function", "function": {"name": "facts", "parameters": json.loads(SCHEMA)}}
+TOOL_GRAMMAR = tool_grammar("<tool_call>", Tokenizer(STORE / "tokenizer").added, [TOOL], parallel=False)
+kinds = {"plain": {}, "json_schema": {"json_schema": SCHEMA}, "tool grammar": {"grammar": TOOL_GRAMMAR}}
 res = {k: [] for k in kinds}
 with running_supervisor(str(STORE), "4GiB") as (ep, _):
     with Client(ep, timeout=600) as c:

@@ -21,6 +21,7 @@ import re
 
 from deltafin.runtime import markers as K
 from deltafin.workers.toolcalls import harmony, json_call, special_calls, xml_calls
+from deltafin.workers.toolcalls.grammar import Marks, ToolChoiceError
 
 TEXT_BLOCKS = {json_call.START: json_call.END, K.MINIMAX_CALL: K.MINIMAX_CALL_END}
 # special-token sections: they may also end with the answer (its end of sequence right after them)
@@ -165,3 +166,45 @@ def split_reply(text: str, tools: list | None) -> tuple[str | None, str | None, 
         else:
             parts[kind] += value
     return parts["reasoning"].strip() or None, parts["content"].strip() or None, calls
+
+
+FORMATS = (  # (a marker the template writes for a call, the format's name), most specific first
+    (K.CHANNEL, "harmony"), (K.KIMI_SECTION_BEGIN, "kimi"), ("```json", "deepseek_v3"),
+    (K.DEEPSEEK_CALLS_BEGIN, "deepseek_v31"), (K.MINIMAX_CALL, "minimax"), ("<arg_key>", "glm"),
+    ("<function=", "qwen_coder"), (K.TOOL_CALL, "json"))
+WRITERS = {"harmony": harmony.grammar, "kimi": special_calls.kimi_grammar,
+           "deepseek_v3": special_calls.deepseek_v3_grammar, "deepseek_v31": special_calls.deepseek_v31_grammar,
+           "minimax": xml_calls.minimax_grammar, "glm": xml_calls.glm_grammar,
+           "qwen_coder": xml_calls.coder_grammar, "json": json_call.grammar}
+
+
+def tool_format(template: str | None) -> str:
+    """The tool-call format of a chat template; ToolChoiceError where it writes none known."""
+    for marker, name in FORMATS:
+        if template and marker in template and (name != "deepseek_v3" or K.DEEPSEEK_CALLS_BEGIN in template):
+            return name
+    raise ToolChoiceError("tool_choice 'required' (or a named tool) is enforced in the model's own "
+                          "tool-call format, and this model's chat template writes none deltafin knows")
+
+
+def tool_grammar(template: str | None, added: dict[str, int], tools: list, parallel: bool,
+                 opened: str = "") -> str:
+    """The Lark grammar of an answer that calls one or more of `tools` (exactly one where not
+    parallel) in the template's format; opened: the marker the answer starts inside of
+    (runtime/textside.opening)."""
+    if not tools:
+        raise ToolChoiceError("tool_choice 'required' needs tools")
+    for t in tools:
+        if not isinstance(t.get("function"), dict) or not isinstance(t["function"].get("parameters") or {}, dict):
+            raise ToolChoiceError("a tool's function.parameters must be a JSON Schema object")
+    fmt, mark = tool_format(template), Marks(added)
+    lines = WRITERS[fmt](tools, mark, parallel)
+    if fmt == "harmony":
+        return "\n".join(["start: reasoning? calls", *lines])
+    if opened == K.THINK:
+        head, think = "reasoning", [mark.until("reasoning", K.UNTHINK)]
+    elif template and K.THINK in template:
+        head, think = "reasoning?", [f"reasoning: {mark(K.THINK)} thought", mark.until("thought", K.UNTHINK)]
+    else:
+        head, think = "", []
+    return "\n".join([f"start: {head} SPACE? calls", "SPACE: /[ \\n]{1,2}/", *think, *lines])

@@ -13,6 +13,7 @@ import json
 import re
 
 from deltafin.runtime import markers as K
+from deltafin.workers.toolcalls.grammar import alternatives, repeat, schema
 
 
 def _until(end: str) -> str:
@@ -51,3 +52,30 @@ def parse_kimi(body: str, tools: list | None) -> list[dict]:
     if not calls:
         raise ValueError("no tool call in the Kimi section")
     return calls
+
+
+def deepseek_v31_grammar(tools: list, mark, parallel: bool) -> list[str]:
+    """Lark rules `calls`: a section of `<begin>NAME<sep>ARGS<end>` calls (DeepSeek-V3.1)."""
+    return [f"calls: {mark(K.DEEPSEEK_CALLS_BEGIN)} {repeat('call', parallel)} {mark(K.DEEPSEEK_CALLS_END)}",
+            *alternatives(tools, lambda t: f"{mark(K.DEEPSEEK_CALL_BEGIN)} {json.dumps(t['function']['name'])} "
+                                            f"{mark(K.DEEPSEEK_SEP)} {schema(t)} {mark(K.DEEPSEEK_CALL_END)}")]
+
+
+def deepseek_v3_grammar(tools: list, mark, parallel: bool) -> list[str]:
+    """Lark rules `calls`: a section of `<begin>function<sep>NAME` + a ```json fenced ARGS +
+    `<end>` calls (DeepSeek-V3 / R1)."""
+    return [f"calls: {mark(K.DEEPSEEK_CALLS_BEGIN)} {repeat('call', parallel, mark(chr(10)))} "
+            f"{mark(K.DEEPSEEK_CALLS_END)}",
+            *alternatives(tools, lambda t: f"{mark(K.DEEPSEEK_CALL_BEGIN)} \"function\" {mark(K.DEEPSEEK_SEP)} "
+                                            f"{json.dumps(t['function']['name'] + chr(10) + '```json' + chr(10))} "
+                                            f"{schema(t)} \"\\n```\" {mark(K.DEEPSEEK_CALL_END)}")]
+
+
+def kimi_grammar(tools: list, mark, parallel: bool) -> list[str]:
+    """Lark rules `calls`: a section of `<begin>functions.NAME:INDEX<argument begin>ARGS<end>`
+    calls (Kimi-K2)."""
+    return [f"calls: {mark(K.KIMI_SECTION_BEGIN)} {repeat('call', parallel)} {mark(K.KIMI_SECTION_END)}",
+            "INDEX: /[0-9]{1,3}/",
+            *alternatives(tools, lambda t: f"{mark(K.KIMI_CALL_BEGIN)} "
+                                            f"{json.dumps('functions.' + t['function']['name'] + ':')} INDEX "
+                                            f"{mark(K.KIMI_ARGUMENT_BEGIN)} {schema(t)} {mark(K.KIMI_CALL_END)}")]
