@@ -264,7 +264,8 @@ def plan_budget(store: Store, config: Config, max_context: int = 0) -> BudgetPla
         dense=dense,
         kv_cache=kv_reserve_bytes(store.config, itemsize, max_context or cc.max_context, cc.kv_tokens, cc.max_batch),
         prompt_cache=prompt_cache_bytes(store.config, config),
-        token_table=vocab * TOKEN_TABLE_BYTES_PER_TOKEN if (store.tokenizer_dir / "tokenizer.json").is_file() else 0,
+        token_table=vocab * TOKEN_TABLE_BYTES_PER_TOKEN
+        if cc.constrained and (store.tokenizer_dir / "tokenizer.json").is_file() else 0,
         mlx_cache=2 * store.top_k * store.max_record_bytes,
         activations=chunk * (vocab * 4 * 2 + hidden * itemsize * 16),
         slot_bytes=store.max_record_bytes,

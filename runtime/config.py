@@ -88,6 +88,7 @@ class ComputeConfig:
     max_batch: int = 8
     kv_tokens: int = 0
     prompt_cache: str = "0"  # the prompt cache's share of the budget (workers/prompt_cache.py)
+    constrained: bool = True  # json_schema / tool_choice masks: their token table is in the budget
 
     @property
     def prompt_cache_bytes(self) -> int:

@@ -142,3 +142,20 @@ def test_json_over_http_and_zmq_and_beside_unconstrained_rows(tiny_stores):
     with http_runtime(tiny_stores("mixtral")) as (endpoint, url, _):
         _http_checks(url)
         _mixed_batch(endpoint)
+
+
+def test_constrained_decoding_off_charges_no_token_table_and_refuses_schemas(tiny_stores):
+    """--no-constrained: the plan has no token table and a json_schema request is refused with
+    a message that says why, while an unconstrained one is answered."""
+    from deltafin.runtime import budget
+    from deltafin.runtime.config import load_config
+    from deltafin.runtime.store import Store
+    from deltafin.tools.run import running_supervisor
+    store = tiny_stores("mixtral")
+    on, off = (budget.plan_budget(Store(store), load_config(None, {"compute.constrained": c})) for c in (True, False))
+    assert on.token_table > 0 and off.token_table == 0 and on.reserves - off.reserves == on.token_table
+    with running_supervisor(store, "4GiB", ["--no-constrained"]) as (endpoint, _):
+        with Client(endpoint, timeout=60) as c:
+            assert len(c.generate([1, 2, 3], max_tokens=4).token_ids) == 4
+            with pytest.raises(RequestError, match=r"constrained decoding is off"):
+                c.generate([1, 2, 3], max_tokens=4, json_schema=ANY_OBJECT)

@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *FLOAT_DTYPES),
                    help="activation dtype (compute.dtype; default: config, auto = the checkpoint's)")
     p.add_argument("--max-slots", type=int, help="upper bound on expert slots (cache.max_slots)")
+    p.add_argument("--no-constrained", action="store_true",
+                   help="refuse json_schema / tool_choice requests and leave their token table out of the "
+                        "budget (compute.constrained = false)")
     p.add_argument("--distributed", action="store_true",
                    help="join an mx.distributed group as one rank (run under mlx.launch, or with "
                         "MLX_RANK and MLX_HOSTFILE set): this tree reads, caches and computes only its "
@@ -82,6 +85,7 @@ def run_config(a: argparse.Namespace):
                                   "runtime.allow_remote": True if a.allow_remote else None,
                                   "compute.max_context": a.max_context, "compute.dtype": a.dtype,
                                   "compute.prompt_cache": a.prompt_cache,
+                                  "compute.constrained": False if a.no_constrained else None,
                                   "compute.fit_context": False if a.max_context else None,
                                   "cache.max_slots": a.max_slots, "cache.policy": a.policy,
                                   "cache.prefetch": {"on": True, "off": False}.get(a.prefetch, a.prefetch),
