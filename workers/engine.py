@@ -220,12 +220,12 @@ class Compute:
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
         if req.tool_choice is not None:
             raise RequestError("compute takes a grammar; tool_choice is written as one by the supervisor")
-        if (req.json_schema is not None or req.grammar is not None) and not self.config.compute.constrained:
+        constrained = req.json_schema is not None or req.grammar is not None
+        if constrained and not self.config.compute.constrained:
             raise RequestError("constrained decoding is off in this runtime ([compute] constrained = false): "
                                "no json_schema, response_format or tool_choice that forces a call")
         try:
-            grammar = (self.tokens.grammar(req.json_schema, req.grammar)
-                       if req.json_schema is not None or req.grammar is not None else None)
+            grammar = self.tokens.grammar(req.json_schema, req.grammar) if constrained else None
         except SchemaError as e:
             raise RequestError(str(e)) from None
         return Sequence(req=req, prompt=ids, cache=self.model.make_cache(), key=mx.random.key(seed),

@@ -48,22 +48,22 @@ def grammar_of(schema_text: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
     except ValueError as e:
         raise SchemaError(f"invalid JSON schema: {e}") from None
-    failed, why = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, limits=llguidance.LLParserLimits(**LIMITS))
-    if failed:
-        raise SchemaError(f"invalid JSON schema: {why[0]}")
-    return grammar
+    return _validated(grammar, "JSON schema")
 
 
 def lark_grammar(text: str) -> str:
     """The llguidance grammar (its JSON text) of a Lark grammar `text` (a request's `grammar`:
     workers/toolcalls writes them for tool_choice "required"); SchemaError where llguidance
     refuses it."""
-    grammar = llguidance.grammar_from("lark", text)
+    return _validated(llguidance.grammar_from("lark", text), "grammar")
+
+
+def _validated(grammar: str, what: str) -> str:
+    """grammar, once llguidance accepts it under the parser's limits; SchemaError naming `what`."""
     failed, why = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, limits=llguidance.LLParserLimits(**LIMITS))
     if failed:
-        raise SchemaError(f"invalid grammar: {why[0]}")
+        raise SchemaError(f"invalid {what}: {why[0]}")
     return grammar
 
 
