@@ -42,9 +42,10 @@ def deltafin_processes() -> list[psutil.Process]:
     """Processes started by this test session (they inherit its DELTAFIN_RUN_ROOT); other
     deltafin runs on the machine are not ours to judge or kill."""
     found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "name"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] == os.getpid() or not ("deltafin.workers." in cmd or "deltafin.workers.supervisor" in cmd):
+        ours = "deltafin.workers." in cmd or (p.info["name"] or "").startswith("dfn-")  # forked: named
+        if p.info["pid"] == os.getpid() or not ours:
             continue
         try:
             if p.environ().get("DELTAFIN_RUN_ROOT") == _root():
@@ -52,6 +53,13 @@ def deltafin_processes() -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             pass
     return found
+
+
+def worker_process(supervisor_pid: int, role: str) -> psutil.Process:
+    """The supervisor's worker of `role`: forked from its fork server (named dfn-ROLE, the
+    supervisor's command line) or a fresh `python -m deltafin.workers.ROLE`."""
+    return next(k for k in psutil.Process(supervisor_pid).children()
+                if k.name() == f"dfn-{role}" or f"deltafin.workers.{role}" in " ".join(k.cmdline()))
 
 
 @pytest.fixture(autouse=True)

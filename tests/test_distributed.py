@@ -24,6 +24,7 @@ import pytest
 from deltafin.client import Client, RequestError, RuntimeDeadError
 from deltafin.runtime.store import Store
 from deltafin.tools.run import StartError, _await_ready, reap, running_supervisor
+from conftest import worker_process
 
 mx = pytest.importorskip("mlx.core")
 
@@ -113,8 +114,7 @@ def _single(store, extra: list[str] | None = None):
 
 
 def _compute_pid(sup: subprocess.Popen) -> int:
-    kids = psutil.Process(sup.pid).children()
-    return next(k.pid for k in kids if "deltafin.workers.compute" in " ".join(k.cmdline()))
+    return worker_process(sup.pid, "compute").pid
 
 
 def _loader_bytes(client: Client, want: int | None = None, timeout_s: float = 60.0) -> int:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import deltafin_processes, deltafin_segments
+from conftest import deltafin_processes, deltafin_segments, worker_process
 from deltafin.client import Client, RuntimeDeadError, RuntimeRestarting, RuntimeUnavailable
 from deltafin.tools.run import StartError, running_supervisor
 
@@ -61,7 +61,7 @@ def _exited(procs, timeout_s: float) -> list:
 
 
 def _worker(proc, role: str) -> psutil.Process:
-    return next(k for k in psutil.Process(proc.pid).children() if f"deltafin.workers.{role}" in " ".join(k.cmdline()))
+    return worker_process(proc.pid, role)
 
 
 class RawPeer:
@@ -164,6 +164,28 @@ def test_worker_killed_anywhere_restarts_with_the_same_answers(tiny_stores, role
     restarts = re.findall(r"workers restarted in ([0-9.]+) s", err)
     assert len(restarts) == 3
     print(f"{role}: restarts took {', '.join(restarts)} s")
+
+
+def test_workers_fork_from_the_fork_server_and_start_fresh_without_it(tiny_stores, tmp_path):
+    """The workers are forked from the supervisor's fork server (runtime/forkserver.py) and
+    adopted by the supervisor; with the fork server gone, a restart starts them as fresh
+    interpreters and answers the same."""
+    with _supervisor(tiny_stores("mixtral"), ["--max-slots", "4"], tmp_path / "log") as (ep, proc, log):
+        kids = {k.name(): k for k in psutil.Process(proc.pid).children()}
+        assert {"dfn-forkserver", "dfn-router", "dfn-loader", "dfn-compute"} <= set(kids), kids
+        assert all(kids[f"dfn-{r}"].ppid() == proc.pid for r in ("router", "loader", "compute"))
+        with Client(ep, timeout=60) as c:
+            ref = c.generate(DECODE_PROMPT, max_tokens=12).token_ids
+            kids["dfn-forkserver"].send_signal(signal.SIGKILL)
+            kids["dfn-compute"].send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while c.health()["restarts"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            c.wait_until_serving(60)
+            assert c.generate(DECODE_PROMPT, max_tokens=12).token_ids == ref
+            fresh = worker_process(proc.pid, "compute")
+            assert "deltafin.workers.compute" in " ".join(fresh.cmdline())
+    assert "workers start as fresh interpreters" in Path(log).read_text()
 
 
 def test_loader_death_is_named_even_when_the_router_loses_it(tiny_stores, tmp_path):

@@ -276,7 +276,7 @@ def test_once_json_is_one_snapshot_a_script_can_read(tiny_stores):
         for s in STAGES:
             assert {"count", "hist"} <= set(snap["stage_latency"][s])
         assert {"budget", "tree_bytes", "peak_tree_bytes", "n_slots", "slot_bytes"} <= set(snap["memory"])
-        assert set(snap["processes"]) == {"supervisor", "router", "loader", "compute"}
+        assert set(snap["processes"]) == {"supervisor", "router", "loader", "compute", "forkserver"}
         assert all({"pid", "rss", "pss", "cpu_percent"} <= set(p) for p in snap["processes"].values())
         assert snap["totals"]["requests"] == 3 and snap["totals"]["decode_tokens"] == 12
         assert snap["hit_rate"] == snap["totals"]["hits"] / snap["totals"]["uses"]

@@ -21,7 +21,7 @@ from deltafin.runtime import shm
 from deltafin.runtime.config import ConfigError, load_config
 from deltafin.runtime.security import SecurityError, check_endpoint, check_ipc_length, ipc_path_max
 from deltafin.tools.run import running_supervisor
-from conftest import config_flags
+from conftest import config_flags, worker_process
 
 BIG = "4GiB"
 
@@ -82,8 +82,7 @@ def test_a_stop_answers_every_request_in_flight_with_shutting_down(tiny_stores, 
             assert s.poll(60_000)  # the first token: the requests are in flight
             if how == "SIGTERM to the group":
                 # where a worker gets it first, it must not exit (that would be a crash to restart)
-                compute = next(k for k in psutil.Process(proc.pid).children()
-                               if "deltafin.workers.compute" in " ".join(k.cmdline()))
+                compute = worker_process(proc.pid, "compute")
                 compute.send_signal(signal.SIGTERM)
                 time.sleep(0.5)
                 assert compute.is_running() and compute.status() != psutil.STATUS_ZOMBIE

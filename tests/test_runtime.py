@@ -13,7 +13,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import ARCHS, deltafin_processes, deltafin_segments, config_flags
+from conftest import ARCHS, deltafin_processes, deltafin_segments, config_flags, worker_process
 from deltafin.client import Client, RequestError, RuntimeDeadError, RuntimeUnavailable
 from deltafin.protocol import messages as M
 from deltafin.runtime.store import Store
@@ -33,10 +33,10 @@ def test_generation_on_every_architecture(tiny_stores, arch):
             assert gen.finish_reason in ("length", "stop")
             assert len(gen.token_ids) == 6 or gen.finish_reason == "stop"
             assert "".join(pieces) == gen.text
-            # supervisor + router + loader + compute, all separate processes
-            kids = psutil.Process(proc.pid).children()
-            roles = sorted(" ".join(k.cmdline()).split("deltafin.workers.")[1].split()[0] for k in kids)
-            assert roles == ["compute", "loader", "router"]
+            # supervisor + router + loader + compute, all separate processes (and the fork
+            # server the workers are forked from)
+            names = sorted(k.name() for k in psutil.Process(proc.pid).children())
+            assert names == ["dfn-compute", "dfn-forkserver", "dfn-loader", "dfn-router"]
             stats = c.stats()
             assert stats["missing"] == []
             assert stats["hit_rate"] is not None
@@ -182,7 +182,7 @@ def test_dead_worker_is_an_error_not_a_hang(tiny_stores, tmp_path):
     role (RuntimeUnavailable would mean the client waited out its timeout), the runtime exits 1."""
     cfg = config_flags(tmp_path, runtime={"restart_max": 0})
     with running_supervisor(tiny_stores("mixtral"), BIG, cfg, stderr=subprocess.PIPE) as (ep, proc):
-        compute = next(k for k in psutil.Process(proc.pid).children() if "workers.compute" in " ".join(k.cmdline()))
+        compute = worker_process(proc.pid, "compute")
         with Client(ep, timeout=20) as c:
             c.generate("warm up", max_tokens=2)
             stream = c.stream("are you there", max_tokens=500)
@@ -198,7 +198,7 @@ def test_dead_worker_is_an_error_not_a_hang(tiny_stores, tmp_path):
 def test_sigkill_of_the_supervisor_leaves_nothing(tiny_stores):
     with running_supervisor(tiny_stores("qwen2_moe"), BIG) as (ep, proc):
         kids = psutil.Process(proc.pid).children()
-        assert len(kids) == 3 and deltafin_segments()
+        assert len(kids) == 4 and deltafin_segments()  # the workers and their fork server
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         gone, alive = psutil.wait_procs(kids, timeout=15)

@@ -38,6 +38,7 @@ from deltafin.runtime import archinfo, lossy, tiers
 from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
+from deltafin.runtime.forkserver import ForkServer
 from deltafin.runtime.procmem import tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, ipc_path, is_abstract, needs_curve)
@@ -54,7 +55,7 @@ from deltafin.workers.requests import RequestManager
 from deltafin.workers.stats_waits import STATS_SYNC_S, StatsWaits
 from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.supervisor_args import check_http, parser, resolved_model, run_config
-from deltafin.workers.workerset import ROLES, SupervisorError, WorkerDied, Workers
+from deltafin.workers.workerset import PRELOAD, ROLES, SupervisorError, WorkerDied, Workers
 
 STOP_GRACE_S = 2.0   # a clean stop: workers finish what they are doing, then SIGKILL
 LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see Supervisor._size_pool)
@@ -63,8 +64,9 @@ REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpo
 
 class Supervisor:
     def __init__(self, store_path: str, config, endpoint: str | None = None, log=None,
-                 http: str | None = None, api_key: str | None = None):
+                 http: str | None = None, api_key: str | None = None, forkserver: ForkServer | None = None):
         self.config = config
+        self.forkserver = forkserver  # workers forked from it (runtime/forkserver.py); None: fresh
         rc = config.runtime
         self.log = log or (lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True))
         self.store = Store(store_path)
@@ -136,7 +138,7 @@ class Supervisor:
                              "metrics": self.rundir.endpoint("metrics")},
                "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache}}
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
-        self.workers = Workers(self.rundir.path)
+        self.workers = Workers(self.rundir.path, self.forkserver)
         self.poller = zmq.Poller()
         for sock in (self.control, self.hub.sub, self.workers.wake_fd, self.requests.tokenized_fd):
             self.poller.register(sock, zmq.POLLIN)
@@ -235,8 +237,11 @@ class Supervisor:
         return self.segment.size if self.segment is not None else 0
 
     def _pids(self) -> dict[str, int]:
-        """The tree's processes by name: the supervisor, the workers, the HTTP frontend."""
+        """The tree's processes by name: the supervisor, the workers, their fork server, the HTTP
+        frontend."""
         pids = {"supervisor": os.getpid(), **self.workers.pids()}
+        if self.forkserver is not None and not self.forkserver.closed:
+            pids["forkserver"] = self.forkserver.pid
         if self.frontend is not None and self.frontend.pid:
             pids["frontend"] = self.frontend.pid
         return pids
@@ -545,6 +550,8 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
     stop = {"flag": False}
+    # first, while this process has no thread and no socket: the workers fork from it
+    forkserver = ForkServer.start(PRELOAD)
 
     def on_signal(signum, _frame):
         stop["flag"] = True
@@ -565,7 +572,7 @@ def main(argv=None) -> int:
         store.check_files()
         check_bench_config(store, config)  # a trace that does not fit: refused now
         sup = Supervisor(a.model, config, a.endpoint, log=log, http=a.http,
-                         api_key=a.api_key or os.environ.get(API_KEY_ENV))
+                         api_key=a.api_key or os.environ.get(API_KEY_ENV), forkserver=forkserver)
         endpoint = sup.start()
         if stop["flag"]:
             return 0
@@ -588,6 +595,8 @@ def main(argv=None) -> int:
     finally:
         if sup is not None:
             sup.shutdown()
+        if forkserver is not None:
+            forkserver.close()
 
 
 if __name__ == "__main__":

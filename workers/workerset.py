@@ -10,9 +10,17 @@ import threading
 import time
 from pathlib import Path
 
+from deltafin.runtime.forkserver import ForkServer, ForkServerError
 from deltafin.runtime.procs import WakePipe, stop_processes
 
 ROLES = ("router", "loader", "compute")
+# What each role's process runs: Class(run_dir).serve(), as `python -m deltafin.workers.ROLE` does
+ENTRIES = {"router": "deltafin.workers.router_process:RouterProcess",
+           "loader": "deltafin.workers.loader:LoaderProcess",
+           "compute": "deltafin.workers.compute:ComputeProcess"}
+# What the fork server imports before forking them: everything but compute's MLX side
+PRELOAD = ("numpy", "zmq", "msgpack", "psutil", "deltafin.workers.router_process",
+           "deltafin.workers.loader", "deltafin.workers.sources")
 
 
 class SupervisorError(RuntimeError):
@@ -40,9 +48,10 @@ class Workers:
     first role to die is the one named, not one that died of its loss) and wakes the serving
     loop through a pipe (its read end is polled with the sockets)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, forkserver: ForkServer | None = None):
         self.run_dir = run_dir
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.forkserver = forkserver  # None: each worker a fresh interpreter
+        self.procs: dict = {}  # role -> subprocess.Popen, or forkserver.Forked
         self.deaths: list[WorkerDied] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -54,14 +63,27 @@ class Workers:
         deaths: list[WorkerDied] = []
         self.procs, self.deaths, self._threads = {}, deaths, []
         for role in ROLES:
-            p = subprocess.Popen([sys.executable, "-m", f"deltafin.workers.{role}", str(self.run_dir)],
-                                 stdin=subprocess.DEVNULL, stdout=sys.stderr)
+            p = self._spawn(role)
             self.procs[role] = p
             t = threading.Thread(target=self._watch, args=(role, p, deaths), name=f"watch-{role}", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _watch(self, role: str, p: subprocess.Popen, deaths: list) -> None:
+    def _spawn(self, role: str):
+        """Forked from the fork server where there is one (shared pages: runtime/forkserver.py;
+        named dfn-ROLE, its command line the supervisor's), else a fresh interpreter running
+        `python -m deltafin.workers.ROLE`."""
+        if self.forkserver is not None:
+            try:
+                return self.forkserver.spawn(ENTRIES[role], str(self.run_dir), f"dfn-{role}")
+            except ForkServerError as e:
+                print(f"deltafin-supervisor: {e}; workers start as fresh interpreters", file=sys.stderr)
+                self.forkserver.close(timeout_s=1.0)  # reaped
+                self.forkserver = None
+        return subprocess.Popen([sys.executable, "-m", f"deltafin.workers.{role}", str(self.run_dir)],
+                                stdin=subprocess.DEVNULL, stdout=sys.stderr)
+
+    def _watch(self, role: str, p, deaths: list) -> None:
         code = p.wait()
         with self._lock:
             deaths.append(WorkerDied(role, p.pid, code, time.monotonic()))
