@@ -65,6 +65,7 @@ class RuntimeConfig:
     restart_window_s: float = 300.0
     max_request_bytes: str = "16MiB"
     keys_dir: str = ""
+    fork_server: bool = True
 
     @property
     def request_bytes(self) -> int:

@@ -188,6 +188,16 @@ def test_workers_fork_from_the_fork_server_and_start_fresh_without_it(tiny_store
     assert "workers start as fresh interpreters" in Path(log).read_text()
 
 
+def test_fork_server_off_starts_fresh_interpreters(tiny_stores, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[runtime]\nfork_server = false\n")
+    with _supervisor(tiny_stores("mixtral"), ["--config", str(cfg)], tmp_path / "log") as (ep, proc, _):
+        cmds = sorted(" ".join(k.cmdline()) for k in psutil.Process(proc.pid).children())
+        assert len(cmds) == 3 and all("deltafin.workers." in c for c in cmds), cmds
+        with Client(ep, timeout=60) as c:
+            assert len(c.generate(DECODE_PROMPT, max_tokens=4).token_ids) == 4
+
+
 def test_loader_death_is_named_even_when_the_router_loses_it(tiny_stores, tmp_path):
     """The loader killed while the router has reads to send it: the router must not take the
     blame (a dying peer can also see "Host unreachable" first)."""

@@ -550,8 +550,7 @@ def main(argv=None) -> int:
     a = parser().parse_args(argv)
     log = lambda m: print(f"deltafin-supervisor: {m}", file=sys.stderr, flush=True)
     stop = {"flag": False}
-    # first, while this process has no thread and no socket: the workers fork from it
-    forkserver = ForkServer.start(PRELOAD)
+    forkserver = None
 
     def on_signal(signum, _frame):
         stop["flag"] = True
@@ -561,6 +560,8 @@ def main(argv=None) -> int:
     try:
         check_http(a)
         config = run_config(a)
+        if config.runtime.fork_server:  # now, while this process has no thread and no socket
+            forkserver = ForkServer.start(PRELOAD)
         rank = launch_rank() if config.distributed.enabled else None
         if rank is not None and rank[0] != 0 and a.endpoint:
             # one command line for every rank (mlx.launch): rank 0 serves it, the followers take
