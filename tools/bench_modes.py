@@ -18,6 +18,8 @@ DELTAFIN_MODES = {
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
+    "deltafin-early-fills": [],  # the default with landed read-ahead fills taken before a layer asks
+    "deltafin-no-early-fills": [],  # ... and without
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -26,6 +28,8 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
     "deltafin-no-leases": {"bench": {"leases": False}},
+    "deltafin-early-fills": {"bench": {"early_fills": True}},
+    "deltafin-no-early-fills": {"bench": {"early_fills": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.
