@@ -68,7 +68,8 @@ class ForkServer:
     def start(cls, preload: tuple[str, ...]) -> ForkServer | None:
         """Forks the server now, which imports `preload`; None where workers must start fresh."""
         if not sys.platform.startswith("linux") or threading.active_count() > 1:
-            return None
+            return None  # a Python thread would not survive the fork (numpy's OpenBLAS pool does:
+            # it stops and restarts itself around a fork, pthread_atfork)
         if not _prctl(PR_SET_CHILD_SUBREAPER, 1):
             return None
         req_r, req_w = os.pipe()
