@@ -8,6 +8,7 @@ import time
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
@@ -116,9 +117,12 @@ class MonitorApp(App):
             self.disk_source = "probing the store's disk"
             self.run_worker(lambda: self._probe(self.model.latest["model"]["store"]),
                             thread=True, exit_on_error=False)
-        if not self.paused and self.model.latest is not None and self.model.latest is not self.shown:
-            self.render_snapshot()
-        self.render_status()
+        try:
+            if not self.paused and self.model.latest is not None and self.model.latest is not self.shown:
+                self.render_snapshot()
+            self.render_status()
+        except NoMatches:  # the app is closing: its widgets are gone before its timer has stopped
+            return
 
     def _probe(self, store: str) -> None:
         from deltafin.runtime.diskprobe import probe_disk
