@@ -92,20 +92,25 @@ class ForkServer:
     def spawn(self, entry: str, run_dir: str, name: str) -> Forked:
         line = json.dumps({"entry": entry, "run_dir": run_dir, "name": name}).encode() + b"\n"
         with self._lock:
+            if self.closed:
+                raise ForkServerError("the fork server is closed")
             try:
                 os.write(self._req, line)
                 pid = int(_read_line(self._rep, REPLY_WAIT_S))
             except (OSError, ValueError, ForkServerError) as e:
                 raise ForkServerError(f"the fork server did not start {entry}: {e}") from None
+        if pid <= 0:  # its fork failed (a signal to pid -1 or 0 would reach many processes)
+            raise ForkServerError(f"the fork server could not fork {entry}")
         return Forked(pid)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Closes the pipe (the server exits on it) and reaps the server; once."""
-        if self.closed:
-            return
-        self.closed = True
-        for fd in (self._req, self._rep):
-            os.close(fd)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            for fd in (self._req, self._rep):
+                os.close(fd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -211,8 +216,11 @@ def _serve(req: int, rep: int, preload: tuple[str, ...], supervisor: int) -> int
             line = _read_line(req, None)
         except ForkServerError:
             return 0
-        job = json.loads(line)
-        os.write(rep, f"{_fork_worker(job, (req, rep), supervisor)}\n".encode())
+        try:
+            pid = _fork_worker(json.loads(line), (req, rep), supervisor)
+        except OSError:  # out of processes or memory: the supervisor starts this one fresh
+            pid = -1
+        os.write(rep, f"{pid}\n".encode())
 
 
 def _fork_worker(job: dict, fds: tuple[int, int], supervisor: int) -> int:
@@ -220,14 +228,16 @@ def _fork_worker(job: dict, fds: tuple[int, int], supervisor: int) -> int:
     once the intermediate is gone, so the supervisor has adopted it."""
     r, w = os.pipe()
     mid = os.fork()
-    if mid == 0:
-        os.close(r)
-        pid = os.fork()
-        if pid == 0:
-            os.close(w)
-            _run_worker(job, fds, supervisor)
-        os.write(w, f"{pid}\n".encode())
-        os._exit(0)
+    if mid == 0:  # the intermediate: never returns into the server's loop
+        try:
+            os.close(r)
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                _run_worker(job, fds, supervisor)
+            os.write(w, f"{pid}\n".encode())
+        finally:
+            os._exit(0)
     os.close(w)
     try:
         pid = int(_read_line(r, REPLY_WAIT_S))
