@@ -1,6 +1,7 @@
 """The fork server alone (runtime/forkserver.py), in a process of its own (it makes its caller a
 child subreaper): a forked worker runs its entry, is adopted by the caller, shows its name and
-hands its exit code to `Forked.wait`; a signal reaches it; a closed server refuses to spawn."""
+hands its exit code to `Forked.wait`; a signal reaches it; it shares the preloaded pages
+(procmem.cow_shared); a closed server refuses to spawn."""
 from __future__ import annotations
 
 import subprocess
@@ -36,6 +37,13 @@ ppid, name, preloaded = open(sys.argv[1] + "/out").read().split()
 assert int(ppid) == os.getpid() and name == "dfn-test" and preloaded == "True", (ppid, name, preloaded)
 q = fs.spawn("entrymod:Entry", sys.argv[1] + "/out-wait", "dfn-test")
 assert q.poll() is None
+import time
+from deltafin.runtime.procmem import cow_shared
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1] + "/out-wait") and time.monotonic() < deadline:
+    time.sleep(0.01)
+shared = cow_shared([os.getpid(), q.pid])  # numpy's pages, imported before the fork
+assert shared > 4 << 20 and cow_shared([os.getpid()]) < shared, shared
 q.send_signal(signal.SIGKILL)
 assert q.wait(timeout=30) == -signal.SIGKILL
 fs.close()

@@ -39,7 +39,7 @@ from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
 from deltafin.runtime.forkserver import ForkServer
-from deltafin.runtime.procmem import tree_memory, tree_total
+from deltafin.runtime.procmem import COW_RESERVE_SHARE, cow_shared, tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, ipc_path, is_abstract, needs_curve)
 from deltafin.runtime.ranks import RANK_LOST_EXIT, launch_rank, peer_note
@@ -150,8 +150,9 @@ class Supervisor:
         cc = self.config.compute
         for line in self.plan.explain(cc.max_context, cc.max_batch, cc.prefill_chunk, self.context_note):
             self.log(line)
+        cow = f" (+{format_size(self.cow_reserve)} kept for copy-on-write pages)" if self.cow_reserve else ""
         self.log(f"{self.plan.n_slots} expert slots in the resident tier; tree measured "
-                 f"{format_size(self.startup_tree_bytes)}")
+                 f"{format_size(self.startup_tree_bytes)}{cow}")
         if self.config.lossy.mode != "off":
             self.log(f"lossy mode {lossy.name(self.config.lossy)}: answers are NOT the exact model's")
         return self.client.endpoint
@@ -197,7 +198,11 @@ class Supervisor:
     def _size_pool(self) -> None:
         """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,
         then the resident tier at the bytes compute's dtype gives a resident expert."""
-        measured = self.startup_tree_bytes = tree_memory(list(self._pids().values()))
+        pids = list(self._pids().values())
+        measured = self.startup_tree_bytes = tree_memory(pids)
+        # pages the workers share with the fork server may still be copied: room for a share of them
+        self.cow_reserve = int(COW_RESERVE_SHARE * cow_shared(pids))
+        measured += self.cow_reserve
         self.plan.set_dtype(self.ready_info.get("compute", {}).get("dtype", ""))
         try:
             self.plan.size_pool(measured, cap=self.config.cache.max_slots)
