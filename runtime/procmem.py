@@ -67,9 +67,10 @@ def tree_memory(pids: list[int], shared_bytes: int = 0) -> int:
 
 
 # The share of copy-on-write pages the budget keeps room for: a worker forked from the fork server
-# shares its interpreter's pages until it writes them (refcounts); the first decode copied about a
-# sixth of them (8 x 32 qwen3_moe store: 62.6 -> 51.9 MiB still shared after 32 tokens).
-COW_RESERVE_SHARE = 0.5
+# shares its interpreter's pages until it writes them (refcounts). Measured on the 8 x 32 qwen3_moe
+# store: 63.2 MiB shared at start, 52.4 after a first decode of 32 tokens (18% copied), 51.8 after
+# three more of 64: the first requests copy what the workers' code paths touch, then it stops.
+COW_RESERVE_SHARE = 0.3
 
 
 def cow_shared(pids: list[int]) -> int:
