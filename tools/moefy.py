@@ -1,6 +1,6 @@
 """MoEfication of the demo model: SmolLM2-135M-Instruct's FFNs split into experts that differ.
 
-  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--out FILE]     (writes the MoE file)
+  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--shared 0] [--out FILE]  (writes the MoE file)
   python -m deltafin.tools.moefy --evaluate FILE [--trace OUT.npz] [--json OUT.json]
                                  [--runtime-store STORE]          (held-out perplexity, routing)
 
