@@ -333,6 +333,8 @@ def moefied(g: "GGUFModel", moe_path) -> dict:
         moe = load_moe(moe_path, base["num_hidden_layers"], base["hidden_size"], base["intermediate_size"])
     except MoefyError as e:
         raise DemoModelError(str(e)) from None
+    if "shared" in moe:
+        raise DemoModelError(f"{moe_path}: a MoE file with shared blocks has no store layout (Mixtral has no shared expert)")
     n_experts, per_expert = moe["experts"].shape[1:]
     top_k = int(moe["top_k"])
     if top_k >= 1 << 13:

@@ -1,6 +1,6 @@
 """MoEfication of the demo model: SmolLM2-135M-Instruct's FFNs split into experts that differ.
 
-  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--out FILE]     (writes the MoE file)
+  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--shared 0] [--out FILE]  (writes the MoE file)
   python -m deltafin.tools.moefy --evaluate FILE [--trace OUT.npz] [--json OUT.json]
                                  [--runtime-store STORE]          (held-out perplexity, routing)
 
@@ -273,15 +273,19 @@ def train_router(x: np.ndarray, target: np.ndarray, top_k: int, steps: int = 100
     return gate
 
 
-def moefy(dense: Dense, seqs: np.ndarray, n_experts: int, top_k: int, seed: int = 0, log=print) -> dict:
+def moefy(dense: Dense, seqs: np.ndarray, n_experts: int, top_k: int, seed: int = 0, log=print,
+          shared: int = 0) -> dict:
     """Per layer: the blocks of each expert [L, E, blocks/E] and the router [L, E, H] (float16,
-    scaled to LOGIT_STD), from the dense model's activations on seqs [B, S]."""
+    scaled to LOGIT_STD), from the dense model's activations on seqs [B, S]. With shared > 0 also
+    the `shared` blocks of largest mean output norm [L, shared], always on: the experts and the
+    router are made from the other blocks."""
     rng = np.random.default_rng(seed)
     inter = dense.cfg["intermediate_size"]
-    if inter % (BLOCK * n_experts):
-        raise MoefyError(f"{inter} neurons do not split into {n_experts} experts of whole {BLOCK}-neuron blocks")
+    if inter % BLOCK or not 0 <= shared < inter // BLOCK or (inter // BLOCK - shared) % n_experts:
+        raise MoefyError(f"{inter} neurons less {shared} shared blocks do not split into {n_experts} experts "
+                         f"of whole {BLOCK}-neuron blocks")
     x = dense.embed(seqs)
-    experts, gates = [], []
+    experts, gates, always = [], [], []
     for i in range(dense.n_layers):
         t0 = time.time()
         x = dense.attention(i, x)
@@ -291,8 +295,12 @@ def moefy(dense: Dense, seqs: np.ndarray, n_experts: int, top_k: int, seed: int 
         w_down = dense.w[f"model.layers.{i}.mlp.down_proj.weight"]
         blocks = np.arange(inter // BLOCK)[:, None]
         scores = output_norms(an, w_down, blocks)
+        on = np.sort(np.argsort(-scores.mean(0), kind="stable")[:shared])
+        routed = np.setdiff1d(np.arange(len(blocks)), on)
+        scores = scores[:, routed]
         assign = cluster_blocks(scores, n_experts, top_k, rng)
-        groups = np.stack([np.flatnonzero(assign == e) for e in range(n_experts)])
+        groups = np.stack([routed[assign == e] for e in range(n_experts)])
+        always.append(on)
         target = output_norms(an, w_down, groups)
         gate = train_router(hn, target, top_k)
         logits = hn @ gate.T
@@ -305,8 +313,11 @@ def moefy(dense: Dense, seqs: np.ndarray, n_experts: int, top_k: int, seed: int 
         log(f"layer {i}: captured (oracle top-{top_k}) {captured(scores, assign, n_experts, top_k):.3f}, "
             f"router recall {recall:.3f} ({time.time() - t0:.1f}s)")
         x = x + dense.down(i, a)
-    return {"experts": np.stack(experts).astype(np.int16), "gates": np.stack(gates),
-            "top_k": np.int64(top_k), "block": np.int64(BLOCK)}
+    moe = {"experts": np.stack(experts).astype(np.int16), "gates": np.stack(gates),
+           "top_k": np.int64(top_k), "block": np.int64(BLOCK)}
+    if shared:
+        moe["shared"] = np.stack(always).astype(np.int16)
+    return moe
 
 
 # ---------------------------------------------------------------- the shipped file
@@ -321,6 +332,8 @@ def load_moe(path=None, n_layers: int | None = None, hidden: int | None = None,
     try:
         with np.load(path, allow_pickle=False) as z:
             moe = {k: z[k] for k in ("experts", "gates", "top_k", "block")}
+            if "shared" in z.files:
+                moe["shared"] = z["shared"]
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
         raise MoefyError(f"{path}: not a MoE file from deltafin.tools.moefy: {e}") from None
     ex, gates = moe["experts"], moe["gates"]
@@ -329,8 +342,13 @@ def load_moe(path=None, n_layers: int | None = None, hidden: int | None = None,
         raise MoefyError(f"{path}: inconsistent shapes {ex.shape}, {gates.shape}")
     if n_layers is not None and (n_l, gates.shape[2]) != (n_layers, hidden):
         raise MoefyError(f"{path}: made for {n_l} layers of width {gates.shape[2]}, the model has {n_layers} of {hidden}")
-    if intermediate is not None and any(sorted(r.ravel()) != list(range(intermediate // BLOCK)) for r in ex):
-        raise MoefyError(f"{path}: the experts of a layer do not partition its {intermediate // BLOCK} blocks")
+    on = moe.get("shared", np.zeros((n_l, 0), np.int16))
+    if on.shape[0] != n_l:
+        raise MoefyError(f"{path}: shared blocks for {on.shape[0]} layers, experts for {n_l}")
+    if intermediate is not None and any(sorted([*r.ravel(), *s]) != list(range(intermediate // BLOCK))
+                                        for r, s in zip(ex, on)):
+        raise MoefyError(f"{path}: the experts (and shared blocks) of a layer do not partition its "
+                         f"{intermediate // BLOCK} blocks")
     return moe
 
 
@@ -343,15 +361,17 @@ def neuron_columns(blocks) -> np.ndarray:
 
 def moe_ffn(dense: Dense, i: int, h, moe: dict, ids_out: list):
     """Layer i's FFN as the demo MoE computes it: Mixtral routing (top-k logits, softmax over those
-    k), each chosen expert's output times k; the chosen ids [tokens, k] are appended to ids_out."""
+    k), each chosen expert's output times k, plus the shared blocks' output (weight 1) where the
+    file has them; the chosen ids [tokens, k] are appended to ids_out."""
     k, ex = int(moe["top_k"]), moe["experts"][i]
     logits = h.reshape(-1, h.shape[-1]) @ moe["gates"][i].astype(np.float32).T  # [T, E]
     inds = np.argsort(-logits, axis=1, kind="stable")[:, :k]
     top = np.take_along_axis(logits, inds, axis=1)
     wts = np.exp(top - top.max(1, keepdims=True))
-    per_expert = np.zeros_like(logits)
+    per_expert = np.zeros((len(logits), len(ex) + 1), logits.dtype)  # the last column: shared blocks
+    per_expert[:, -1] = 1
     np.put_along_axis(per_expert, inds, wts / wts.sum(1, keepdims=True) * k, axis=1)
-    owner = np.empty(ex.size * BLOCK, np.int64)
+    owner = np.full(dense.cfg["intermediate_size"], len(ex), np.int64)
     for e, blocks in enumerate(ex):
         owner[neuron_columns(blocks)] = e
     ids_out.append(inds)
@@ -430,6 +450,8 @@ def main(argv=None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=16, help="experts per layer")
     p.add_argument("--top-k", type=int, default=12, help="experts per token")
+    p.add_argument("--shared", type=int, default=0,
+                   help="blocks of each layer always on (a shared expert; numpy evaluation only, no store)")
     p.add_argument("--calib-seqs", type=int, default=24, help=f"calibration sequences of {SEQ} tokens")
     p.add_argument("--eval-seqs", type=int, default=16, help=f"held-out sequences of {SEQ} tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -446,7 +468,7 @@ def main(argv=None) -> int:
         return _evaluate(dense, tok, a, log)
     seqs = token_sequences(tok, stdlib_docstrings(False, a.calib_seqs * SEQ * 6), a.calib_seqs)
     log(f"calibration: {seqs.size} tokens")
-    moe = moefy(dense, seqs, a.experts, a.top_k, a.seed, log)
+    moe = moefy(dense, seqs, a.experts, a.top_k, a.seed, log, a.shared)
     out = Path(a.out or SHIPPED)
     np.savez_compressed(out, **moe)
     log(f"wrote {out} ({out.stat().st_size} bytes, sha256 {hashlib.sha256(out.read_bytes()).hexdigest()})")
@@ -462,7 +484,9 @@ def _evaluate(dense, tok, a, log) -> int:
     nll_m, ids = evaluate(dense, seqs, moe)
     n_e, k = moe["gates"].shape[1], int(moe["top_k"])
     lengths = [SEQ] * len(seqs)
-    res = {"experts": n_e, "top_k": k, "held_out_tokens": int(seqs.size),
+    n_on = moe["shared"].shape[1] if "shared" in moe else 0
+    res = {"experts": n_e, "top_k": k, "shared_blocks": n_on, "held_out_tokens": int(seqs.size),
+           "ffn_share": round((n_on + k * moe["experts"].shape[2]) * BLOCK / dense.cfg["intermediate_size"], 4),
            "ppl_dense": round(float(np.exp(nll_d.mean())), 3), "ppl_moe": round(float(np.exp(nll_m.mean())), 3),
            **routing_stats(ids, lengths, n_e)}
     res["ppl_ratio"] = round(res["ppl_moe"] / res["ppl_dense"], 4)
