@@ -163,9 +163,10 @@ def test_nothing_on_the_serving_path_needs_proc_or_cgroup(monkeypatch):
         return real_open(path, *a, **k)
     monkeypatch.setattr(builtins, "open", no_proc)
     assert engine.disk_read_bytes() is None
+    assert procmem.cow_shared([os.getpid()]) == 0  # the copy-on-write room: none where /proc is not
     users = {p.relative_to(ROOT).as_posix() for d in ("runtime", "workers", "protocol")
              for p in (ROOT / d).rglob("*.py") if re.search(r"/proc/|cgroup", p.read_text())}
-    assert users == {"runtime/diskprobe.py", "workers/engine.py"}, users
+    assert users == {"runtime/diskprobe.py", "runtime/procmem.py", "workers/engine.py"}, users
 
 
 def test_the_zero_copy_probe_falls_back(monkeypatch):

@@ -374,7 +374,8 @@ def test_greedy_tokens_identical_when_the_budget_holds_two_layers(tmp_path):
     assert mem["n_slots"] == len(store.records)
     (per_expert,) = mem["resident_bytes"].values()  # one record layout: one resident group
     two_layers = 2 * store.n_experts * per_expert
-    budget = mem["startup_tree_bytes"] + mem["reserves_bytes"] + mem["staging_bytes"] + two_layers
+    budget = (mem["startup_tree_bytes"] + mem["cow_reserve_bytes"] + mem["reserves_bytes"] + mem["staging_bytes"]
+              + two_layers)
     with running_supervisor(out, str(budget), ["--max-context", "2048"]) as (ep, _):  # the first run's context
         with Client(ep, timeout=120) as c:
             small = c.generate(prompt, max_tokens=10).token_ids

@@ -115,6 +115,7 @@ class Supervisor:
         self.processes: dict[str, dict] = {}
         self.peak_tree_bytes = 0
         self.startup_tree_bytes = 0
+        self.cow_reserve = 0  # room kept for pages the workers still share copy-on-write
         self.ready_info: dict[str, dict] = {}
         self.resolved: dict = {}  # each "auto" of the configuration as resolved at start
         atexit.register(self.shutdown)  # error paths and normal exit share one shutdown
@@ -495,7 +496,8 @@ class Supervisor:
                   "resident_bytes": self.plan.resident_bytes,
                   "staging_slots": self.plan.staging_slots, "slot_bytes": self.plan.slot_bytes,
                   "staging_bytes": self.plan.staging,
-                  "startup_tree_bytes": self.startup_tree_bytes, "reserves_bytes": self.plan.reserves,
+                  "startup_tree_bytes": self.startup_tree_bytes, "cow_reserve_bytes": self.cow_reserve,
+                  "reserves_bytes": self.plan.reserves,
                   "prompt_cache_bytes": self.plan.prompt_cache}
         model = {"store": str(self.store.path), "architecture": self.store.manifest["architecture"],
                  "moe_layers": self.store.moe_layers, "n_experts": self.store.n_experts,
