@@ -246,8 +246,6 @@ class Supervisor:
         """The tree's processes by name: the supervisor, the workers, their fork server, the HTTP
         frontend."""
         pids = {"supervisor": os.getpid(), **self.workers.pids()}
-        if self.forkserver is not None and not self.forkserver.closed:
-            pids["forkserver"] = self.forkserver.pid
         if self.frontend is not None and self.frontend.pid:
             pids["frontend"] = self.frontend.pid
         return pids

@@ -101,7 +101,11 @@ class Workers:
         return p is not None and p.returncode is None and p.poll() is None
 
     def pids(self) -> dict[str, int]:
-        return {r: p.pid for r, p in self.procs.items()}
+        """The workers' pids by role, and the fork server's while they are forked from it."""
+        pids = {r: p.pid for r, p in self.procs.items()}
+        if self.forkserver is not None:
+            pids["forkserver"] = self.forkserver.pid
+        return pids
 
     def stop(self, grace_s: float) -> None:
         """Waits up to grace_s for the workers to exit by themselves (after a polite message
