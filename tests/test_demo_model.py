@@ -191,13 +191,13 @@ def moe_store(gguf_path, tmp_path_factory):
 
 def test_shipped_moe_file():
     """The shipped assignment/routers: the checksum the loader checks, a partition of every
-    layer's 48 blocks, float16 routers, under 1 MB; a damaged copy is refused."""
+    layer's 48 blocks (shared and routed), float16 routers, under 1 MB; a damaged copy is refused."""
     import hashlib
     raw = moefy.SHIPPED.read_bytes()
     assert hashlib.sha256(raw).hexdigest() == moefy.SHIPPED_SHA256 and len(raw) < 1 << 20
     moe = moefy.load_moe(None, 30, 576, 1536)
     n_l, n_e, per = moe["experts"].shape
-    assert n_l == 30 and n_e * per == 48 and moe["gates"].shape == (30, n_e, 576)
+    assert n_l == 30 and n_e * per + moe["shared"].shape[1] == 48 and moe["gates"].shape == (30, n_e, 576)
     assert moe["gates"].dtype == np.float16 and np.isfinite(moe["gates"]).all()
     assert 1 <= int(moe["top_k"]) < n_e
 
@@ -216,11 +216,14 @@ def test_damaged_moe_file_is_refused(tmp_path):
 
 
 def test_moe_store_layout(moe_store):
+    """A Qwen2-MoE store: 16 routed one-block experts, top-4, and a shared expert of the other
+    32 blocks behind a sigmoid gate of zeros; Qwen2's q/k/v biases are zeros."""
     moe = moefy.load_moe()
-    n_e, k = moe["gates"].shape[1], int(moe["top_k"])
+    n_e, k, n_on = moe["gates"].shape[1], int(moe["top_k"]), moe["shared"].shape[1]
     c = moe_store.config
-    assert c["model_type"] == "mixtral" and c["num_local_experts"] == n_e and c["num_experts_per_tok"] == k
-    assert c["intermediate_size"] * n_e == 1536
+    assert c["model_type"] == "qwen2_moe" and c["num_experts"] == n_e and c["num_experts_per_tok"] == k
+    assert c["moe_intermediate_size"] * n_e + c["shared_expert_intermediate_size"] == 1536
+    assert c["shared_expert_intermediate_size"] == n_on * 32 and not c["norm_topk_prob"]
     assert c["head_dim"] == 64 and c["tie_word_embeddings"] and c["rope_theta"] == 100000.0
     assert c["rms_norm_eps"] == 1e-5 and moe_store.moe_layers == list(range(30))
     assert (moe_store.bits, moe_store.group_size) == (4, 32)
@@ -230,22 +233,38 @@ def test_moe_store_layout(moe_store):
     assert all(a[x].shape == b[x].shape for x in a) and not any(np.array_equal(a[x], b[x]) for x in a)
     assert a["down_proj.scales"].dtype == np.float32
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(moe_store.manifest["tokenizer"]["files"])
+    dense = {k: np.asarray(v) for k, v in moe_store.dense_weights().items()}
+    assert not dense["model.layers.3.mlp.shared_expert_gate.weight"].any()
+    assert not dense["model.layers.3.self_attn.k_proj.bias"].any()
 
 
 def test_moe_experts_are_exact_slices_of_the_gguf_ffn(moe_store, model_gguf):
     """Each expert's dequantized weights are the GGUF's own: rows of gate/up, columns of down
-    times top_k, for the 32-neuron blocks the shipped file gives it; the experts cover the FFN."""
+    times E (the store's softmax over all E experts), for the 32-neuron blocks the shipped file
+    gives it; the shared expert's the same with down times 2 (its gate: sigmoid(0)); together
+    they cover the FFN."""
     moe = moefy.load_moe()
-    k = int(moe["top_k"])
+    n_e = moe["gates"].shape[1]
+    cols_of = lambda blocks: np.concatenate([np.arange(b * 32, b * 32 + 32) for b in blocks])
+    deq_of = lambda rec, p: _mlx_dequant(4, rec[f"{p}.weight"], rec[f"{p}.scales"], rec[f"{p}.biases"])
+    dense_store = moe_store.dense_weights()
     for layer in (0, 29):
         dense = {p: model_gguf.float32(f"model.layers.{layer}.mlp.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
+        covered = []
         for e, blocks in enumerate(moe["experts"][layer]):
             rec = moe_store.read_expert(layer, e)
-            cols = np.concatenate([np.arange(b * 32, b * 32 + 32) for b in blocks])
-            deq = {p: _mlx_dequant(4, rec[f"{p}.weight"], rec[f"{p}.scales"], rec[f"{p}.biases"]) for p in dense}
+            cols = cols_of(blocks)
+            deq = {p: deq_of(rec, p) for p in dense}
             np.testing.assert_array_equal(deq["gate_proj"], dense["gate_proj"][cols])
             np.testing.assert_array_equal(deq["up_proj"], dense["up_proj"][cols])
-            np.testing.assert_array_equal(deq["down_proj"], dense["down_proj"][:, cols] * k)
+            np.testing.assert_array_equal(deq["down_proj"], dense["down_proj"][:, cols] * n_e)
+            covered += cols.tolist()
+        sh = {name.split("shared_expert.")[1]: np.asarray(a) for name, a in dense_store.items()
+              if name.startswith(f"model.layers.{layer}.mlp.shared_expert.")}
+        cols = cols_of(moe["shared"][layer])
+        np.testing.assert_array_equal(deq_of(sh, "gate_proj"), dense["gate_proj"][cols])
+        np.testing.assert_array_equal(deq_of(sh, "down_proj"), dense["down_proj"][:, cols] * 2)
+        assert sorted(covered + cols.tolist()) == list(range(1536))
 
 
 @pytest.fixture(scope="module")
@@ -277,13 +296,15 @@ def test_moe_logits_equal_mlx_lm(moe_generations):
 
 
 def test_moe_routing_is_skewed_but_spread(moe_generations):
-    """Trained routers: every layer uses every expert, and in most layers some expert serves
+    """Trained routers: every layer uses most of its experts, and in most layers some expert serves
     many more of the tokens than another (identical experts under a centred router did not)."""
     counts = moe_generations["counts"]
     k = moe_generations["top_k"]
     used = counts / (counts.sum(1, keepdims=True) / k)  # share of the tokens each expert served
     print("\nshare of tokens per expert, layer 15:", np.round(used[15], 2))
-    assert (counts > 0).all()
+    print("experts unused per layer:", (counts == 0).sum(1).tolist())
+    # top-4 of 16 on one short generation: a layer may leave an expert or two unused
+    assert (counts > 0).sum(1).min() >= counts.shape[1] // 2 and (counts > 0).mean() >= 0.9
     assert (used.max(1) - used.min(1) >= 0.25).mean() >= 0.5
 
 

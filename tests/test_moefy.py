@@ -21,6 +21,8 @@ def _moe(gates, top_k):
 
 
 def test_shared_blocks_always_contribute_unscaled():
+    """The shared blocks add their output with weight 1; routed experts weigh E x their softmax
+    over all E (the Qwen2-MoE store's scaling), so with equal logits all experts give the dense FFN."""
     rng = np.random.default_rng(0)
     dense = _dense(rng)
     h = rng.standard_normal((5, H)).astype(np.float32)
@@ -32,9 +34,12 @@ def test_shared_blocks_always_contribute_unscaled():
     gates[1, 0] = 1.0  # expert 1 (block 2) wins where h[:, 0] > 0, expert 0 (block 1) otherwise
     one = moefy.moe_ffn(dense, 0, h, _moe(gates, 1), ids)
     chosen = np.where(h[:, 0] > 0, 2, 1)
+    logits = h @ gates.T.astype(np.float32)
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    weight = 3 * p[np.arange(len(h)), chosen - 1]  # Qwen2-MoE: softmax over all 3, times E
     cols = np.arange(BLOCKS * moefy.BLOCK) // moefy.BLOCK
-    mask = (cols[None] == 0) | (cols[None] == chosen[:, None])
-    np.testing.assert_allclose(one, dense.down(0, a * mask), rtol=1e-5, atol=1e-5)
+    scale = (cols[None] == 0) + (cols[None] == chosen[:, None]) * weight[:, None]
+    np.testing.assert_allclose(one, dense.down(0, a * scale), rtol=1e-5, atol=1e-5)
     assert ids[1][:, 0].tolist() == (chosen - 1).tolist()
 
 

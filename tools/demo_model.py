@@ -126,6 +126,7 @@ _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 class GGUFModel:
@@ -169,7 +170,7 @@ class GGUFModel:
         m = self.meta
         hidden = int(m["llama.embedding_length"])
         vocab = int(m.get("llama.vocab_size") or len(m["tokenizer.ggml.tokens"]))
-        return {"architectures": ["MixtralForCausalLM" if model_type == "mixtral" else "LlamaForCausalLM"],
+        return {"architectures": [_ARCHITECTURES[model_type]],
                 "model_type": model_type, "vocab_size": vocab,
                 "hidden_size": hidden, "intermediate_size": int(m["llama.feed_forward_length"]),
                 "num_hidden_layers": int(m["llama.block_count"]), "num_attention_heads": self.n_head,
@@ -325,27 +326,41 @@ def upcycled(g: "GGUFModel", tok_dir: Path, n_experts: int, top_k: int, seed: in
 
 def moefied(g: "GGUFModel", moe_path) -> dict:
     """Experts that differ: the 32-neuron blocks and trained routers of a moefy file (default the
-    shipped configs/demo_moe.npz), each expert's down projection times top_k (Mixtral's top-k
-    softmax weights sum to 1, the dense FFN is the plain sum; moefy's routers keep them near 1/k)."""
+    shipped configs/demo_moe.npz). Without shared blocks a Mixtral store: each expert's down
+    projection times top_k (Mixtral's top-k softmax weights sum to 1, the dense FFN is the plain
+    sum; moefy's routers keep them near 1/k). With shared blocks a Qwen2-MoE store: those blocks
+    are each layer's shared expert behind a sigmoid gate of zero weights (0.5 exactly), so its
+    down projection is doubled; the routed experts' softmax runs over all E, so theirs is times E
+    (moefy.routed_weights computes the same)."""
     from deltafin.tools.moefy import SHIPPED, MoefyError, load_moe
     base = g.hf_config("llama")
     try:
         moe = load_moe(moe_path, base["num_hidden_layers"], base["hidden_size"], base["intermediate_size"])
     except MoefyError as e:
         raise DemoModelError(str(e)) from None
-    if "shared" in moe:
-        raise DemoModelError(f"{moe_path}: a MoE file with shared blocks has no store layout (Mixtral has no shared expert)")
     n_experts, per_expert = moe["experts"].shape[1:]
     top_k = int(moe["top_k"])
-    if top_k >= 1 << 13:
-        raise DemoModelError(f"top_k={top_k}: float16 scales times it would not stay exact in float32")
-    cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
-                      intermediate_size=per_expert * GROUP, output_router_logits=False, router_aux_loss_coef=0.0)
+    shared = moe.get("shared")
+    scale = top_k if shared is None else n_experts
+    if scale >= 1 << 13:
+        raise DemoModelError(f"scale {scale}: float16 scales times it would not stay exact in float32")
     moe_file = Path(moe_path or SHIPPED)
-    return {"config": cfg, "gates": [gate.astype(np.float32) for gate in moe["gates"]],
-            "experts": lambda layer, ffn: [expert_record(ffn, blocks, top_k) for blocks in moe["experts"][layer]],
-            "about": {"moefied": moe_file.name, "moe_sha256": hashlib.sha256(moe_file.read_bytes()).hexdigest()},
-            "says": f"{n_experts} experts of {per_expert * GROUP} neurons, top-{top_k}"}
+    kind = {"gates": [gate.astype(np.float32) for gate in moe["gates"]],
+            "experts": lambda layer, ffn: [expert_record(ffn, blocks, scale) for blocks in moe["experts"][layer]],
+            "about": {"moefied": moe_file.name, "moe_sha256": hashlib.sha256(moe_file.read_bytes()).hexdigest()}}
+    if shared is None:
+        cfg = g.hf_config("mixtral", num_local_experts=n_experts, num_experts_per_tok=top_k,
+                          intermediate_size=per_expert * GROUP, output_router_logits=False, router_aux_loss_coef=0.0)
+        return {**kind, "config": cfg, "says": f"{n_experts} experts of {per_expert * GROUP} neurons, top-{top_k}"}
+    n_on = shared.shape[1]
+    cfg = g.hf_config("qwen2_moe", num_experts=n_experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=per_expert * GROUP, shared_expert_intermediate_size=n_on * GROUP,
+                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                      output_router_logits=False, router_aux_loss_coef=0.0)
+    return {**kind, "config": cfg, "gate_name": "mlp.gate",
+            "shared": lambda layer, ffn: expert_record(ffn, shared[layer], 2),
+            "says": f"a shared expert of {n_on * GROUP} neurons + {n_experts} experts of "
+                    f"{per_expert * GROUP} neurons, top-{top_k}"}
 
 
 def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0, force: bool = False,
@@ -379,9 +394,22 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                     continue
                 for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
                     writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
+                if kind["config"]["model_type"] == "qwen2_moe" and name.endswith(("_proj",)) \
+                        and ".self_attn." in name and not name.endswith("o_proj"):
+                    # Qwen2's q/k/v projections carry a bias (mlx-lm's reads one): zeros, exact
+                    zero = np.zeros(q[1].shape[0], np.float32)
+                    writer.add_dense(f"{name}.bias", "float32", zero.shape, zero)
             for layer, gate in enumerate(kind["gates"]):
-                writer.add_dense(f"model.layers.{layer}.block_sparse_moe.gate.weight", "float32", gate.shape, gate)
-                for e, record in enumerate(kind["experts"](layer, ffn_of(g, layer))):
+                prefix = f"model.layers.{layer}.{kind.get('gate_name', 'block_sparse_moe.gate')}"
+                writer.add_dense(f"{prefix}.weight", "float32", gate.shape, gate)
+                ffn = ffn_of(g, layer)
+                if "shared" in kind:  # the shared expert (Q4_1 slices, dense) and its gate of zeros
+                    mlp = f"model.layers.{layer}.mlp"
+                    for name, a in kind["shared"](layer, ffn).items():
+                        writer.add_dense(f"{mlp}.shared_expert.{name}", a.dtype.name, a.shape, a)
+                    zero = np.zeros((1, gate.shape[1]), np.float32)
+                    writer.add_dense(f"{mlp}.shared_expert_gate.weight", "float32", zero.shape, zero)
+                for e, record in enumerate(kind["experts"](layer, ffn)):
                     writer.add_expert(layer, e, record)
             for f in tok_files:
                 writer.add_tokenizer_file(f)

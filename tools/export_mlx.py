@@ -28,6 +28,9 @@ from deltafin.runtime.store import Store, StoreError
 from deltafin.runtime.tensorfile import NAME_TO_ST, TensorFileError, TensorRef, read_header
 
 SHARD_BYTES = 5 << 30      # mlx-lm's own shard limit (MAX_FILE_SIZE_GB)
+# mlx-lm families whose model always has an lm_head of its own, whatever tie_word_embeddings says:
+# a store with a tied head (the MoEfied demo) gets the embedding's bytes written there too.
+OWN_HEAD = ("qwen2_moe",)
 COPY_CHUNK = 16 << 20      # dense tensors are copied in pieces of this size
 
 
@@ -63,6 +66,8 @@ def quantization_config(store: Store) -> dict:
          "bits": int(dq.get("bits", store.bits)), "mode": dq.get("mode", store.mode)}
     q.update({k: v for k, v in dq.items() if k not in ("group_size", "bits", "mode")})
     info = archinfo.arch_for(store.config)
+    if _head_from_embedding(store) and "model.embed_tokens" in q:
+        q["lm_head"] = q["model.embed_tokens"]
     for layer in store.moe_layers:
         for proj in archinfo.PROJS:
             pq = store.layout(layer)["quant"][proj]
@@ -79,6 +84,11 @@ def _layer_key(name: str) -> tuple:
     return (0 if layer < 0 and "embed" in name else 2 if layer < 0 else 1, layer, name)
 
 
+def _head_from_embedding(store: Store) -> bool:
+    return archinfo.arch_for(store.config).model_type in OWN_HEAD and \
+        (store.config.get("tie_word_embeddings") or False)
+
+
 def plan(store: Store) -> list[OutTensor]:
     """Every output tensor with its shape, checked before anything is written."""
     info = archinfo.arch_for(store.config)
@@ -89,6 +99,9 @@ def plan(store: Store) -> list[OutTensor]:
         except (OSError, TensorFileError) as e:
             raise ExportError(f"dense weights: {e}") from None
         out += [OutTensor(n, r.dtype, tuple(r.shape), r.nbytes, dense=r) for n, r in refs.items()]
+    if _head_from_embedding(store) and not any(t.name.startswith("lm_head.") for t in out):
+        out += [OutTensor("lm_head" + t.name[len("model.embed_tokens"):], t.dtype, t.shape, t.nbytes, dense=t.dense)
+                for t in list(out) if t.name.startswith("model.embed_tokens.")]
     if info.model_type == "qwen3_next" and any(t.name.endswith("conv1d.weight") and t.shape[-1] != 1 for t in out):
         raise ExportError("this qwen3_next store holds a Hugging Face checkpoint's linear layers (conv1d "
                           "[channels, 1, kernel], zero-centred norms), which mlx-lm converts only beside "

@@ -1,6 +1,6 @@
 """MoEfication of the demo model: SmolLM2-135M-Instruct's FFNs split into experts that differ.
 
-  python -m deltafin.tools.moefy [--experts 16] [--top-k 12] [--shared 0] [--out FILE]  (writes the MoE file)
+  python -m deltafin.tools.moefy [--experts 16] [--top-k 4] [--shared 32] [--out FILE]  (writes the MoE file)
   python -m deltafin.tools.moefy --evaluate FILE [--trace OUT.npz] [--json OUT.json]
                                  [--runtime-store STORE]          (held-out perplexity, routing)
 
@@ -51,7 +51,7 @@ SEQ = 256  # tokens per calibration / held-out sequence
 RUNTIME_SEQS = 2  # held-out sequences --runtime-store sends through the runtime
 LOGIT_STD = 0.05  # the shipped router's logit spread: Mixtral's top-k softmax weights stay near 1/k
 SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "demo_moe.npz"
-SHIPPED_SHA256 = "b0c65c8bcb2e7cca9f3ee2669cd2236100ce2b9a3d1e79878bbd5706737c755b"  # of the shipped file; moefy prints it when it writes one
+SHIPPED_SHA256 = "85ff9b86df11cc93685e0ce2592e6c99d6485122f784e821bb739063a1882b49"  # of the shipped file; moefy prints it when it writes one
 SKIP_MODULES = ("antigravity", "this", "idlelib", "test", "tkinter", "turtle", "lib2to3", "ensurepip",
                 "pydoc_data", "venv", "__main__", "__phello__", "_pyrepl")
 
@@ -359,18 +359,32 @@ def neuron_columns(blocks) -> np.ndarray:
 
 # ---------------------------------------------------------------- evaluation
 
-def moe_ffn(dense: Dense, i: int, h, moe: dict, ids_out: list):
-    """Layer i's FFN as the demo MoE computes it: Mixtral routing (top-k logits, softmax over those
-    k), each chosen expert's output times k, plus the shared blocks' output (weight 1) where the
-    file has them; the chosen ids [tokens, k] are appended to ids_out."""
-    k, ex = int(moe["top_k"]), moe["experts"][i]
-    logits = h.reshape(-1, h.shape[-1]) @ moe["gates"][i].astype(np.float32).T  # [T, E]
+def routed_weights(logits: np.ndarray, k: int, shared: bool):
+    """The chosen experts [T, k] and their weights as the demo store computes them. Without shared
+    blocks (a Mixtral store): the top-k logits, a softmax over those k, times k. With them (a
+    Qwen2-MoE store): a softmax over all E experts, the k best kept unnormalised, times E (the
+    store multiplies each routed expert's down projection by E, so with the router's small logit
+    spread a chosen expert's weight stays near 1, as the dense FFN's plain sum has it)."""
     inds = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    if shared:
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        return inds, np.take_along_axis(p, inds, axis=1) * logits.shape[1]
     top = np.take_along_axis(logits, inds, axis=1)
     wts = np.exp(top - top.max(1, keepdims=True))
+    return inds, wts / wts.sum(1, keepdims=True) * k
+
+
+def moe_ffn(dense: Dense, i: int, h, moe: dict, ids_out: list):
+    """Layer i's FFN as the demo MoE computes it (`routed_weights`), plus the shared blocks'
+    output (weight 1: the store's shared expert is scaled by 2 behind a sigmoid gate of 0) where
+    the file has them; the chosen ids [tokens, k] are appended to ids_out."""
+    k, ex = int(moe["top_k"]), moe["experts"][i]
+    logits = h.reshape(-1, h.shape[-1]) @ moe["gates"][i].astype(np.float32).T  # [T, E]
+    inds, wts = routed_weights(logits, k, "shared" in moe)
     per_expert = np.zeros((len(logits), len(ex) + 1), logits.dtype)  # the last column: shared blocks
     per_expert[:, -1] = 1
-    np.put_along_axis(per_expert, inds, wts / wts.sum(1, keepdims=True) * k, axis=1)
+    np.put_along_axis(per_expert, inds, wts, axis=1)
     owner = np.full(dense.cfg["intermediate_size"], len(ex), np.int64)
     for e, blocks in enumerate(ex):
         owner[neuron_columns(blocks)] = e
@@ -449,9 +463,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(formatter_class=Help, prog="python -m deltafin.tools.moefy",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=16, help="experts per layer")
-    p.add_argument("--top-k", type=int, default=12, help="experts per token")
-    p.add_argument("--shared", type=int, default=0,
-                   help="blocks of each layer always on (a shared expert; numpy evaluation only, no store)")
+    p.add_argument("--top-k", type=int, default=4, help="experts per token")
+    p.add_argument("--shared", type=int, default=32,
+                   help="blocks of each layer always on: a shared expert (0: none, a Mixtral store)")
     p.add_argument("--calib-seqs", type=int, default=24, help=f"calibration sequences of {SEQ} tokens")
     p.add_argument("--eval-seqs", type=int, default=16, help=f"held-out sequences of {SEQ} tokens")
     p.add_argument("--seed", type=int, default=0)
