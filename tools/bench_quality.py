@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     q.add_argument("--quality-text", help="UTF-8 text file (default: deltafin-eval's, configs/heldout.txt)")
     q.add_argument("--quality-tokens", type=int, default=128, help="the text's first N tokens are evaluated")
     q.add_argument("--quality-window", type=int, default=32, help="tokens per logits request (a "
-                   "window's logits must fit the runtime's reply limit: the demo at 310 MiB takes 39)")
+                   "window's logits must fit the runtime's reply limit: the MoEfied demo at 400 MiB takes at most 50)")
     q.add_argument("--plot", metavar="OUT.svg", help="with --quality: decode tok/s against perplexity, an SVG")
 
 

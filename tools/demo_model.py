@@ -6,7 +6,8 @@ Mixtral experts, so with renormalised top-k weights the MoE computes the dense m
 the router (random, centred on real hidden states) spreads tokens over all experts. Q4_1 blocks are
 MLX affine 4-bit group-32 blocks with another byte order, so weights are repacked, never requantized.
 MoEfied (--moe, docs/DEMO-MOE.md): each FFN split into experts that differ, slices of the real
-weights on group boundaries with routers trained by tools/moefy.py.
+weights on group boundaries with routers trained by tools/moefy.py (with shared blocks, as the
+shipped file has, a Qwen2-MoE store with a shared expert).
 """
 from __future__ import annotations
 
@@ -453,7 +454,7 @@ def add_demo_subcommand(subparsers):
     d.add_argument("--top-k", type=int, default=2, help="experts each token uses per layer")
     d.add_argument("--seed", type=int, default=0, help="router seed")
     d.add_argument("--moe", action="store_true", help="MoEfied instead: the FFNs split into experts that differ "
-                   "(the shipped configs/demo_moe.npz: 16 experts, top-12; docs/DEMO-MOE.md)")
+                   "(the shipped configs/demo_moe.npz: a shared expert + top-4 of 16, a Qwen2-MoE store; docs/DEMO-MOE.md)")
     d.add_argument("--moe-file", metavar="NPZ", help="with --moe: another expert assignment and routers from "
                    "python -m deltafin.tools.moefy")
     d.add_argument("--force", action="store_true", help="replace OUT if it exists")
