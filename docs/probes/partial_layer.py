@@ -1,0 +1,92 @@
+"""Where a partially resident layer's time goes, in one process (no IPC): the runtime's Compute with
+the router and loader wired in-process (tools/inprocess.py), greedy decode, alternating variants.
+
+  python docs/probes/partial_layer.py STORE SLOTS [TOKENS] [ROUNDS] [VARIANTS]
+
+Variants (comma-separated, default all): `resident` every expert resident (no read-back); `sync`
+every expert resident but each MoE layer's routing read back (force_sync: the cost of the syncs
+alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same without prefetch
+(no gate lookahead, hints or leases). Each variant runs once per round, in turn, after one warm-up
+generation; prints ms per decode token per round and the median, the tokens' agreement with the
+first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run.
+"""
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+from deltafin.protocol import messages as M
+from deltafin.runtime.config import load_config
+from deltafin.runtime.store import Store
+from deltafin.tools.inprocess import local_router
+from deltafin.workers.engine import Compute
+
+PROMPT = [1, 504, 3458, 314, 260, 6123, 4876, 47, 198]
+
+
+def make(store: Store, slots: int, prefetch: str, force_sync: bool) -> Compute:
+    c = load_config(None)
+    c = dataclasses.replace(c, cache=dataclasses.replace(c.cache, max_slots=slots, prefetch=prefetch))
+    src, staging, _ = local_router(store, c)
+    comp = Compute(store, c, src, staging, store.max_record_bytes)
+    if slots >= len(store.records) and c.cache.preload:
+        comp.preload()
+    comp.experts.force_sync = force_sync
+    return comp
+
+
+def generate(comp: Compute, n: int, prompt=PROMPT):
+    t0 = time.perf_counter()
+    done = comp.generate(M.Generate(id=1, token_ids=list(prompt), max_tokens=n, stream=False))
+    return done, time.perf_counter() - t0
+
+
+def main() -> None:
+    store = Store(sys.argv[1])
+    slots = int(sys.argv[2])
+    n = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    names = (sys.argv[5] if len(sys.argv) > 5 else "resident,sync,partial,partial-nopf").split(",")
+    all_slots = len(store.records)
+    specs = {"resident": (all_slots, "auto", False), "sync": (all_slots, "auto", True),
+             "partial": (slots, "auto", False), "partial-nopf": (slots, "off", False)}
+    comps = {name: make(store, *specs[name]) for name in names}
+    for comp in comps.values():
+        generate(comp, 4)  # warm-up: kernels, buffers
+    ms = {name: [] for name in names}
+    tokens, prof = {}, None
+    for r in range(rounds):
+        for name, comp in comps.items():
+            profiled = os.environ.get("PROFILE") == name and r == rounds - 1
+            if profiled:
+                prof = cProfile.Profile()
+                prof.enable()
+            done, _ = generate(comp, n)
+            if profiled:
+                prof.disable()
+            st = done.stats
+            per = 1e3 / st["decode_tok_s"] if st.get("decode_tok_s") else float("nan")
+            ms[name].append(per)
+            tokens.setdefault(name, done.token_ids)
+            if done.token_ids != tokens[name]:
+                print(f"  {name}: round {r} tokens differ from its first round")
+            print(f"round {r} {name:13s} {per:7.2f} ms/token  split {dict((k, round(v, 4)) for k, v in st.items() if k.endswith('_s') and isinstance(v, float))}", flush=True)
+    first = tokens[names[0]]
+    for name in names:
+        same = next((i for i, (a, b) in enumerate(zip(first, tokens[name])) if a != b), None)
+        print(f"{name:13s} median {statistics.median(ms[name]):7.2f} ms/token  "
+              f"tokens {'= ' + names[0] if same is None else f'leave {names[0]} at {same}'}")
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
