@@ -134,6 +134,7 @@ class BenchConfig:
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
+    defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
 
 
 @dataclass

@@ -139,6 +139,25 @@ def test_demand_reads_go_before_prefetch_reads():
     assert all(m.slot not in router.prefetching for _, m in out)
 
 
+def test_the_process_sends_an_answer_before_planning_the_prefetch_after_it():
+    """defer_prefetch (the router process): the need's answer comes back without the prefetch
+    reads it starts, `deferred` then plans exactly those (in-process they come together), and a
+    message after which nothing is due defers nothing."""
+    outs = []
+    for defer in (False, True):
+        router = Router(8, "predictive", n_staging=6, moe_layers=[0, 1], n_experts=8, prefetch=ALWAYS)
+        router.defer_prefetch = defer
+        out = router.need(1, 0, [0, 1])
+        assert router.deferred() == []
+        router.loaded(_loaded(out[0][1]))
+        last = router.loaded(_loaded(out[1][1]))
+        outs.append((last, router.deferred()))
+    (together, none), (answer, later) = outs
+    assert none == [] and [type(m) for _, m in answer] == [M.Fill, M.Slots]
+    same = lambda out: [replace(m, wait_us=0) if isinstance(m, M.Slots) else m for _, m in out]  # timing aside
+    assert same(answer + later) == same(together) and [type(m) for _, m in later] == [M.Read] * 3
+
+
 @pytest.mark.parametrize("gap_s, issued", [(None, 3), (1.0, 3), (0.0045, 1)])
 def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
     """The router's bandwidth gate measures its reads and needs; here its figures are set: 5 ms

@@ -21,6 +21,7 @@ DELTAFIN_MODES = {
     "deltafin-early-fills": [],  # the default with landed read-ahead fills taken before a layer asks
     "deltafin-no-early-fills": [],  # ... and without
     "deltafin-no-eager-layers": [],  # the default with no layer launched before the pass's next read-back
+    "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -32,6 +33,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-early-fills": {"bench": {"early_fills": True}},
     "deltafin-no-early-fills": {"bench": {"early_fills": False}},
     "deltafin-no-eager-layers": {"bench": {"eager_layers": False}},
+    "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -120,6 +120,10 @@ class Router:
         self.staging_use: dict[int, tuple] = {}   # staging slot -> (group, slot, generation, layer, expert)
         self.queued: deque = deque()              # demand reads waiting for a staging slot
         self.queued_ahead: deque = deque()        # lease reads waiting (behind every demand read)
+        # The router process sends an answer before it plans the prefetch that follows it
+        # (`deferred`); called in-process, the plan's reads come back with the answer.
+        self.defer_prefetch = False
+        self._prefetch_due = False
         self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
         # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
         self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
@@ -217,7 +221,7 @@ class Router:
                         "hits": hits, "t0": time.perf_counter(), "demand": not prefetch}
         if not waiting:
             out.append(("compute", self._reply()))
-            out += self._prefetch()
+            out += self._prefetch_after_reply()
         return out
 
     def filled(self, msg: M.Filled) -> list[tuple[str, object]]:
@@ -348,7 +352,7 @@ class Router:
                 out.append(("compute", self._reply()))
                 while self.queued_ahead and (more := self._next_queued()):  # leases' reads now
                     out += more
-                out += self._prefetch()  # the need's own reads are in: now the next layer's
+                out += self._prefetch_after_reply()  # the need's own reads are in: now the next layer's
         return out
 
     def load_failed(self, msg: M.LoadFailed) -> list[tuple[str, object]]:
@@ -407,6 +411,22 @@ class Router:
             return False
         tables = self.tables.values()
         return self.lease_gate.pays(sum(t.lease_used for t in tables), sum(t.lease_wasted for t in tables))
+
+    def _prefetch_after_reply(self) -> list[tuple[str, object]]:
+        """The prefetch a need's answer starts: planned now, or, with defer_prefetch, once the
+        answer has gone out (`deferred`), so that compute does not wait for the planning."""
+        if self.defer_prefetch:
+            self._prefetch_due = True
+            return []
+        return self._prefetch()
+
+    def deferred(self) -> list[tuple[str, object]]:
+        """The prefetch put off by the last message's answer (defer_prefetch), planned now; the
+        process calls it right after sending that answer, before the next message."""
+        if not self._prefetch_due:
+            return []
+        self._prefetch_due = False
+        return self._prefetch()
 
     def prefetch_ahead(self) -> list[tuple[str, object]]:
         """compute completed a layer from fills it took early, without a need (`used` with

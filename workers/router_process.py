@@ -61,6 +61,7 @@ class RouterProcess(WorkerProcess):
     def on_pool(self, msg: M.AttachPool):
         from deltafin.runtime.store import Store
         self.router = router_for(Store(self.run["store"]), self.config.cache, msg.resident, msg.n_slots)
+        self.router.defer_prefetch = self.config.bench.defer_prefetch
 
     def on_socket(self, sock):
         sender, msg = recv(self.data, routed=True)
@@ -75,6 +76,9 @@ class RouterProcess(WorkerProcess):
             out = [("compute", M.Error(id=getattr(msg, "req", None), code=e.code, message=str(e)))]
         for to, m in out:
             send(self.data, m, to=to.encode())
+        if self.router is not None:  # the prefetch planned after an answer, once it is sent
+            for to, m in self.router.deferred():
+                send(self.data, m, to=to.encode())
 
     def on_hello(self, sender: bytes, msg: M.PeerHello) -> list:
         send(self.data, M.PeerHello(role="router"), to=sender)
