@@ -267,6 +267,27 @@ def test_moe_experts_are_exact_slices_of_the_gguf_ffn(moe_store, model_gguf):
         assert sorted(covered + cols.tolist()) == list(range(1536))
 
 
+def test_a_moe_file_without_shared_blocks_gives_a_mixtral_store(gguf_path, model_gguf, tmp_path):
+    """A moefy file without shared blocks (`--shared 0`, as shipped until 2026-12-04) still builds:
+    a Mixtral store whose experts' down projections are times top_k (its top-k softmax sums to 1)."""
+    moe = {k: v for k, v in dict(np.load(moefy.SHIPPED, allow_pickle=False)).items() if k != "shared"}
+    shipped = moefy.load_moe()
+    moe["experts"] = np.concatenate([shipped["experts"].reshape(30, -1), shipped["shared"]], 1).reshape(30, 16, 3)
+    moe["top_k"] = np.int64(12)
+    path = tmp_path / "mixtral_moe.npz"
+    np.savez(path, **moe)
+    store = Store(dm.build_demo_store(tmp_path / "store", gguf_path=gguf_path, moe_path=path))
+    c = store.config
+    assert c["model_type"] == "mixtral" and c["num_local_experts"] == 16 and c["intermediate_size"] == 96
+    dense = {p: model_gguf.float32(f"model.layers.0.mlp.{p}") for p in ("gate_proj", "down_proj")}
+    rec = store.read_expert(0, 5)
+    cols = np.concatenate([np.arange(b * 32, b * 32 + 32) for b in moe["experts"][0, 5]])
+    np.testing.assert_array_equal(_mlx_dequant(4, rec["down_proj.weight"], rec["down_proj.scales"],
+                                               rec["down_proj.biases"]), dense["down_proj"][:, cols] * 12)
+    np.testing.assert_array_equal(_mlx_dequant(4, rec["gate_proj.weight"], rec["gate_proj.scales"],
+                                               rec["gate_proj.biases"]), dense["gate_proj"][cols])
+
+
 @pytest.fixture(scope="module")
 def moe_generations(moe_store, tmp_path_factory):
     """The store's model (deltafin, experts resident) and mlx-lm's Mixtral on an export of the

@@ -395,8 +395,7 @@ def build_demo_store(out_dir, n_experts: int = 8, top_k: int = 2, seed: int = 0,
                     continue
                 for suffix, a in zip(("weight", "scales", "biases"), q[1:]):
                     writer.add_dense(f"{name}.{suffix}", a.dtype.name, a.shape, a)
-                if kind["config"]["model_type"] == "qwen2_moe" and name.endswith(("_proj",)) \
-                        and ".self_attn." in name and not name.endswith("o_proj"):
+                if kind["config"]["model_type"] == "qwen2_moe" and name.endswith(("attn.q_proj", "attn.k_proj", "attn.v_proj")):
                     # Qwen2's q/k/v projections carry a bias (mlx-lm's reads one): zeros, exact
                     zero = np.zeros(q[1].shape[0], np.float32)
                     writer.add_dense(f"{name}.bias", "float32", zero.shape, zero)
