@@ -86,7 +86,7 @@ def _layer_key(name: str) -> tuple:
 
 def _head_from_embedding(store: Store) -> bool:
     return archinfo.arch_for(store.config).model_type in OWN_HEAD and \
-        (store.config.get("tie_word_embeddings") or False)
+        bool(store.config.get("tie_word_embeddings"))
 
 
 def plan(store: Store) -> list[OutTensor]:

@@ -376,19 +376,24 @@ def routed_weights(logits: np.ndarray, k: int, shared: bool):
 
 
 def moe_ffn(dense: Dense, i: int, h, moe: dict, ids_out: list):
-    """Layer i's FFN as the demo MoE computes it (`routed_weights`), plus the shared blocks'
-    output (weight 1: the store's shared expert is scaled by 2 behind a sigmoid gate of 0) where
-    the file has them; the chosen ids [tokens, k] are appended to ids_out."""
-    k, ex = int(moe["top_k"]), moe["experts"][i]
+    """Layer i's FFN as the demo MoE computes it (`routed_weights`, `weighted_ffn`); the chosen
+    ids [tokens, k] are appended to ids_out."""
     logits = h.reshape(-1, h.shape[-1]) @ moe["gates"][i].astype(np.float32).T  # [T, E]
-    inds, wts = routed_weights(logits, k, "shared" in moe)
-    per_expert = np.zeros((len(logits), len(ex) + 1), logits.dtype)  # the last column: shared blocks
+    inds, wts = routed_weights(logits, int(moe["top_k"]), "shared" in moe)
+    ids_out.append(inds)
+    return weighted_ffn(dense, i, h, moe["experts"][i], inds, wts)
+
+
+def weighted_ffn(dense: Dense, i: int, h, experts: np.ndarray, inds: np.ndarray, wts: np.ndarray):
+    """Layer i's FFN with each token's chosen experts inds [T, k] weighted by wts [T, k], plus the
+    blocks of no expert (the shared ones: weight 1, the store's shared expert scaled by 2 behind
+    a sigmoid gate of 0) where the file has them."""
+    per_expert = np.zeros((len(inds), len(experts) + 1), np.float32)  # the last column: shared blocks
     per_expert[:, -1] = 1
     np.put_along_axis(per_expert, inds, wts, axis=1)
-    owner = np.full(dense.cfg["intermediate_size"], len(ex), np.int64)
-    for e, blocks in enumerate(ex):
+    owner = np.full(dense.cfg["intermediate_size"], len(experts), np.int64)
+    for e, blocks in enumerate(experts):
         owner[neuron_columns(blocks)] = e
-    ids_out.append(inds)
     return dense.down(i, dense.neurons(i, h) * per_expert[:, owner].reshape(*h.shape[:-1], -1))
 
 

@@ -60,7 +60,7 @@ def layer_choice(kind, margin, share, inds, wts, logits, slots, seq_len):
 
 
 def run(dense, moe, seqs, kind, margin, share, slots):
-    n_e, k = moe["gates"].shape[1], int(moe["top_k"])
+    k = int(moe["top_k"])
     x, misses = dense.embed(seqs), 0
     for i in range(dense.n_layers):
         x = dense.attention(i, x)
@@ -69,13 +69,7 @@ def run(dense, moe, seqs, kind, margin, share, slots):
         inds, wts = moefy.routed_weights(logits, k, "shared" in moe)
         inds, wts, m = layer_choice(kind, margin, share, inds, wts, logits, slots, seqs.shape[1])
         misses += m
-        per = np.zeros((len(logits), n_e + 1), np.float32)
-        per[:, -1] = 1  # the shared blocks
-        np.put_along_axis(per, inds, wts, axis=1)
-        owner = np.full(dense.cfg["intermediate_size"], n_e, np.int64)
-        for e, blocks in enumerate(moe["experts"][i]):
-            owner[moefy.neuron_columns(blocks)] = e
-        x = x + dense.down(i, dense.neurons(i, h) * per[:, owner].reshape(*h.shape[:-1], -1))
+        x = x + moefy.weighted_ffn(dense, i, h, moe["experts"][i], inds, wts)
     return float(np.exp(dense.nll(x, seqs).mean())), misses / seqs.size
 
 
