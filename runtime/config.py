@@ -133,6 +133,7 @@ class BenchConfig:
     leases: bool = True
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
 
@@ -221,7 +222,8 @@ class Config:
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
         for name, value in (("cache.whole_layers", self.cache.whole_layers),
                             ("bench.early_fills", self.bench.early_fills),
-                            ("bench.eager_layers", self.bench.eager_layers)):
+                            ("bench.eager_layers", self.bench.eager_layers),
+                            ("bench.run_ahead", self.bench.run_ahead)):
             if value not in (True, False, "auto"):
                 raise ConfigError(f"{name} {value!r}: use true, false or \"auto\"")
         if self.bench.pipeline not in ("overlapped", "sync"):

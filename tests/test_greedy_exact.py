@@ -84,11 +84,16 @@ def _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, arch: str, runs: list, 
 
 def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stores, tmp_path):
     """bfloat16: 25%, 50% and 100% of the experts resident, prefetch and leases on and off, and 25%
-    twice: every run's greedy tokens equal mlx-lm's and each other's, whatever lands when. On a GPU
+    twice, running ahead on and off: every run's greedy tokens equal mlx-lm's and each other's,
+    whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
     (workers/pipeline.py: one call per layer there); on the CPU it runs the pieces path."""
     runs = [(1.0, {}), (0.5, {}), (0.25, {}), (0.25, {}), (0.25, {"cache": {"prefetch": False}}),
-            (0.25, {"bench": {"leases": False}}), (0.5, {"cache": {"prefetch": False}})]
+            (0.25, {"bench": {"leases": False}}), (0.5, {"cache": {"prefetch": False}}),
+            # partial layers run ahead and computed again where they chose a missing expert (on by
+            # default on a GPU, so there also off)
+            (0.25, {"bench": {"run_ahead": True}}), (0.5, {"bench": {"run_ahead": True}}),
+            (0.25, {"bench": {"run_ahead": False}})]
     _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, "qwen3_moe", runs)
 
 

@@ -60,13 +60,18 @@ def init_std(name: str, shape, in_first: bool = False) -> float:
     return INIT_STD  # linear biases (transformers: zeros) so a dropped bias shows in the outputs
 
 
-def init_tensor(name: str, shape, seed: int, in_first: bool = False) -> np.ndarray:
-    """float32 values for one tensor; RMSNorm weights are 1. in_first: see init_std."""
+def init_tensor(name: str, shape, seed: int, in_first: bool = False, hf_std: float | None = None) -> np.ndarray:
+    """float32 values for one tensor; RMSNorm weights are 1. in_first: see init_std. hf_std: as
+    transformers initializes a model it builds (`initializer_range`): every weight normal with
+    this std, biases 0, instead of init_std's unit scale."""
     if _is_norm(name):
         return np.ones(shape, np.float32)
+    if hf_std is not None and name.endswith("bias"):
+        return np.zeros(shape, np.float32)
     # per-tensor stream: the values do not depend on the writing order or the sharding
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return rng.normal(0.0, init_std(name, shape, in_first), size=shape).astype(np.float32)
+    std = init_std(name, shape, in_first) if hf_std is None else hf_std
+    return rng.normal(0.0, std, size=shape).astype(np.float32)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -147,8 +152,10 @@ def _tensor_dtype(name: str, dtype: str) -> str:
     return "float32" if name.endswith(("e_score_correction_bias", "A_log", "dt_bias")) else dtype
 
 
-def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1) -> Path:
-    """config.json + model.safetensors (or N shards with an index) + tokenizer files."""
+def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int = 1, init: str = "unit") -> Path:
+    """config.json + model.safetensors (or N shards with an index) + tokenizer files. init: "unit"
+    (init_std) or "hf" (transformers' initializer_range, as a checkpoint it makes)."""
+    hf_std = config.get("initializer_range", 0.02) if init == "hf" else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
@@ -169,7 +176,7 @@ def write_checkpoint(out: Path, config: dict, dtype: str, seed: int, shards: int
         tensors = {}
         for n in group:
             dt = _tensor_dtype(n, dtype)
-            tensors[n] = (dt, _cast(init_tensor(n, shapes[n], seed, config.get("model_type") == "gpt_oss"), dt))
+            tensors[n] = (dt, _cast(init_tensor(n, shapes[n], seed, config.get("model_type") == "gpt_oss", hf_std), dt))
         write_safetensors(out / fname, tensors)
         weight_map.update({n: fname for n in group})
     if len(groups) > 1:
@@ -241,9 +248,10 @@ def with_overrides(config: dict, overrides: dict | None) -> dict:
 
 def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: int = 2, hidden: int = 128,
          moe_intermediate: int = 128, vocab: int = 512, dtype: str = "float32", seed: int = 0, shards: int = 1,
-         q_lora_rank: int | None = None, overrides: dict | None = None) -> Path:
+         q_lora_rank: int | None = None, overrides: dict | None = None, init: str = "unit") -> Path:
     """A tiny random checkpoint. overrides update the hub config before the tensor shapes are derived from it
-    (any config key: head_dim, tie_word_embeddings, mlp_only_layers, rope_parameters, n_group, ...)."""
+    (any config key: head_dim, tie_word_embeddings, mlp_only_layers, rope_parameters, n_group, ...).
+    init: see write_checkpoint."""
     if arch not in TINY_ARCHS:
         raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(TINY_ARCHS)}")
     if not 1 <= top_k <= experts:
@@ -255,7 +263,7 @@ def tiny(arch: str, out, *, layers: int | None = None, experts: int = 8, top_k: 
         layers = 3 if arch.startswith(("deepseek", "kimi")) or arch == "glm4_moe" else 2
     config = hub_config(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
                         moe_intermediate=moe_intermediate, vocab=vocab, dtype=dtype, q_lora_rank=q_lora_rank)
-    return write_checkpoint(Path(out), published(with_overrides(config, overrides)), dtype, seed, shards)
+    return write_checkpoint(Path(out), published(with_overrides(config, overrides)), dtype, seed, shards, init)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +393,7 @@ def _key_json(text: str) -> tuple[str, object]:
 def _cmd_tiny(a) -> int:
     out = tiny(a.arch, a.out, layers=a.layers, experts=a.experts, top_k=a.top_k, hidden=a.hidden,
                moe_intermediate=a.moe_intermediate, vocab=a.vocab, dtype=a.dtype, seed=a.seed,
-               shards=a.shards, q_lora_rank=a.q_lora_rank, overrides=dict(a.set))
+               shards=a.shards, q_lora_rank=a.q_lora_rank, overrides=dict(a.set), init=a.init)
     print(f"wrote {a.arch} checkpoint to {out}")
     return 0
 
@@ -414,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     t.add_argument("--shards", type=int, default=1, help="safetensors files the weights are split into")
     t.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2: use q_a/q_b projections")
+    t.add_argument("--init", choices=("unit", "hf"), default="unit",
+                   help="unit: std 1/sqrt(fan_in), embeddings 1 (the tests' references); hf: as "
+                        "transformers initializes a model (normal with initializer_range, biases 0)")
     t.add_argument("--set", type=_key_json, action="append", default=[], metavar="KEY=JSON",
                    help="override a config.json key, value in JSON (repeatable): --set n_group=2 "
                         "--set tie_word_embeddings=true --set 'rope_parameters={\"rope_type\": \"default\"}'")

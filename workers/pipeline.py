@@ -36,20 +36,24 @@ class Pipeline:
     early_fills: bool     # prefetch fills that landed are applied before a layer asks
     leases: bool          # the gate lookahead is also asked as a lease
     eager_layers: bool    # resident layers launched at once where a later layer reads back
+    run_ahead: bool       # a partial layer computes on what is resident, checked one layer later
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
         """"auto" early fills and eager layers where compute leaves the CPU to the reads (a GPU
         backend; early fills also in the stand-in); on the CPU backend they took cycles from
-        compute (demo 0.97-0.98x)."""
+        compute (demo 0.97-0.98x). "auto" run ahead on a GPU, where a read-back per layer
+        leaves the device idle while the host builds the next layer."""
         eager = gpu if bench.eager_layers == "auto" else bench.eager_layers
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
-                       early_fills=False, leases=False, eager_layers=eager)
+                       early_fills=False, leases=False, eager_layers=eager, run_ahead=False)
+        ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=True,
-                   host_pools=True, early_fills=early, leases=bench.leases, eager_layers=eager)
+                   host_pools=True, early_fills=early, leases=bench.leases, eager_layers=eager,
+                   run_ahead=ahead)
 
     def report(self) -> dict:
         return asdict(self)

@@ -163,6 +163,7 @@ class ResidentTier:
         self.count = dict.fromkeys(self.group_of, 0)
         self.n_full = 0  # layers with every expert resident (all_full asks once per layer)
         self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
+        self._ahead: dict[int, tuple] = {}  # layer -> (device table, the map it was made from)
         self._in_order: dict[int, dict[str, mx.array]] = {}  # layer -> its pools' rows in expert order
         self.fills = 0
         self.fill_bytes = 0
@@ -201,6 +202,17 @@ class ResidentTier:
         if table is None:
             table = self._tables[layer] = mx.array(self.slot_of[layer].astype(np.uint32))
         return table
+
+    def ahead_table(self, layer: int) -> tuple[mx.array, np.ndarray]:
+        """expert -> slot of a layer not all resident as a device array, a missing expert at slot 0
+        (its rows are computed on whatever slot 0 holds and never kept), and the residency map it
+        was made from (-1: missing), to check a layer's routing against once read back
+        (SlotExperts._run_ahead). Rebuilt after the layer's residency changes."""
+        made = self._ahead.get(layer)
+        if made is None:
+            where = self.slot_of[layer].copy()
+            made = self._ahead[layer] = (mx.array(np.maximum(where, 0).astype(np.uint32)), where)
+        return made
 
     def expert_weights(self, layer: int) -> dict[str, mx.array] | None:
         """{tensor name: [n_experts, ...]} of a layer whose rows in its group's pools are in expert
@@ -271,6 +283,7 @@ class ResidentTier:
         self.count[layer] += 1
         self.n_full += self.full(layer)
         self._tables.pop(layer, None)
+        self._ahead.pop(layer, None)
         self._arrange(g)
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
@@ -296,6 +309,7 @@ class ResidentTier:
             self.n_full -= self.full(old[0])
             self.count[old[0]] -= 1
             self._tables.pop(old[0], None)
+            self._ahead.pop(old[0], None)
 
     def holds(self, layer: int, expert: int, slot: int) -> bool:
         return self.held[self.group_of[layer]][slot] == (layer, expert)

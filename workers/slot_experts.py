@@ -34,6 +34,7 @@ from deltafin.protocol import messages as M
 from deltafin.runtime import lossy
 from deltafin.runtime.benchmode import Routing
 from deltafin.runtime.config import BenchConfig, CacheConfig, LossyConfig
+from deltafin.runtime.models.decoder import RunAheadMiss
 from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.workers.passes import ExpertProvider
@@ -41,6 +42,11 @@ from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.resident import ResidentTier
 from deltafin.workers.router_process import prefetch_setting
 from deltafin.workers.sources import ExpertSource, ExpertUnavailable
+
+# A layer runs ahead while the decayed share of its passes that found every chosen expert resident
+# stays at this: a kept layer saves the device's wait for the host, a missed one computes again
+# and learns its misses one layer later (about as much), so it pays above one in two.
+AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
 
 
 class SlotExperts(ExpertProvider):
@@ -66,6 +72,10 @@ class SlotExperts(ExpertProvider):
         self.lossy = lossy_cfg or LossyConfig()
         self._gate = None  # (layer, its gate's logits) where a lossy mode reroutes it
         self.rerouted_most = 0  # the most experts replaced in one token's row of a layer
+        self._ahead_on = False  # this pass's partial layers run ahead (begin_ahead)
+        self._ahead = None  # the layer that ran ahead, its routing not read back yet
+        self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
+        self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -314,9 +324,23 @@ class SlotExperts(ExpertProvider):
         tier = self.tier
         if tier.full(layer) and not self.force_sync:
             return self._all_resident(layer, x, inds, ids)
-        flat = self._read_ids(x, ids)
+        judged = False
+        if self._redo is not None:  # the layer that ran ahead on a missing expert, again: its ids are known
+            (at, flat), self._redo, self._look = self._redo, None, None
+            assert at == layer, f"layer {layer} computed where layer {at} was to be computed again"
+        else:
+            if self._ahead_on:
+                prev, self._ahead = self._ahead, None
+                if prev is not None:
+                    self._check_ahead(prev)
+                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
+                    return self._run_ahead(layer, x, ids)
+                judged = True
+            flat = self._read_ids(x, ids)
         experts = np.unique(flat).tolist()
         early = self.take_fills(layer, experts)
+        if judged:  # not run ahead: would it have been kept? (the odds keep being measured)
+            self._judge(layer, not tier.missing(layer, experts))
         if self._gate is not None:
             flat = self._reroute(layer, flat)
             experts = np.unique(flat).tolist()
@@ -328,6 +352,78 @@ class SlotExperts(ExpertProvider):
                         (self.pipe.stream_misses and tier.host[g])):
             return self._in_pieces(layer, x, inds, flat, experts)
         return self._one_need(layer, x, inds, flat, experts, flush_ahead=early and not missing)
+
+    # -- running ahead ------------------------------------------------------------------------------
+    def begin_ahead(self, rewinds: bool) -> bool:
+        """Whether the model's pass should run its partially resident MoE layers ahead of their
+        routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
+        model can take its attention back (rewinds), the gate routes, nothing reroutes or
+        forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
+        self._ahead, self._redo = None, None
+        self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
+                              and not self.tier.all_full() and self.routing.mode == "gate"
+                              and not self.force_sync and self.lossy.mode != "cache_aware"
+                              and self.current is not None and self.current["n"] == 1)
+        return self._ahead_on
+
+    def end_ahead(self) -> None:
+        """The pass's last layer that ran ahead is checked (may raise RunAheadMiss)."""
+        last, self._ahead = self._ahead, None
+        if last is not None:
+            self._check_ahead(last)
+        self._ahead_on = False
+
+    def _run_ahead(self, layer: int, x, ids):
+        """A partially resident layer computed on the experts resident now, without reading its
+        routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
+        Launched at once (its ids with it), so the device computes it while the host builds the
+        next layer; the layer that ran ahead before it is checked first (`_check_ahead`). Where
+        every chosen expert was resident this is the call `_one_need` makes, bit for bit: the
+        same slots, the same rows, the same kernel."""
+        prev, self._ahead = self._ahead, None
+        if prev is not None:
+            self._check_ahead(prev)
+        self.take_fills(layer, [])
+        tier = self.tier
+        table, where = tier.ahead_table(layer)
+        y = switch_glu(x, table[ids], tier.weights(layer), tier.quant(layer))
+        look, self._look = self._look, None
+        mx.async_eval(y, *(() if look is None else (look[1],)))
+        self._ahead = {"layer": layer, "ids": ids, "where": where, "look": look}
+        self.counters.add("ran_ahead")
+        return self._reads_pools(y)
+
+    def _check_ahead(self, rec: dict) -> None:
+        """A layer that ran ahead, its routing read back now (long computed: no wait): kept where
+        every expert it chose was resident when it was built (its uses noted as hits, its
+        lookahead sent as a hint and lease); otherwise RunAheadMiss, the model computes it
+        again, told its ids (`_redo`)."""
+        layer = rec["layer"]
+        self.counters.add("gate_syncs")
+        if rec["look"] is not None:
+            self._look = rec["look"]
+            t0 = time.perf_counter()
+            self._send_hint(rec["ids"])
+            self.t_sync += time.perf_counter() - t0
+        flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
+        kept = bool((rec["where"][flat] >= 0).all())
+        self._judge(layer, kept)
+        if kept:
+            n = len(set(flat.reshape(-1).tolist()))
+            self.counters.add("uses", n)
+            self.counters.add("hits", n)
+            self._note(layer, flat, report=True, count=False)
+            lease, self._lease = self._lease, None
+            if lease is not None:
+                self.counters.add("leases")
+                self.source.lease(*lease)
+            return
+        self.counters.add("ahead_missed")
+        self._redo = (layer, flat)
+        raise RunAheadMiss(layer)
+
+    def _judge(self, layer: int, kept: bool) -> None:
+        self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept
 
     def reroutes(self, layer: int) -> bool:
         """Whether the model should hand this layer's gate logits over (`gate_logits`): a lossy

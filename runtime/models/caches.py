@@ -36,6 +36,11 @@ class KVCache(LayerCache):
         self.offset += keys.shape[2]
         return k, v
 
+    def rewind(self, n: int) -> None:
+        """Takes the last n positions back (a pass computed again): the next update writes over
+        them; the rows up to the offset are untouched."""
+        self.offset -= n
+
     def append(self, keys, values, start: int):
         """Write keys/values at buffer row `start` (growing the buffers in steps); the rows up to
         them."""
@@ -69,6 +74,9 @@ class SlidingKVCache(KVCache):
         super().__init__()
         self.window = window
         self.start = self.visible = 0  # absolute positions of the buffer's first row, the first key returned
+
+    def rewind(self, n: int) -> None:
+        raise TypeError("a sliding-window cache drops positions as it goes: it cannot take a pass back")
 
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]

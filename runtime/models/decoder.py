@@ -1,13 +1,24 @@
 """The decoder skeleton the architectures share: embedding, pre-norm attention + MLP/MoE blocks,
 final norm, LM head; plus grouped-query attention and the routed-MoE block."""
 
+from functools import cached_property
+
 import mlx.core as mx
 
 from deltafin.runtime import archinfo
 
 from .base import (GLU, Embedding, Linear, QuantSpec, Rope, StagedAttention, cast_weights, resolve_dtype, rms_norm,
                    rope_settings)
-from .caches import make_cache
+from .caches import KVCache, make_cache
+
+
+class RunAheadMiss(Exception):
+    """A MoE layer computed ahead of its routing's read-back (`ExpertProvider.begin_ahead`) chose
+    an expert that was not resident when it was built: the model goes back to that layer's MLP."""
+
+    def __init__(self, layer: int):
+        super().__init__(f"layer {layer} ran ahead on an expert that was not resident")
+        self.layer = layer
 
 
 class Attention(StagedAttention):
@@ -161,18 +172,59 @@ class MoETransformer:
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
         h = self.embed.lookup(tokens[None] if tokens.ndim == 1 else tokens.reshape(1, -1))
         mask = "causal" if h.shape[1] > 1 else None
-        h = self.run_layers(h, lambda i, attn, x: attn(x, mask, None if cache is None else cache[i]), experts)
+        n = h.shape[1]
+        h = self.run_layers(h, lambda i, attn, x: attn(x, mask, None if cache is None else cache[i]), experts,
+                            rewind=None if cache is None else (lambda i: cache[i].rewind(n)))
         h = rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h).squeeze(0)
         return logits.astype(mx.float32) if float32 else logits
 
-    def run_layers(self, h, attend, experts):
+    @cached_property
+    def rewinds(self) -> bool:
+        """Whether a pass's attention can be taken back (`run_layers`' rewind): every layer keeps a
+        plain key/value cache, where going back is lowering its offset."""
+        return all(type(make_cache(kind)) is KVCache for kind in self.layer_kinds)
+
+    def run_layers(self, h, attend, experts, rewind=None):
         """h [B, L, D] through every layer, before the final norm; attend(i, attn, x) runs layer
-        i's attention on x with its cache (one sequence's, or the batch's rows)."""
+        i's attention on x with its cache (one sequence's, or the batch's rows); rewind(i) takes
+        layer i's cache back by this pass's positions (None: it cannot be). Where the provider
+        runs ahead (`begin_ahead`), see `_run_ahead`."""
+        if rewind is not None and getattr(experts, "begin_ahead", None) and experts.begin_ahead(self.rewinds):
+            return self._run_ahead(h, attend, experts, rewind)
         for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
             h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
             h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
         return h
+
+    def _run_ahead(self, h, attend, experts, rewind):
+        """The layers with the provider computing a partially resident MoE layer on the experts
+        resident when it is built and checking its routing one such layer later (`end_ahead`
+        checks the last), so the device never waits for the host between them. A layer found to
+        have used a missing expert (RunAheadMiss) is computed again from its attention's output,
+        the provider then knowing its routing; the attention of the layers after it, which ran on
+        the wrong input, is taken back (rewind) and runs again. A layer's result depends only on
+        its input, so what is kept is what the plain loop computes, bit for bit."""
+        after_attention = {}
+        i, n = 0, len(self.layers)
+        while True:
+            try:
+                while i < n:
+                    in_norm, attn, post_norm, mlp = self.layers[i]
+                    h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
+                    after_attention[i] = h
+                    h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+                    i += 1
+                experts.end_ahead()
+                return h
+            except RunAheadMiss as miss:
+                at = miss.layer
+                for j in range(at + 1, min(i, n - 1) + 1):
+                    rewind(j)
+                _, _, post_norm, mlp = self.layers[at]
+                h = after_attention[at]
+                h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+                i = at + 1
 
     def forward_batch(self, tokens, caches: list, experts=None, float32: bool = True):
         """One decode step of B sequences: tokens int [B] (one per sequence), caches[b] that
@@ -197,7 +249,8 @@ class MoETransformer:
         # Each sequence's rope position: its length, the same in every layer's cache (a pass
         # advances them all by one); one small array per step, not one per layer.
         offsets = mx.array([c[0].offset for c in caches], dtype=mx.int32)
-        h = self.run_layers(h, lambda i, attn, x: attn.rows(x, [c[i] for c in caches], offsets), experts)
+        h = self.run_layers(h, lambda i, attn, x: attn.rows(x, [c[i] for c in caches], offsets), experts,
+                            rewind=lambda i: [c[i].rewind(1) for c in caches])
         h = rms_norm(h, self.final_norm, self.eps)
         logits = self.head(h).squeeze(1)
         return logits.astype(mx.float32) if float32 else logits

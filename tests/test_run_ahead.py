@@ -1,0 +1,84 @@
+"""Running ahead (workers/slot_experts.py `begin_ahead`, runtime/models/decoder.py `_run_ahead`):
+a one-token pass computes a partially resident MoE layer on the experts resident when it is built
+and reads its routing back one such layer later; a layer that chose a missing expert is computed
+again and the attention after it taken back. What is kept must be what the plain loop computes,
+bit for bit, at every budget, whether a layer was kept or computed again."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from deltafin.runtime.config import Config
+from deltafin.runtime.models.caches import KVCache, SlidingKVCache
+from deltafin.runtime.store import Store
+from conftest import greedy_alone  # noqa: E402
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Store:
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("ahead")
+    src = tiny("qwen3_moe", root / "hf", layers=4, experts=8, top_k=2, seed=5)
+    assert convert.main([str(src), str(root / "store"), "--no-progress"]) == 0
+    return Store(root / "store")
+
+
+def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24):
+    """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
+    cfg = Config().to_dict()
+    cfg["bench"]["run_ahead"] = run_ahead
+    src, staging, loader = local_router(store, cfg, n_slots=n_slots)
+    try:
+        c = Compute(store, cfg, src, staging, store.max_record_bytes)
+        c.preload()
+        out = greedy_alone(c, PROMPT, steps)
+        return out, c.experts.counters
+    finally:
+        loader.close()
+
+
+def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store):
+    ref, _ = _decode(store, len(store.records), run_ahead=True)  # all resident: nothing runs ahead
+    kept = missed = 0
+    for n_slots in (4, 8, 16):  # 2, 4 and 8 of a layer's 8 experts (one group of 4 layers)
+        got, counters = _decode(store, n_slots, run_ahead=True)
+        for s, (a, b) in enumerate(zip(ref, got)):
+            assert np.array_equal(a, b), (n_slots, s, float(np.abs(a - b).max()))
+        ran, miss = counters.get("ran_ahead"), counters.get("ahead_missed")
+        assert ran > 0
+        kept += ran - miss
+        missed += miss
+    # both ways were taken: layers kept as computed ahead and layers computed again after a rewind
+    assert kept > 0 and missed > 0, (kept, missed)
+
+
+def test_off_it_reads_every_partial_layer_back_first(store):
+    got, counters = _decode(store, 8, run_ahead=False, steps=6)
+    assert counters.get("ran_ahead") == 0 and counters.get("gate_syncs") > 0
+
+
+def test_a_model_whose_caches_cannot_rewind_never_runs_ahead(tiny_stores):
+    """Qwen3-Next's linear-attention layers keep a recurrent state, which a pass cannot take back:
+    its passes read every partial layer back as before."""
+    store = Store(tiny_stores("qwen3_next"))
+    got, counters = _decode(store, max(2, len(store.records) // 4), run_ahead=True, steps=4)
+    assert counters.get("ran_ahead") == 0 and counters.get("gate_syncs") > 0
+
+
+def test_a_key_value_cache_rewinds_to_write_the_same_positions_again():
+    c = KVCache()
+    k = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
+    c.update_and_fetch(k, k)
+    first, _ = c.update_and_fetch(k[:, :, :1] + 100, k[:, :, :1])
+    c.rewind(1)
+    assert c.offset == 3
+    again, _ = c.update_and_fetch(k[:, :, :1] + 100, k[:, :, :1])
+    assert c.offset == 4 and np.array_equal(np.array(first), np.array(again))
+    with pytest.raises(TypeError, match="cannot take a pass back"):
+        SlidingKVCache(4).rewind(1)
