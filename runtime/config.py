@@ -134,6 +134,7 @@ class BenchConfig:
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
     run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
 

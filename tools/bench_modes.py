@@ -23,6 +23,7 @@ DELTAFIN_MODES = {
     "deltafin-no-eager-layers": [],  # the default with no layer launched before the pass's next read-back
     "deltafin-no-run-ahead": [],  # the default with each partial layer's routing read back before its experts
     "deltafin-run-ahead": [],  # ... and with partial layers run ahead (the CPU too)
+    "deltafin-device-pools": [],  # the default with streaming pools in device memory, filled through MLX
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
@@ -37,6 +38,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-eager-layers": {"bench": {"eager_layers": False}},
     "deltafin-no-run-ahead": {"bench": {"run_ahead": False}},
     "deltafin-run-ahead": {"bench": {"run_ahead": True}},
+    "deltafin-device-pools": {"bench": {"device_pools": True}},
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the

@@ -316,7 +316,8 @@ class Compute:
                 "prepare_bytes": int(e.counters.get("bytes")),
                 # layers computed in pieces (hits first, misses as they land), prefetch fills taken
                 # before a layer asked, leases asked; and the settings resolved at start
-                "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases")},
+                "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases",
+                                                                "gate_syncs", "ran_ahead", "ahead_missed")},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

@@ -51,8 +51,9 @@ class Pipeline:
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
-        return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=True,
-                   host_pools=True, early_fills=early, leases=bench.leases, eager_layers=eager,
+        host = not bench.device_pools
+        return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
+                   host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead)
 
     def report(self) -> dict:
