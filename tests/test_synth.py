@@ -329,3 +329,21 @@ def test_bench_store_runs_in_mlx_lm(preset, tmp_path, monkeypatch):
     import mlx.core as mx
     logits = _mlx_from_store(tmp_path / "s").astype(mx.float32)
     assert bool(mx.all(mx.isfinite(logits))) and mx.std(logits).item() > 0.3
+
+
+def test_hf_init_draws_as_transformers_does(tmp_path):
+    """--init hf: every weight normal with the config's initializer_range (0.02), biases zero,
+    norms one, where the default scales each matrix by its fan-in and embeddings by 1."""
+    from safetensors.numpy import load_file
+    unit = load_file(synth.tiny("qwen2_moe", tmp_path / "unit", hidden=256) / "model.safetensors")
+    hf = load_file(synth.tiny("qwen2_moe", tmp_path / "hf", hidden=256, init="hf") / "model.safetensors")
+    assert set(unit) == set(hf)
+    for name, a in hf.items():
+        if name.endswith("norm.weight"):
+            assert (a == 1).all(), name
+        elif name.endswith("bias"):
+            assert (a == 0).all(), name
+        elif a.size >= 4096:
+            assert abs(float(a.std()) - 0.02) < 0.002, (name, float(a.std()))
+    assert abs(float(unit["model.embed_tokens.weight"].std()) - 1.0) < 0.05
+    assert "model.layers.0.self_attn.q_proj.bias" in hf
