@@ -1,0 +1,48 @@
+"""Real supervisors, alternating settings: 64 greedy tokens each, page cache dropped before every
+run (as root), the decode split and compute's pipeline counters per run, and whether every run
+gave the same tokens.
+
+  python docs/probes/real_split.py STORE ROUNDS "NAME:BENCH LINE:SHARE,..."
+
+e.g. "ahead:run_ahead = true:0.25,plain:run_ahead = false:0.25": each NAME runs with a config
+holding `[bench]` and that line, and `--max-slots` at SHARE of the store's experts.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from deltafin.client import Client
+from deltafin.runtime.store import Store
+from deltafin.tools.run import running_supervisor
+
+PROMPT = [1, 504, 3458, 314, 260, 6123, 4876, 47, 198]
+
+
+def main() -> None:
+    store, rounds = sys.argv[1], int(sys.argv[2])
+    modes = [m.split(":") for m in sys.argv[3].split(",")]
+    n_keys = len(Store(store).records)
+    first = {}
+    for r in range(rounds):
+        for name, line, share in modes:
+            cfg = Path(f"/tmp/real_split-{name}.toml")
+            cfg.write_text(f"[bench]\n{line}\n")
+            subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, stderr=subprocess.DEVNULL)
+            extra = ["--config", str(cfg), "--max-slots", str(int(n_keys * float(share)))]
+            with running_supervisor(store, "4GiB", extra) as (ep, _):
+                with Client(ep, timeout=120) as c:
+                    done = c.generate(PROMPT, max_tokens=64)
+                    comp = c.stats().get("workers", {}).get("compute", {})
+            first.setdefault(name, done.token_ids)
+            split = {k: round(v, 4) for k, v in done.stats.items() if k.endswith(("tok_s", "_s"))}
+            pipe = {k: v for k, v in comp.get("pipeline", {}).items() if k != "resolved"}
+            print(f"r{r} {name} same={done.token_ids == first[name]} {json.dumps(split)} pipeline={pipe}",
+                  flush=True)
+    print("all same", len({tuple(t) for t in first.values()}) == 1)
+
+
+if __name__ == "__main__":
+    main()
