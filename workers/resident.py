@@ -162,8 +162,7 @@ class ResidentTier:
         self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
         self.count = dict.fromkeys(self.group_of, 0)
         self.n_full = 0  # layers with every expert resident (all_full asks once per layer)
-        self._tables: dict[int, mx.array] = {}  # layer -> expert->slot on the device (full layers)
-        self._ahead: dict[int, tuple] = {}  # layer -> (device table, the map it was made from)
+        self._tables: dict[int, tuple] = {}  # layer -> (expert->slot on the device, the map it was made from)
         self._in_order: dict[int, dict[str, mx.array]] = {}  # layer -> its pools' rows in expert order
         self.fills = 0
         self.fill_bytes = 0
@@ -197,21 +196,19 @@ class ResidentTier:
 
     def device_table(self, layer: int) -> mx.array:
         """expert -> slot of a full layer as a device array, so the gate's ids index it in the
-        graph without coming back to the CPU. Rebuilt after the layer's residency changes."""
-        table = self._tables.get(layer)
-        if table is None:
-            table = self._tables[layer] = mx.array(self.slot_of[layer].astype(np.uint32))
-        return table
+        graph without coming back to the CPU."""
+        return self.ahead_table(layer)[0]
 
     def ahead_table(self, layer: int) -> tuple[mx.array, np.ndarray]:
-        """expert -> slot of a layer not all resident as a device array, a missing expert at slot 0
-        (its rows are computed on whatever slot 0 holds and never kept), and the residency map it
-        was made from (-1: missing), to check a layer's routing against once read back
-        (SlotExperts._run_ahead). Rebuilt after the layer's residency changes."""
-        made = self._ahead.get(layer)
+        """expert -> slot of the layer as a device array, a missing expert at slot 0 (where a layer
+        not all resident runs ahead, its rows are computed on whatever slot 0 holds and never
+        kept), and the residency map it was made from (-1: missing), to check a layer's routing
+        against once read back (SlotExperts._run_ahead). Rebuilt after the layer's residency
+        changes."""
+        made = self._tables.get(layer)
         if made is None:
             where = self.slot_of[layer].copy()
-            made = self._ahead[layer] = (mx.array(np.maximum(where, 0).astype(np.uint32)), where)
+            made = self._tables[layer] = (mx.array(np.maximum(where, 0).astype(np.uint32)), where)
         return made
 
     def expert_weights(self, layer: int) -> dict[str, mx.array] | None:
@@ -283,7 +280,6 @@ class ResidentTier:
         self.count[layer] += 1
         self.n_full += self.full(layer)
         self._tables.pop(layer, None)
-        self._ahead.pop(layer, None)
         self._arrange(g)
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
@@ -309,7 +305,6 @@ class ResidentTier:
             self.n_full -= self.full(old[0])
             self.count[old[0]] -= 1
             self._tables.pop(old[0], None)
-            self._ahead.pop(old[0], None)
 
     def holds(self, layer: int, expert: int, slot: int) -> bool:
         return self.held[self.group_of[layer]][slot] == (layer, expert)

@@ -249,9 +249,7 @@ class SlotExperts(ExpertProvider):
         missing = self.tier.missing(layer, experts)
         self.counters.add("uses", len(experts))
         self.counters.add("hits", len(experts) - len(missing))
-        lease, self._lease = self._lease, None  # the next layer's, asked behind this need
-        if lease is not None:
-            self.counters.add("leases")
+        lease = self._take_lease()  # the next layer's, asked behind this need
         if not missing:
             if lease is not None:
                 self.source.lease(*lease)
@@ -330,9 +328,7 @@ class SlotExperts(ExpertProvider):
             assert at == layer, f"layer {layer} computed where layer {at} was to be computed again"
         else:
             if self._ahead_on:
-                prev, self._ahead = self._ahead, None
-                if prev is not None:
-                    self._check_ahead(prev)
+                self._check_pending()
                 if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
                     return self._run_ahead(layer, x, ids)
                 judged = True
@@ -368,21 +364,22 @@ class SlotExperts(ExpertProvider):
 
     def end_ahead(self) -> None:
         """The pass's last layer that ran ahead is checked (may raise RunAheadMiss)."""
-        last, self._ahead = self._ahead, None
-        if last is not None:
-            self._check_ahead(last)
+        self._check_pending()
         self._ahead_on = False
+
+    def _check_pending(self) -> None:
+        """The layer that ran ahead last, if any, checked now (`_check_ahead`)."""
+        rec, self._ahead = self._ahead, None
+        if rec is not None:
+            self._check_ahead(rec)
 
     def _run_ahead(self, layer: int, x, ids):
         """A partially resident layer computed on the experts resident now, without reading its
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
         Launched at once (its ids with it), so the device computes it while the host builds the
-        next layer; the layer that ran ahead before it is checked first (`_check_ahead`). Where
-        every chosen expert was resident this is the call `_one_need` makes, bit for bit: the
-        same slots, the same rows, the same kernel."""
-        prev, self._ahead = self._ahead, None
-        if prev is not None:
-            self._check_ahead(prev)
+        next layer (the caller checked the one that ran ahead before it). Where every chosen
+        expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
+        same rows, the same kernel."""
         self.take_fills(layer, [])
         tier = self.tier
         table, where = tier.ahead_table(layer)
@@ -402,9 +399,7 @@ class SlotExperts(ExpertProvider):
         self.counters.add("gate_syncs")
         if rec["look"] is not None:
             self._look = rec["look"]
-            t0 = time.perf_counter()
-            self._send_hint(rec["ids"])
-            self.t_sync += time.perf_counter() - t0
+            self._hint_with(rec["ids"])
         flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
         kept = bool((rec["where"][flat] >= 0).all())
         self._judge(layer, kept)
@@ -413,14 +408,20 @@ class SlotExperts(ExpertProvider):
             self.counters.add("uses", n)
             self.counters.add("hits", n)
             self._note(layer, flat, report=True, count=False)
-            lease, self._lease = self._lease, None
+            lease = self._take_lease()
             if lease is not None:
-                self.counters.add("leases")
                 self.source.lease(*lease)
             return
         self.counters.add("ahead_missed")
         self._redo = (layer, flat)
         raise RunAheadMiss(layer)
+
+    def _take_lease(self):
+        """The lookahead's lease waiting to be asked (counted), or None."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self.counters.add("leases")
+        return lease
 
     def _judge(self, layer: int, kept: bool) -> None:
         self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept
@@ -486,11 +487,16 @@ class SlotExperts(ExpertProvider):
             mx.eval(x)
         if isinstance(ids, mx.array):
             self.counters.add("gate_syncs")
+        self._hint_with(ids)  # before the need: the router prefetches after answering it
+        return self._host(ids).reshape(-1, ids.shape[-1])
+
+    def _hint_with(self, ids) -> None:
+        """The pending lookahead, if any, evaluated with these ids and sent (`_send_hint`), its
+        wait counted as sync."""
         if self._look is not None:
             t0 = time.perf_counter()
-            self._send_hint(ids)  # before the need: the router prefetches after answering it
+            self._send_hint(ids)
             self.t_sync += time.perf_counter() - t0
-        return self._host(ids).reshape(-1, ids.shape[-1])
 
     def _one_need(self, layer: int, x, inds, flat: np.ndarray, experts: list[int], flush_ahead: bool):
         """The layer's experts made resident together (one need, or none), then one call.
