@@ -390,12 +390,16 @@ class Need:
     `lease`: a later layer's experts asked ahead (compute's gate lookahead) while an earlier need
     may still wait: held and read behind the demand reads, answered by its own `slots`, released
     by the need or `used` of its layer; it releases nothing and is not a use. Best effort: an
-    expert that finds no slot is left out of its answer."""
+    expert that finds no slot is left out of its answer. `hints` and `uses`: a `hint` and a `used`
+    that compute would have sent just before, folded in; the router takes them first, in that
+    order (its predictor may learn from them after this need's reads have gone out)."""
     req: int
     layer: int
     experts: list
     prefetch: bool = False
     lease: bool = False
+    hints: list | None = None
+    uses: list | None = None
 
 
 @message("used")

@@ -137,6 +137,7 @@ class BenchConfig:
     device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
+    fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
 
 
 @dataclass

@@ -550,7 +550,8 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                 assert (sorted(groups.values()) == [16, 16]) == name.startswith("whole"), (name, groups)
                 runs[name] = (toks, c.logits(prompt + toks), stats["router"])
                 # gate lookahead: compute hints the next layer where the router prefetches
-                hints = stats["compute"]["messages"].get("hint", 0)
+                sent = stats["compute"]["messages"]  # alone, or riding a need or lease
+                hints = sent.get("hint", 0) + sent.get("folded_hint", 0)
                 assert (hints > 0) == name.endswith("prefetch"), (name, hints)
                 assert (stats["router"].get("hinted", 0) > 0) == name.endswith("prefetch")
                 # prefetch fills that landed while compute was busy are taken before a layer asks

@@ -38,6 +38,8 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24):
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
         c.preload()
         out = greedy_alone(c, PROMPT, steps)
+        sent = c.experts.source.messages
+        c.experts.counters.add("hints_sent", sent.get("hint") + sent.get("folded_hint"))
         return out, c.experts.counters
     finally:
         loader.close()
@@ -56,6 +58,16 @@ def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store):
         missed += miss
     # both ways were taken: layers kept as computed ahead and layers computed again after a rewind
     assert kept > 0 and missed > 0, (kept, missed)
+
+
+def test_every_partial_layer_still_sends_its_lookahead(store):
+    """A layer that ran ahead sends its gate lookahead when it is checked, and the layer being
+    called then keeps its own: as many hints as reading each layer back sends."""
+    # 6 of a layer's 8 experts: most layers are kept, so most checks come with a layer's own lookahead
+    _, plain = _decode(store, 24, run_ahead=False)
+    _, ahead = _decode(store, 24, run_ahead=True)
+    assert ahead.get("ran_ahead") > 0
+    assert ahead.get("hints_sent") == plain.get("hints_sent") > 0
 
 
 def test_off_it_reads_every_partial_layer_back_first(store):

@@ -25,6 +25,7 @@ DELTAFIN_MODES = {
     "deltafin-run-ahead": [],  # ... and with partial layers run ahead (the CPU too)
     "deltafin-device-pools": [],  # the default with streaming pools in device memory, filled through MLX
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
+    "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -40,6 +41,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-run-ahead": {"bench": {"run_ahead": True}},
     "deltafin-device-pools": {"bench": {"device_pools": True}},
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
+    "deltafin-unfolded": {"bench": {"fold_notes": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -8,6 +8,9 @@ role's `stats()` to the supervisor every 250 ms, also while compute's main threa
 long forward pass. `stats()` therefore runs on that thread: the shell holds `state_lock` around
 every handler except `on_forward` (compute's whole request), and the metrics classes
 (runtime/metrics.py) lock themselves, so what compute's stats() reads is safe mid-request.
+
+Profiling: with DELTAFIN_PROFILE_DIR set, each worker's main thread runs under cProfile and
+writes DIR/ROLE-PID.prof when it ends (read with `python -m pstats`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,18 @@ from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.runtime.telemetry import SnapshotPublisher
 
 RUN_CONFIG = "run-config.json"
+
+
+def _profiler():
+    """A running cProfile where DELTAFIN_PROFILE_DIR asks for one (created if missing), else None."""
+    where = os.environ.get("DELTAFIN_PROFILE_DIR")
+    if not where:
+        return None
+    import cProfile
+    Path(where).mkdir(parents=True, exist_ok=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 PARENT_CHECK_S = 0.2  # a worker outlives its supervisor by at most this (plus scheduling)
@@ -108,6 +123,7 @@ class WorkerProcess:
 
     def serve(self) -> None:
         code = 0
+        profile = _profiler()
         try:
             self.setup()
             send(self.control, M.WorkerReady(role=self.role, pid=os.getpid(), info=self.ready_info()))
@@ -146,6 +162,9 @@ class WorkerProcess:
             traceback.print_exc()
             code = 1
         finally:
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(Path(os.environ["DELTAFIN_PROFILE_DIR"]) / f"{self.role}-{os.getpid()}.prof")
             if self.publisher is not None:
                 self.publisher.stop()  # its socket closes before the context goes
             self.teardown()

@@ -101,6 +101,15 @@ class ExpertProvider:
     def flush(self, upto: int | None = None, ahead: bool = False) -> None:
         """Tells the router the uses served without asking, in order, up to pass `upto` (all);
         ahead: the last of them completed a layer from early fills (the router prefetches)."""
+        uses = self.unreported_uses(upto)
+        if uses:
+            t0 = time.perf_counter()
+            self.source.used(uses, ahead=ahead)
+            self.t_ipc += time.perf_counter() - t0
+
+    def unreported_uses(self, upto: int | None = None) -> list:
+        """The uses served without asking up to pass `upto` (all), [[layer, experts], ...] in
+        order, taken off the list to report (what `flush` sends, or a need carries)."""
         keep, uses, counted = [], [], 0
         for entry in self.unreported:
             p, layer, ids, count = entry
@@ -117,10 +126,7 @@ class ExpertProvider:
         if counted:
             self.counters.add("uses", counted)
             self.counters.add("hits", counted)
-        if uses:
-            t0 = time.perf_counter()
-            self.source.used(uses, ahead=ahead)
-            self.t_ipc += time.perf_counter() - t0
+        return uses
 
     def _host(self, ids) -> np.ndarray:
         """ids on the CPU; reading gate ids back waits for the graph up to them (a sync)."""

@@ -37,6 +37,7 @@ class Pipeline:
     leases: bool          # the gate lookahead is also asked as a lease
     eager_layers: bool    # resident layers launched at once where a later layer reads back
     run_ahead: bool       # a partial layer computes on what is resident, checked one layer later
+    fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
@@ -47,14 +48,15 @@ class Pipeline:
         eager = gpu if bench.eager_layers == "auto" else bench.eager_layers
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
-                       early_fills=False, leases=False, eager_layers=eager, run_ahead=False)
+                       early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
+                       fold_notes=bench.fold_notes)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
         host = not bench.device_pools
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
-                   run_ahead=ahead)
+                   run_ahead=ahead, fold_notes=bench.fold_notes)
 
     def report(self) -> dict:
         return asdict(self)

@@ -124,6 +124,11 @@ class Router:
         # (`deferred`); called in-process, the plan's reads come back with the answer.
         self.defer_prefetch = False
         self._prefetch_due = False
+        # The router process lets a need's reads go out before the predictor learns from the uses
+        # and needs before it (`lazy_history`; `catch_up` runs the observations, in order, before
+        # anything else reads the predictor, or when no message waits); in-process, at once.
+        self.lazy_history = False
+        self._unobserved: deque = deque()  # (predictor row, experts) not observed yet
         self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
         # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
         self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
@@ -239,6 +244,7 @@ class Router:
         by its own `slots` once all are resident. Not a use. Released by the need or `used` of
         its layer (or a later one), or the pass's end. Best effort: what finds no slot is left
         out (counted), never an error."""
+        self.catch_up()
         g = self.group(layer)
         table = self.tables[g]
         self.counters.add("leases")
@@ -311,12 +317,14 @@ class Router:
         (a lower layer than the last one closes it too; this also serves a one-layer model)."""
         self.release()
         if self.predictor is not None:
+            self.catch_up()
             self.predictor.end_pass()
 
     def hint(self, keys) -> None:
         """(layer, expert) keys predicted to be needed soon (gate lookahead): to the policy, and to
         the routing predictor, which keeps them until their layer comes."""
         keys = list(keys)
+        self.catch_up()
         self.counters.add("hinted", len(keys))
         by_row: dict[int, list[int]] = {}
         for layer, e in keys:
@@ -386,7 +394,21 @@ class Router:
         self.uses.update([(layer, e) for e in experts])
         row = self.layer_row.get(layer)
         if row is not None:
-            self.predictor.observe(row, experts)
+            self._unobserved.append((row, experts))
+            if not self.lazy_history:
+                self.catch_up()
+
+    def behind(self) -> bool:
+        """Whether the predictor has uses or needs still to observe (`catch_up`)."""
+        return bool(self._unobserved)
+
+    def catch_up(self) -> None:
+        """The predictor observes the uses and needs it has not seen yet, in their order. With
+        `lazy_history` a need's victims are picked on the predictor as it stood before (its reads
+        go out first); everything else that reads the predictor catches up first, so it sees the
+        same sequence either way."""
+        while self._unobserved:
+            self.predictor.observe(*self._unobserved.popleft())
 
     def _probability(self, key) -> float:
         row = self.layer_row.get(key[0])
@@ -444,6 +466,7 @@ class Router:
         f = self.prefetcher
         if f is None or self.queued or not (unasked or (self.pending and self.pending["demand"])):
             return []
+        self.catch_up()
         room = min(self.prefetch_cap - len(self.prefetching), len(self.staging_free))
         if room <= 0:
             return []
@@ -540,6 +563,7 @@ class Router:
         return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us)
 
     def stats(self) -> dict:
+        self.catch_up()
         c = self.counters.snapshot()
         evictions = sum(t.evictions for t in self.tables.values())
         if evictions:

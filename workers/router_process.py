@@ -4,6 +4,8 @@ serves it on the data-plane ROUTER socket, one handler per message type (`HANDLE
 """
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from deltafin.protocol import messages as M
@@ -57,11 +59,19 @@ class RouterProcess(WorkerProcess):
         self.data.bind(self.run["endpoints"]["data"])
         self.poller.register(self.data, zmq.POLLIN)
         self.router: Router | None = None
+        self.handled = Handled()
 
     def on_pool(self, msg: M.AttachPool):
         from deltafin.runtime.store import Store
         self.router = router_for(Store(self.run["store"]), self.config.cache, msg.resident, msg.n_slots)
         self.router.defer_prefetch = self.config.bench.defer_prefetch
+        self.router.lazy_history = self.config.bench.fold_notes
+
+    def idle(self):
+        """With nothing waiting, the predictor catches up with the uses and needs it was spared
+        while a need's reads went out (`Router.lazy_history`)."""
+        if self.router is not None and self.router.behind() and not self.data.poll(0):
+            self.router.catch_up()
 
     def on_socket(self, sock):
         sender, msg = recv(self.data, routed=True)
@@ -70,6 +80,7 @@ class RouterProcess(WorkerProcess):
             send(self.data, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE,
                                     message=f"router does not take {msg.TYPE}"), to=sender)
             return
+        t0 = time.perf_counter()
         try:
             out = handler(self, sender, msg)
         except RouterError as e:
@@ -79,12 +90,17 @@ class RouterProcess(WorkerProcess):
         if self.router is not None:  # the prefetch planned after an answer, once it is sent
             for to, m in self.router.deferred():
                 send(self.data, m, to=to.encode())
+        self.handled.add("lease" if getattr(msg, "lease", False) else msg.TYPE, time.perf_counter() - t0)
 
     def on_hello(self, sender: bytes, msg: M.PeerHello) -> list:
         send(self.data, M.PeerHello(role="router"), to=sender)
         return []
 
     def on_need(self, sender: bytes, msg: M.Need) -> list:
+        if msg.hints:
+            self.on_hint(sender, M.Hint(hints=msg.hints))
+        if msg.uses:
+            self.router.used(msg.uses)
         return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
 
     def on_used(self, sender: bytes, msg: M.Used) -> list:
@@ -113,4 +129,21 @@ class RouterProcess(WorkerProcess):
                 M.LoadFailed: on_load_failed}
 
     def stats(self):
-        return self.router.stats() if self.router else {}
+        return {**(self.router.stats() if self.router else {}), "handled": self.handled.summary()}
+
+
+class Handled:
+    """Messages the router handled, per type: how many and the time its handlers took, answers
+    sent included (`handled` in its stats): what a need may queue behind."""
+
+    def __init__(self):
+        self.n: dict[str, int] = {}
+        self.s: dict[str, float] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.n[kind] = self.n.get(kind, 0) + 1
+        self.s[kind] = self.s.get(kind, 0.0) + seconds
+
+    def summary(self) -> dict:
+        return {k: {"count": n, "total_s": round(self.s[k], 6), "mean_us": round(self.s[k] / n * 1e6, 1)}
+                for k, n in self.n.items()}

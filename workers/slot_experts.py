@@ -69,6 +69,7 @@ class SlotExperts(ExpertProvider):
         self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
+        self._hints: list = []  # lookahead hints to send with the layer's need or lease (fold_notes)
         self.lossy = lossy_cfg or LossyConfig()
         self._gate = None  # (layer, its gate's logits) where a lossy mode reroutes it
         self.rerouted_most = 0  # the most experts replaced in one token's row of a layer
@@ -106,7 +107,10 @@ class SlotExperts(ExpertProvider):
         mx.eval(ids, look[1])
         self.counters.add("hints")
         experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
-        self.source.hint([[look[0], experts]])
+        if self.pipe.fold_notes:  # rides the layer's need or lease (`_notes_out`)
+            self._hints.append([look[0], experts])
+        else:
+            self.source.hint([[look[0], experts]])
         # The same experts asked as a lease, sent right behind this layer's need (or alone where
         # it has none): the router reads them while this layer waits and computes. At most half
         # of the layer's pool, so a lease never leaves the next need short of slots.
@@ -251,13 +255,16 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hits", len(experts) - len(missing))
         lease = self._take_lease()  # the next layer's, asked behind this need
         if not missing:
-            if lease is not None:
-                self.source.lease(*lease)
+            self._notes_out(lease)
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
-        self.flush()  # the router sees the earlier uses first, in order
         t0, prep0 = time.perf_counter(), self.t_prepare
-        granted = self.source.need(layer, experts, self.apply, lease=lease)
+        hints, self._hints = self._hints, []
+        if self.pipe.fold_notes:  # the router takes the hints and earlier uses first, in order
+            uses = self.unreported_uses()
+        else:
+            uses = self.flush()
+        granted = self.source.need(layer, experts, self.apply, lease=lease, hints=hints, uses=uses)
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)
@@ -397,9 +404,10 @@ class SlotExperts(ExpertProvider):
         again, told its ids (`_redo`)."""
         layer = rec["layer"]
         self.counters.add("gate_syncs")
-        if rec["look"] is not None:
-            self._look = rec["look"]
+        if rec["look"] is not None:  # the layer now called may have a lookahead of its own: kept
+            mine, self._look = self._look, rec["look"]
             self._hint_with(rec["ids"])
+            self._look = mine
         flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
         kept = bool((rec["where"][flat] >= 0).all())
         self._judge(layer, kept)
@@ -408,13 +416,26 @@ class SlotExperts(ExpertProvider):
             self.counters.add("uses", n)
             self.counters.add("hits", n)
             self._note(layer, flat, report=True, count=False)
-            lease = self._take_lease()
-            if lease is not None:
-                self.source.lease(*lease)
+            self._notes_out(self._take_lease())
             return
         self.counters.add("ahead_missed")
         self._redo = (layer, flat)
         raise RunAheadMiss(layer)
+
+    def _notes_out(self, lease) -> None:
+        """A layer that sends no need: its lookahead's hints ride its lease, or go alone."""
+        hints, self._hints = self._hints, []
+        if lease is not None:
+            self.source.lease(*lease, hints=hints)
+        elif hints:
+            self.source.hint(hints)
+
+    def flush(self, upto: int | None = None, ahead: bool = False) -> None:
+        """Hints still held go before the uses (as they were sent before them)."""
+        if self._hints:
+            hints, self._hints = self._hints, []
+            self.source.hint(hints)
+        super().flush(upto, ahead)
 
     def _take_lease(self):
         """The lookahead's lease waiting to be asked (counted), or None."""

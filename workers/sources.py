@@ -3,7 +3,8 @@
 An `ExpertSource` answers a layer's `need` (the experts it lacks, read into staging slots and
 copied into resident slots by `apply`, as the fills arrive), takes the uses compute served alone
 (`used`), the gate's lookahead (`hint`) and, where it `takes_leases`, a later layer's experts asked
-ahead (`lease`). `RouterClient` is the process's source, over the data-plane socket;
+ahead (`lease`). A need or lease may carry the hints and uses compute would have sent just before
+it (`hints`, `uses`): one message instead of three, taken in the same order. `RouterClient` is the process's source, over the data-plane socket;
 `LocalExpertSource` calls the router and loader directly (tests and tools).
 """
 from __future__ import annotations
@@ -51,9 +52,9 @@ class ExpertSource(Protocol):
         """{group: resident slots}, or None where the process learns them later (attach_pool)."""
 
     def need(self, layer: int, experts: list[int], apply: Callable, prefetch: bool = False,
-             lease: tuple | None = None) -> Granted: ...
+             lease: tuple | None = None, hints: list | None = None, uses: list | None = None) -> Granted: ...
 
-    def lease(self, layer: int, experts: list[int]) -> None: ...
+    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None: ...
 
     def poll(self, apply: Callable) -> int: ...
 
@@ -88,8 +89,10 @@ class LocalExpertSource:
             return {groups.pop(): self.router.table.n_slots}
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None) -> Granted:
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None,
+             hints: list | None = None, uses: list | None = None) -> Granted:
         from deltafin.workers.router import RouterError
+        self._notes(hints, uses)
         self.req += 1
         self.messages.add("need")
         t0 = time.perf_counter()
@@ -105,8 +108,17 @@ class LocalExpertSource:
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
-    def lease(self, layer: int, experts: list[int]) -> None:
+    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None:
         raise NotImplementedError("the in-process source takes no leases (takes_leases is False)")
+
+    def _notes(self, hints: list | None, uses: list | None) -> None:
+        """What a need carries, taken first, as the router process takes it."""
+        if hints:
+            self.messages.add("folded_hint")
+            self.router.hint((layer, e) for layer, experts in hints for e in experts)
+        if uses:
+            self.messages.add("folded_used")
+            self.router.used(uses)
 
     def poll(self, apply) -> int:
         """In-process every fill is applied inside its need: nothing ever waits."""
@@ -164,14 +176,17 @@ class RouterClient:
         return n
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
-             lease: tuple | None = None) -> Granted:
-        """Sends the need, then `lease` ((layer, experts) of a later layer) if given, so the
-        router reads the lease behind this need's reads; waits for this need's `slots`."""
+             lease: tuple | None = None, hints: list | None = None, uses: list | None = None) -> Granted:
+        """Sends the need (carrying hints and uses, if given), then `lease` ((layer, experts) of
+        a later layer) if given, so the router reads the lease behind this need's reads; waits
+        for this need's `slots`."""
         from deltafin.runtime.sockets import recv, send, wait_readable
         self.req += 1
         req = self.req
-        send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch))
+        send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch,
+                               hints=hints or None, uses=uses or None))
         self.messages.add("need")
+        self._count_folded(hints, uses)
         if lease is not None:
             self.lease(*lease)
         while True:
@@ -195,13 +210,20 @@ class RouterClient:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
             # else a lease's answer: its fills were applied as they came
 
-    def lease(self, layer: int, experts: list[int]) -> None:
-        """Asks ahead for a later layer's experts (no wait): `need` with lease. Its fills are
-        applied as they arrive, by a need's wait or `poll`."""
+    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None:
+        """Asks ahead for a later layer's experts (no wait): `need` with lease, carrying hints
+        if given. Its fills are applied as they arrive, by a need's wait or `poll`."""
         from deltafin.runtime.sockets import send
         self.req += 1
-        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True))
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None))
         self.messages.add("lease")
+        self._count_folded(hints, None)
+
+    def _count_folded(self, hints, uses) -> None:
+        if hints:
+            self.messages.add("folded_hint")
+        if uses:
+            self.messages.add("folded_used")
 
     def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send

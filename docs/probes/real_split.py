@@ -2,7 +2,9 @@
 run (as root), the decode split and compute's pipeline counters per run, and whether every run
 gave the same tokens.
 
-  python docs/probes/real_split.py STORE ROUNDS "NAME:BENCH LINE:SHARE,..."
+  python docs/probes/real_split.py STORE ROUNDS "NAME:BENCH LINE:SHARE,..." [-v]
+
+-v adds the router's stall, the loader's read and queue latencies and compute's messages per run.
 
 e.g. "ahead:run_ahead = true:0.25,plain:run_ahead = false:0.25": each NAME runs with a config
 holding `[bench]` and that line, and `--max-slots` at SHARE of the store's experts.
@@ -23,6 +25,7 @@ PROMPT = [1, 504, 3458, 314, 260, 6123, 4876, 47, 198]
 
 def main() -> None:
     store, rounds = sys.argv[1], int(sys.argv[2])
+    verbose = "-v" in sys.argv[4:]
     modes = [m.split(":") for m in sys.argv[3].split(",")]
     n_keys = len(Store(store).records)
     first = {}
@@ -35,12 +38,21 @@ def main() -> None:
             with running_supervisor(store, "4GiB", extra) as (ep, _):
                 with Client(ep, timeout=120) as c:
                     done = c.generate(PROMPT, max_tokens=64)
-                    comp = c.stats().get("workers", {}).get("compute", {})
+                    workers = c.stats().get("workers", {})
+                    comp = workers.get("compute", {})
             first.setdefault(name, done.token_ids)
             split = {k: round(v, 4) for k, v in done.stats.items() if k.endswith(("tok_s", "_s"))}
             pipe = {k: v for k, v in comp.get("pipeline", {}).items() if k != "resolved"}
             print(f"r{r} {name} same={done.token_ids == first[name]} {json.dumps(split)} pipeline={pipe}",
                   flush=True)
+            if verbose:  # where a need's time goes outside compute: the router's stall, the loader's reads
+                rt, ld = workers.get("router", {}), workers.get("loader", {})
+                keep = ("hits", "uses", "prefetch_reads", "lease_reads", "lease_used", "stall", "handled")
+                print("   router", json.dumps({k: rt.get(k) for k in keep}), flush=True)
+                print("   loader", json.dumps({k: ld.get(k) for k in ("read", "queue_wait", "reads", "bytes")}),
+                      flush=True)
+                print("   compute", json.dumps({"messages": comp.get("messages"), "prepare": comp.get("prepare")}),
+                      flush=True)
     print("all same", len({tuple(t) for t in first.values()}) == 1)
 
 
