@@ -158,6 +158,64 @@ def test_the_process_sends_an_answer_before_planning_the_prefetch_after_it():
     assert same(answer + later) == same(together) and [type(m) for _, m in later] == [M.Read] * 3
 
 
+def _serve(router: Router, out: list) -> None:
+    """The loader reads and compute applies at once, what `out` orders and what follows."""
+    todo = deque(out)
+    while todo:
+        _, m = todo.popleft()
+        if isinstance(m, M.Read):
+            todo += router.loaded(_loaded(m))
+        elif isinstance(m, M.Fill):
+            todo += router.filled(M.Filled(staging=m.staging, generation=m.generation))
+
+
+def test_lazy_history_sends_a_need_s_reads_first_and_learns_the_same():
+    """lazy_history (the router process): a need's reads go out before the predictor observes the
+    uses and the need before it; anything else that reads the predictor catches up first, so the
+    predictor sees what an eager router's sees, message for message."""
+    rng = random.Random(3)
+    lazy, eager = (Router(6, "predictive", n_staging=4, moe_layers=[0, 1, 2], n_experts=8, prefetch=ALWAYS)
+                   for _ in range(2))
+    lazy.lazy_history = True
+    behind_after_miss = 0
+    for t in range(40):
+        for layer in range(3):
+            ex = sorted(rng.sample(range(8), 2))
+            for r in (lazy, eager):
+                if layer < 2:
+                    r.hint([(layer + 1, e) for e in ex])
+                if t % 3:
+                    r.used([[layer, ex]])
+                    continue
+                out = r.need(t * 3 + layer, layer, ex)
+                if r is lazy and any(isinstance(m, M.Read) for _, m in out):
+                    assert r.behind()  # the reads are out, the need not observed yet
+                    behind_after_miss += 1
+                _serve(r, out + r.deferred())
+        if t % 2:  # else the next pass's first layer ends this one
+            for r in (lazy, eager):
+                r.end_pass()
+            assert not lazy.behind()
+        lazy.catch_up()
+        a, b = lazy.predictor, eager.predictor
+        assert np.array_equal(a.q, b.q) and (a.hint_seen, a.hint_hit) == (b.hint_seen, b.hint_hit), t
+        assert {k: v.tolist() for k, v in a.hinted.items()} == {k: v.tolist() for k, v in b.hinted.items()}, t
+    assert behind_after_miss > 0
+
+
+def test_a_need_carries_hints_and_uses_the_router_takes_first():
+    """Need.hints / Need.uses: one message where compute sent three; the router process takes
+    them in that order, and refuses a malformed list whole."""
+    from deltafin.workers.router_process import layer_lists
+    msg = M.Need(req=4, layer=2, experts=[1, 5], hints=[[3, [0, 7]]], uses=[[0, [2, 3]], [1, [4]]])
+    assert M.decode(M.encode(msg)) == msg
+    assert M.decode(M.encode(M.Need(req=1, layer=0, experts=[1]))).hints is None
+    assert layer_lists([[3, [0, 7]]], "hints") == [[3, [0, 7]]]
+    for bad in ([[3]], [["x", [1]]], [[1, [None]]], 5):
+        with pytest.raises(M.ProtocolError):
+            layer_lists(bad, "hints")
+
+
 @pytest.mark.parametrize("gap_s, issued", [(None, 3), (1.0, 3), (0.0045, 1)])
 def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
     """The router's bandwidth gate measures its reads and needs; here its figures are set: 5 ms

@@ -97,18 +97,19 @@ class RouterProcess(WorkerProcess):
         return []
 
     def on_need(self, sender: bytes, msg: M.Need) -> list:
-        if msg.hints:
-            self.on_hint(sender, M.Hint(hints=msg.hints))
-        if msg.uses:
-            self.router.used(msg.uses)
+        hints, uses = layer_lists(msg.hints or [], "hints"), layer_lists(msg.uses or [], "uses")
+        if hints:
+            self.router.hint((layer, e) for layer, experts in hints for e in experts)
+        if uses:
+            self.router.used(uses)
         return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
 
     def on_used(self, sender: bytes, msg: M.Used) -> list:
-        self.router.used(msg.uses)
+        self.router.used(layer_lists(msg.uses, "uses"))
         return self.router.prefetch_ahead() if msg.ahead else []
 
     def on_hint(self, sender: bytes, msg: M.Hint) -> list:
-        self.router.hint((int(layer), int(e)) for layer, experts in msg.hints for e in experts)
+        self.router.hint((layer, e) for layer, experts in layer_lists(msg.hints, "hints") for e in experts)
         return []
 
     def on_release(self, sender: bytes, msg: M.Release) -> list:
@@ -130,6 +131,16 @@ class RouterProcess(WorkerProcess):
 
     def stats(self):
         return {**(self.router.stats() if self.router else {}), "handled": self.handled.summary()}
+
+
+def layer_lists(value, name: str) -> list:
+    """[[layer, [expert, ...]], ...] of ints, checked before the router acts on any of it (a
+    malformed one is dropped whole, as a bad message)."""
+    try:
+        out = [[int(layer), [int(e) for e in experts]] for layer, experts in value]
+    except (TypeError, ValueError):
+        raise M.ProtocolError(f"{name} must be [[layer, [expert, ...]], ...]") from None
+    return out
 
 
 class Handled:
