@@ -335,8 +335,16 @@ class SlotExperts(ExpertProvider):
             assert at == layer, f"layer {layer} computed where layer {at} was to be computed again"
         else:
             if self._ahead_on:
+                if self._odds.get(layer, 1.0) >= AHEAD_ODDS and self.pipe.launch_first:
+                    # launched before the layer that ran ahead last is checked: the device
+                    # computes this one while the host waits for that one's routing
+                    prev, self._ahead = self._ahead, None
+                    y = self._run_ahead(layer, x, ids)
+                    if prev is not None:
+                        self._check_ahead(prev)
+                    return y
                 self._check_pending()
-                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
+                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:  # launch_first off: checked, then launched
                     return self._run_ahead(layer, x, ids)
                 judged = True
             flat = self._read_ids(x, ids)
@@ -383,8 +391,8 @@ class SlotExperts(ExpertProvider):
     def _run_ahead(self, layer: int, x, ids):
         """A partially resident layer computed on the experts resident now, without reading its
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
-        Launched at once (its ids with it), so the device computes it while the host builds the
-        next layer (the caller checked the one that ran ahead before it). Where every chosen
+        Launched at once (its ids with it), so the device computes it while the host checks the
+        one that ran ahead before it and builds the next layer. Where every chosen
         expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
         same rows, the same kernel."""
         self.take_fills(layer, [])
@@ -420,6 +428,7 @@ class SlotExperts(ExpertProvider):
             return
         self.counters.add("ahead_missed")
         self._redo = (layer, flat)
+        self._ahead = None  # a layer launched after this one ran on its wrong output: forgotten
         raise RunAheadMiss(layer)
 
     def _notes_out(self, lease) -> None:

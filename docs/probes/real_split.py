@@ -7,7 +7,8 @@ gave the same tokens.
 -v adds the router's stall, the loader's read and queue latencies and compute's messages per run.
 
 e.g. "ahead:run_ahead = true:0.25,plain:run_ahead = false:0.25": each NAME runs with a config
-holding `[bench]` and that line, and `--max-slots` at SHARE of the store's experts.
+holding `[bench]` and that line (";" between settings), and `--max-slots` at SHARE of the store's
+experts.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def main() -> None:
     for r in range(rounds):
         for name, line, share in modes:
             cfg = Path(f"/tmp/real_split-{name}.toml")
-            cfg.write_text(f"[bench]\n{line}\n")
+            cfg.write_text("[bench]\n" + line.replace(";", "\n") + "\n")
             subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, stderr=subprocess.DEVNULL)
             extra = ["--config", str(cfg), "--max-slots", str(int(n_keys * float(share)))]
             with running_supervisor(store, "4GiB", extra) as (ep, _):
