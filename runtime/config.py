@@ -138,7 +138,7 @@ class BenchConfig:
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
-    launch_first: bool = True  # a layer running ahead is launched before the one before it is checked
+    launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
 
 
 @dataclass

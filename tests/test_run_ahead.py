@@ -27,7 +27,7 @@ def store(tmp_path_factory) -> Store:
     return Store(root / "store")
 
 
-def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = True):
+def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -48,8 +48,8 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
 
 @pytest.mark.parametrize("launch_first", [True, False])
 def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, launch_first):
-    """launch_first: a layer is launched before the one that ran ahead before it is checked (the
-    default; a miss then forgets the layer launched on its output), or after."""
+    """launch_first: a layer is launched before the one that ran ahead before it is checked (a
+    miss then forgets the layer launched on its output), or after (the default)."""
     ref, _ = _decode(store, len(store.records), run_ahead=True)  # all resident: nothing runs ahead
     kept = missed = 0
     for n_slots in (4, 8, 16):  # 2, 4 and 8 of a layer's 8 experts (one group of 4 layers)

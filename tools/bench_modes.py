@@ -26,7 +26,7 @@ DELTAFIN_MODES = {
     "deltafin-device-pools": [],  # the default with streaming pools in device memory, filled through MLX
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
-    "deltafin-check-first": [],  # the default with a layer run ahead launched only once the one before is checked
+    "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -43,7 +43,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-device-pools": {"bench": {"device_pools": True}},
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
-    "deltafin-check-first": {"bench": {"launch_first": False}},
+    "deltafin-launch-first": {"bench": {"launch_first": True}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -38,7 +38,7 @@ class Pipeline:
     eager_layers: bool    # resident layers launched at once where a later layer reads back
     run_ahead: bool       # a partial layer computes on what is resident, checked one layer later
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
-    launch_first: bool = True  # running ahead: launched before the previous layer is checked
+    launch_first: bool = False  # running ahead: launched before the previous layer is checked
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
