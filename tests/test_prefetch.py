@@ -203,6 +203,22 @@ def test_lazy_history_sends_a_need_s_reads_first_and_learns_the_same():
     assert behind_after_miss > 0
 
 
+def test_the_process_catches_up_one_observation_per_turn():
+    """idle() observes one use at a time (a need arriving waits for one at most) and the process
+    stays busy until none is left."""
+    r = Router(6, "predictive", moe_layers=[0, 1, 2], n_experts=8)
+    r.lazy_history = True
+    r.used([[0, [1, 2]], [1, [3]], [2, [4, 5]]])
+    left = []
+    while r.behind():
+        r.catch_up(1)
+        left.append(len(r._unobserved))
+    assert left == [2, 1, 0]
+    eager = Router(6, "predictive", moe_layers=[0, 1, 2], n_experts=8)
+    eager.used([[0, [1, 2]], [1, [3]], [2, [4, 5]]])
+    assert np.array_equal(r.predictor.q, eager.predictor.q)
+
+
 def test_a_need_carries_hints_and_uses_the_router_takes_first():
     """Need.hints / Need.uses: one message where compute sent three; the router process takes
     them in that order, and refuses a malformed list whole."""

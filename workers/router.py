@@ -402,12 +402,13 @@ class Router:
         """Whether the predictor has uses or needs still to observe (`catch_up`)."""
         return bool(self._unobserved)
 
-    def catch_up(self) -> None:
-        """The predictor observes the uses and needs it has not seen yet, in their order. With
-        `lazy_history` a need's victims are picked on the predictor as it stood before (its reads
-        go out first); everything else that reads the predictor catches up first, so it sees the
-        same sequence either way."""
-        while self._unobserved:
+    def catch_up(self, most: int | None = None) -> None:
+        """The predictor observes the uses and needs it has not seen yet, in their order (at most
+        `most` of them). With `lazy_history` a need's victims are picked on the predictor as it
+        stood before (its reads go out first); everything else that reads the predictor catches
+        up first, so it sees the same sequence either way."""
+        n = len(self._unobserved) if most is None else min(most, len(self._unobserved))
+        for _ in range(n):
             self.predictor.observe(*self._unobserved.popleft())
 
     def _probability(self, key) -> float:

@@ -69,9 +69,13 @@ class RouterProcess(WorkerProcess):
 
     def idle(self):
         """With nothing waiting, the predictor catches up with the uses and needs it was spared
-        while a need's reads went out (`Router.lazy_history`)."""
+        while a need's reads went out (`Router.lazy_history`): one observation per loop turn
+        (busy meanwhile), so a need that arrives waits for one at most, not for the backlog."""
         if self.router is not None and self.router.behind() and not self.data.poll(0):
-            self.router.catch_up()
+            self.router.catch_up(1)
+
+    def busy(self) -> bool:
+        return self.router is not None and self.router.behind()
 
     def on_socket(self, sock):
         sender, msg = recv(self.data, routed=True)
