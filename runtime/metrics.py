@@ -160,6 +160,15 @@ def bound_s_per_token(compute_s: float, read_s: float) -> float:
     return max(compute_s, read_s)
 
 
+def own_bound_s_per_token(compute_s: float, bytes_per_token: float | None, gbps: float | None) -> float | None:
+    """A contender's own bound: max(compute-only time per token with every expert resident, the
+    bytes it read per token at the probed direct-read rate); None without its bytes or a rate.
+    Where no trace gives the Belady term, this is the bound a streaming run is held to."""
+    if bytes_per_token is None or not gbps:
+        return None
+    return max(compute_s, bytes_per_token / (gbps * 1e9))
+
+
 def share_of_bound(decode_tok_s: float | None, bound_s: float) -> float | None:
     """Measured tok/s as a share of 1/bound."""
     return decode_tok_s * bound_s if decode_tok_s else None

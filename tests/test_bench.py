@@ -78,9 +78,17 @@ def test_the_bound_and_shares_are_the_documented_arithmetic(bench_run):
         if regime == "standin":
             n_dense = s["layers"] - s["moe_layers"]
             assert b["compute_s_per_token"] == pytest.approx((s["moe_layers"] * 2 + n_dense * 1) / 1e3)
+        checked = 0
         for r in rr["contenders"].values():
             if r.get("ok"):
                 assert r["share_of_bound"] == pytest.approx(r["decode_tok_s"] * b["s_per_token"])
+            if r.get("ok") and r.get("bytes_read_per_token") is not None:
+                # its own bound: max(compute, its own bytes per token at the probed rate)
+                own = max(b["compute_s_per_token"], r["bytes_read_per_token"] / (report["disk"]["gbps"] * 1e9))
+                assert r["own_bound_s_per_token"] == pytest.approx(own)
+                assert r["time_over_own_bound"] == pytest.approx(1.0 / r["decode_tok_s"] / own)
+                checked += 1
+        assert checked > 0
 
 
 def test_greedy_tokens_agree_across_deltafin_modes_and_mmap(bench_run):

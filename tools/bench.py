@@ -639,6 +639,12 @@ def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tup
                 r = summarize_rounds(runs[name])
                 if r.get("ok") and r.get("decode_tok_s"):
                     r["share_of_bound"] = metrics.share_of_bound(r["decode_tok_s"], bound)
+                    # time per token over the contender's own bound (its bytes read at the probed
+                    # rate, or the compute term): issue 28's goal is <= 2 at 25% of the experts
+                    own = metrics.own_bound_s_per_token(rr["bound"]["compute_s_per_token"],
+                                                        r.get("bytes_read_per_token"), s.disk.get("gbps"))
+                    r["own_bound_s_per_token"] = own
+                    r["time_over_own_bound"] = (1.0 / r["decode_tok_s"]) / own if own else None
                 if name != "mlx-lm" and "mlx-lm" in runs:
                     r["vs_mlx_lm"] = agreement_over_rounds(runs[name], runs["mlx-lm"])
                 rr["contenders"][name] = r

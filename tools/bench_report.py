@@ -169,7 +169,7 @@ def table(report: dict) -> str:
         lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
                      f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
         w = max(20, *(len(n) + 1 for n in rr["contenders"]))
-        lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
+        lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'/own':>6}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
                      f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
                      f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}{'=mlx-lm':>9}")
         for name, r in rr["contenders"].items():
@@ -180,7 +180,7 @@ def table(report: dict) -> str:
             fmt = lambda v, f: (f.format(v) if v is not None else "-")
             lines.append(
                 f"{name:<{w}}{fmt(r.get('decode_tok_s'), '{:.2f}'):>9}{fmt(r.get('decode_tok_s_spread'), '{:.2f}x'):>7}{fmt(r.get('share_of_bound'), '{:.0%}'):>9}"
-                f"{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
+                f"{fmt(r.get('time_over_own_bound'), '{:.1f}x'):>6}{fmt(r.get('prefill_tok_s'), '{:.2f}'):>9}{fmt(r.get('ttft_s'), '{:.2f}'):>8}"
                 f"{fmt(r.get('hit_rate'), '{:.2f}'):>6}{fmt((r.get('bytes_read_per_token') or 0) / 1e6 if r.get('bytes_read_per_token') is not None else None, '{:.1f}'):>8}"
                 f"{fmt((r['bytes_read_per_token_all'] / 1e6) if r.get('bytes_read_per_token_all') else None, '{:.1f}'):>12}"
                 f"{fmt(r.get('stall_share'), '{:.0%}'):>7}"
@@ -191,6 +191,8 @@ def table(report: dict) -> str:
                 f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
                 f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}"
                 f"{_agreement_cell(r.get('vs_mlx_lm')):>9}")
+        lines.append("/own: time per token over the contender's own bound, max(compute, its bytes read per "
+                     "token at the probed disk rate)")
         if rr.get("rounds", 1) > 1:
             lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
                          f"fastest / slowest round's decode tok/s")
