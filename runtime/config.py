@@ -139,6 +139,7 @@ class BenchConfig:
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
+    spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
 
 
 @dataclass

@@ -45,8 +45,15 @@ def recv(sock: zmq.Socket, routed: bool = False):
     return M.decode(sock.recv())
 
 
-def wait_readable(sock: zmq.Socket, timeout_s: float, alive=None, what: str = "a reply") -> None:
-    """Polls in short steps so a dead peer (alive() false) or the deadline ends the wait."""
+def wait_readable(sock: zmq.Socket, timeout_s: float, alive=None, what: str = "a reply",
+                  spin_s: float = 0.0) -> None:
+    """Polls in short steps so a dead peer (alive() false) or the deadline ends the wait; the
+    first spin_s without sleeping (bench.spin_ms)."""
+    if spin_s > 0:
+        end = time.perf_counter() + min(spin_s, timeout_s)
+        while time.perf_counter() < end:
+            if sock.poll(0):
+                return
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()

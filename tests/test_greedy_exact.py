@@ -98,7 +98,7 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # a layer run ahead launched before the previous one is checked; the data plane's
             # hints and uses as messages of their own
             (0.25, {"bench": {"run_ahead": True, "launch_first": True}}),
-            (0.25, {"bench": {"fold_notes": False}})]
+            (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}})]
     _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, "qwen3_moe", runs)
 
 

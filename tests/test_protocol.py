@@ -261,3 +261,35 @@ def test_every_error_code_maps_to_an_exception_and_is_documented():
 def _raise_error(code):
     from deltafin.client import _raise
     _raise(M.Error(id=1, code=code.value, message="why"))
+
+
+def test_wait_readable_spins_then_sleeps_and_still_times_out():
+    """bench.spin_ms: a wait polls without sleeping first (a message that lands meanwhile ends it
+    at once), then as before; with nothing coming the deadline still ends it."""
+    import threading
+    import time
+
+    import zmq
+
+    from deltafin.runtime.sockets import wait_readable
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin")
+        b.connect("inproc://spin")
+        for delay in (0.005, 0.08):  # lands while spinning, then after the spin
+            t = threading.Timer(delay, lambda: b.send(b"x"))
+            t.start()
+            t0 = time.perf_counter()
+            wait_readable(a, 5.0, spin_s=0.03)
+            assert delay <= time.perf_counter() - t0 < 2.0
+            assert a.recv() == b"x"
+            t.join()
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            wait_readable(a, 0.3, spin_s=0.1)
+        assert 0.29 <= time.perf_counter() - t0 < 2.0
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

@@ -27,6 +27,7 @@ DELTAFIN_MODES = {
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
+    "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -44,6 +45,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
     "deltafin-launch-first": {"bench": {"launch_first": True}},
+    "deltafin-spin": {"bench": {"spin_ms": 2.0}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -131,8 +131,12 @@ class WorkerProcess:
             if endpoint:
                 self.publisher = SnapshotPublisher(self.ctx, endpoint, self.snapshot)
                 self.publisher.start()
+            spin_s, last = self.config.bench.spin_ms / 1e3, 0.0  # bench.spin_ms
             while self.running:
-                events = dict(self.poller.poll(0 if self.busy() else 200))
+                hot = spin_s > 0 and time.perf_counter() - last < spin_s
+                events = dict(self.poller.poll(0 if self.busy() or hot else 200))
+                if events and spin_s > 0:
+                    last = time.perf_counter()
                 if not self.parent_alive():
                     break
                 for sock in events:

@@ -143,8 +143,9 @@ class RouterClient:
 
     takes_leases = True
 
-    def __init__(self, sock, timeout_s: float, alive):
+    def __init__(self, sock, timeout_s: float, alive, spin_s: float = 0.0):
         self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
+        self.spin_s = spin_s  # polled without sleeping first, in a need's wait (bench.spin_ms)
         self.messages = Counter()
         self.stash: deque = deque()  # messages `poll` read that only a need handles
 
@@ -194,7 +195,8 @@ class RouterClient:
                 msg = self.stash.popleft()
             else:
                 try:
-                    wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}")
+                    wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}",
+                                  spin_s=self.spin_s)
                 except (TimeoutError, ConnectionError) as e:
                     raise ExpertUnavailable(str(e)) from None
                 msg = recv(self.sock)
