@@ -113,11 +113,10 @@ class LocalExpertSource:
 
     def _notes(self, hints: list | None, uses: list | None) -> None:
         """What a need carries, taken first, as the router process takes it."""
+        count_folded(self.messages, hints, uses)
         if hints:
-            self.messages.add("folded_hint")
             self.router.hint((layer, e) for layer, experts in hints for e in experts)
         if uses:
-            self.messages.add("folded_used")
             self.router.used(uses)
 
     def poll(self, apply) -> int:
@@ -187,7 +186,7 @@ class RouterClient:
         send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch,
                                hints=hints or None, uses=uses or None))
         self.messages.add("need")
-        self._count_folded(hints, uses)
+        count_folded(self.messages, hints, uses)
         if lease is not None:
             self.lease(*lease)
         while True:
@@ -219,13 +218,7 @@ class RouterClient:
         self.req += 1
         send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None))
         self.messages.add("lease")
-        self._count_folded(hints, None)
-
-    def _count_folded(self, hints, uses) -> None:
-        if hints:
-            self.messages.add("folded_hint")
-        if uses:
-            self.messages.add("folded_used")
+        count_folded(self.messages, hints, None)
 
     def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send
@@ -240,6 +233,14 @@ class RouterClient:
     def release(self) -> None:
         from deltafin.runtime.sockets import send
         send(self.sock, M.Release(req=self.req))
+
+
+def count_folded(messages: Counter, hints, uses) -> None:
+    """A need or lease that carried hints or uses: counted as `folded_hint` / `folded_used`."""
+    if hints:
+        messages.add("folded_hint")
+    if uses:
+        messages.add("folded_used")
 
 
 def drive_need(router, req: int, layer: int, experts: list[int], read, fill,
