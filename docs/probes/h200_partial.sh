@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's open measurements on the lent H200, one device call per part (each well inside 10 min).
-# After the two set-up calls of ../shared/device/README.md, with MLX CUDA in /tmp/site, the
-# deltafin namespace mapped in /tmp/ns and the issue's checkpoint as a store in /tmp/store
-# (deltafin-synth tiny qwen3_moe ... --init hf, then deltafin-convert; docs/BENCHMARKS.md "Running
-# ahead"):
+# After docs/probes/h200_setup.sh (MLX CUDA in /tmp/site, the deltafin namespace mapped in /tmp/ns,
+# the issue's checkpoint as a store in /tmp/store: deltafin-synth tiny qwen3_moe ... --init hf,
+# then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, fold_notes, spin_ms: real supervisors, 25% / 50%
 #   bash docs/probes/h200_partial.sh bench    # the same switches as bench contenders beside mlx-lm
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
