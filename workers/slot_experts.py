@@ -263,7 +263,8 @@ class SlotExperts(ExpertProvider):
         if self.pipe.fold_notes:  # the router takes the hints and earlier uses first, in order
             uses = self.unreported_uses()
         else:
-            uses = self.flush()
+            self.flush()
+            uses = None
         granted = self.source.need(layer, experts, self.apply, lease=lease, hints=hints, uses=uses)
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
