@@ -126,7 +126,8 @@ class Router:
         self._prefetch_due = False
         # The router process lets a need's reads go out before the predictor learns from the uses
         # and needs before it (`lazy_history`; `catch_up` runs the observations, in order, before
-        # anything else reads the predictor, or when no message waits); in-process, at once.
+        # anything that decides reads, or when no message waits; its stats may lag by what is
+        # still due); in-process, at once.
         self.lazy_history = False
         self._unobserved: deque = deque()  # (predictor row, experts) not observed yet
         self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
@@ -333,6 +334,14 @@ class Router:
                 by_row.setdefault(self.layer_row[layer], []).append(e)
         for row, experts in by_row.items():
             self.predictor.hint(row, experts)
+
+    def notes(self, hints: list | None, uses: list | None) -> None:
+        """What a need or lease carries (Need.hints, Need.uses), taken before it, in that order:
+        [[layer, [expert, ...]], ...] each."""
+        if hints:
+            self.hint((layer, e) for layer, experts in hints for e in experts)
+        if uses:
+            self.used(uses)
 
     # -- the loader's messages --------------------------------------------------------------------
     def loaded(self, msg: M.Loaded) -> list[tuple[str, object]]:
@@ -564,7 +573,6 @@ class Router:
         return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us)
 
     def stats(self) -> dict:
-        self.catch_up()
         c = self.counters.snapshot()
         evictions = sum(t.evictions for t in self.tables.values())
         if evictions:

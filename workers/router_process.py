@@ -101,11 +101,7 @@ class RouterProcess(WorkerProcess):
         return []
 
     def on_need(self, sender: bytes, msg: M.Need) -> list:
-        hints, uses = layer_lists(msg.hints or [], "hints"), layer_lists(msg.uses or [], "uses")
-        if hints:
-            self.router.hint((layer, e) for layer, experts in hints for e in experts)
-        if uses:
-            self.router.used(uses)
+        self.router.notes(layer_lists(msg.hints or [], "hints"), layer_lists(msg.uses or [], "uses"))
         return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
 
     def on_used(self, sender: bytes, msg: M.Used) -> list:
@@ -113,7 +109,7 @@ class RouterProcess(WorkerProcess):
         return self.router.prefetch_ahead() if msg.ahead else []
 
     def on_hint(self, sender: bytes, msg: M.Hint) -> list:
-        self.router.hint((layer, e) for layer, experts in layer_lists(msg.hints, "hints") for e in experts)
+        self.router.notes(layer_lists(msg.hints, "hints"), None)
         return []
 
     def on_release(self, sender: bytes, msg: M.Release) -> list:

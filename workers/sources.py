@@ -114,10 +114,7 @@ class LocalExpertSource:
     def _notes(self, hints: list | None, uses: list | None) -> None:
         """What a need carries, taken first, as the router process takes it."""
         count_folded(self.messages, hints, uses)
-        if hints:
-            self.router.hint((layer, e) for layer, experts in hints for e in experts)
-        if uses:
-            self.router.used(uses)
+        self.router.notes(hints, uses)
 
     def poll(self, apply) -> int:
         """In-process every fill is applied inside its need: nothing ever waits."""
@@ -129,7 +126,7 @@ class LocalExpertSource:
 
     def hint(self, hints: list) -> None:
         self.messages.add("hint")
-        self.router.hint((layer, e) for layer, experts in hints for e in experts)
+        self.router.notes(hints, None)
 
     def release(self) -> None:
         self.router.release()
