@@ -388,9 +388,10 @@ class Need:
     and filled, then answers `slots`. Releases the pins of the previous need. `prefetch`: asked
     ahead of any use (the preload of a tier that holds every expert), so not a use for the policy.
     `lease`: a later layer's experts asked ahead (compute's gate lookahead) while an earlier need
-    may still wait: held and read behind the demand reads, answered by its own `slots`, released
-    by the need or `used` of its layer; it releases nothing and is not a use. Best effort: an
-    expert that finds no slot is left out of its answer. `hints` and `uses`: a `hint` and a `used`
+    may still wait: held and read behind the demand reads (their `fill`s come as they land),
+    never answered (compute waits for no lease: the need of that layer answers for what it uses),
+    released by the need or `used` of its layer; it releases nothing and is not a use. Best
+    effort: an expert that finds no slot is left out. `hints` and `uses`: a `hint` and a `used`
     that compute would have sent just before, folded in; the router takes them first, in that
     order (its predictor may learn from them after this need's reads have gone out)."""
     req: int

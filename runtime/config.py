@@ -139,6 +139,7 @@ class BenchConfig:
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
+    ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
 
 
@@ -242,6 +243,10 @@ class Config:
             raise ConfigError("cache.staging_slots must be >= 0 (0: automatic)")
         if self.bench.standin_moe_ms < 0 or self.bench.standin_dense_ms < 0:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
+        if self.bench.spin_ms < 0:
+            raise ConfigError("bench.spin_ms must be >= 0 (0: sleep in poll)")
+        if self.bench.ahead_depth < 1:
+            raise ConfigError("bench.ahead_depth must be >= 1 (layers that ran ahead left unchecked)")
         if not 1 <= self.loader.threads <= 64:
             raise ConfigError("loader.threads must be within 1..64")
         if self.bench.chunk_bytes < 0:

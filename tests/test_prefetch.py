@@ -394,8 +394,9 @@ def _sent(out, kind):
 
 def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer():
     """compute asks for layer 1's experts (lease) while layer 0's need still waits: both are
-    read, the lease behind the need's demand reads (loader priority of a prefetch), each answered
-    by its own `slots`; the lease's slots are pinned until layer 1's need, so another layer's
+    read, the lease behind the need's demand reads (loader priority of a prefetch); only the need
+    is answered (`slots`: nobody waits for a lease, whose fills compute takes as they come); the
+    lease's slots are pinned until layer 1's need, so another layer's
     need cannot take them; the need of layer 1 finds them resident (lease used, a miss avoided)
     and releases the rest, which the policy may then evict (lease wasted)."""
     r = Router(4, "lru", n_staging=8, moe_layers=[0, 1, 2], n_experts=8)
@@ -410,8 +411,10 @@ def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer()
     out = r.loaded(_loaded(first[1]))
     then = _sent(out, M.Read)
     assert [(m.layer, m.expert, m.prefetch) for m in then] == [(1, 2, True), (1, 3, True)]
-    answers = _sent(out, M.Slots) + [m for read in then for m in _sent(r.loaded(_loaded(read)), M.Slots)]
-    assert [(m.req, m.layer, m.hits) for m in answers] == [(1, 0, 0), (2, 1, 0)]
+    lease_fills = [r.loaded(_loaded(read)) for read in then]
+    assert [(m.req, m.layer, m.hits) for m in _sent(out, M.Slots)] == [(1, 0, 0)]
+    assert [[(m.layer, m.expert) for m in _sent(o, M.Fill)] for o in lease_fills] == [[(1, 2)], [(1, 3)]]
+    assert not [m for o in lease_fills for m in _sent(o, M.Slots)]  # a lease is never answered
     assert r.stats()["uses"] == 2                                # a lease is not a use
     # another pass's layer 0 needs three slots: only its own two are free of pins, the lease
     # of layer 1 (not reached yet) holds the others
@@ -441,7 +444,7 @@ def test_a_lease_is_best_effort():
         r.loaded(_loaded(m))
     out = r.need(2, 1, [2], lease=True)                          # both slots pinned by layer 0
     assert not _sent(out, M.Read) and r.stats()["lease_refused"] == 1
-    assert [m.req for m in _sent(out, M.Slots)] == [2]           # answered at once, empty
+    assert not _sent(out, M.Slots)                               # nothing to answer, nothing sent
     r.used([(0, [0])])                                           # layer 0 done: its pins go
     read = _sent(r.need(3, 1, [2], lease=True), M.Read)[0]
     failed = r.load_failed(M.LoadFailed(slot=read.slot, generation=read.generation, layer=1,

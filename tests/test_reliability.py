@@ -163,6 +163,8 @@ def test_a_temperature_below_the_floor_is_greedy():
     ("[runtime]\ncontrol_timeout_s = 0\n", "runtime.control_timeout_s must be > 0"),
     ("[runtime]\nrestart_window_s = nan\n", "runtime.restart_window_s must be a finite number"),
     ("[distributed]\ntimeout_s = inf\n", "distributed.timeout_s must be a finite number"),
+    ("[bench]\nahead_depth = 0\n", "bench.ahead_depth must be >= 1"),
+    ("[bench]\nspin_ms = -1.0\n", "bench.spin_ms must be >= 0"),
 ])
 def test_config_values_of_the_wrong_kind_are_refused(tmp_path, text, why):
     path = tmp_path / "bad.toml"

@@ -28,6 +28,7 @@ DELTAFIN_MODES = {
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
+    "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -46,6 +47,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
     "deltafin-launch-first": {"bench": {"launch_first": True}},
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
+    "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -10,7 +10,9 @@ every handler except `on_forward` (compute's whole request), and the metrics cla
 (runtime/metrics.py) lock themselves, so what compute's stats() reads is safe mid-request.
 
 Profiling: with DELTAFIN_PROFILE_DIR set, each worker's main thread runs under cProfile and
-writes DIR/ROLE-PID.prof when it ends (read with `python -m pstats`).
+writes DIR/ROLE-PID.prof when it ends (read with `python -m pstats`); DELTAFIN_PROFILE_CLOCK=cpu
+times it by the thread's CPU time, so a wait (for the device, a socket) counts nothing and what
+is left is the host's own work.
 """
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ def _profiler():
         return None
     import cProfile
     Path(where).mkdir(parents=True, exist_ok=True)
-    profile = cProfile.Profile()
+    clock = os.environ.get("DELTAFIN_PROFILE_CLOCK", "wall")
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"DELTAFIN_PROFILE_CLOCK={clock!r}: wall or cpu")
+    profile = cProfile.Profile(time.thread_time) if clock == "cpu" else cProfile.Profile()
     profile.enable()
     return profile
 

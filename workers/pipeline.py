@@ -39,6 +39,7 @@ class Pipeline:
     run_ahead: bool       # a partial layer computes on what is resident, checked one layer later
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
+    ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
@@ -50,14 +51,16 @@ class Pipeline:
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
-                       fold_notes=bench.fold_notes, launch_first=bench.launch_first)
+                       fold_notes=bench.fold_notes, launch_first=bench.launch_first,
+                       ahead_depth=bench.ahead_depth)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
         host = not bench.device_pools
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
-                   run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first)
+                   run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
+                   ahead_depth=bench.ahead_depth)
 
     def report(self) -> dict:
         return asdict(self)

@@ -242,14 +242,15 @@ class Router:
         wait (several requests in flight): the experts are held (pinned) as they are, the
         missing ones read into slots the policy gives up (never a pinned one, nor one more likely
         to be used than the key) behind the demand reads asked before, then held too; answered
-        by its own `slots` once all are resident. Not a use. Released by the need or `used` of
-        its layer (or a later one), or the pass's end. Best effort: what finds no slot is left
-        out (counted), never an error."""
+        by nothing: compute waits for no lease (it takes the fills as they come, and the need
+        of that layer answers for every expert it uses). Not a use. Released by the need or
+        `used` of its layer (or a later one), or the pass's end. Best effort: what finds no slot
+        is left out (counted), never an error."""
         self.catch_up()
         g = self.group(layer)
         table = self.tables[g]
         self.counters.add("leases")
-        out, slots, pins, waiting, hits = [], [], [], set(), 0
+        out, pins, waiting = [], [], set()
         for e in dict.fromkeys(experts):
             slot = table.hold((layer, e))
             if slot is None:
@@ -263,19 +264,11 @@ class Router:
                     self.counters.add("lease_refused")
                     continue
                 out += self._read(g, slot, table.generation[slot], layer, e, ahead=True)
-            gen = table.generation[slot]
-            pins.append((slot, gen))
-            if table.ready(slot):
-                hits += 1
-            else:
+            pins.append((slot, table.generation[slot]))
+            if not table.ready(slot):
                 waiting.add(slot)
-            slots.append([e, slot, gen])
-        lease = {"req": req, "layer": layer, "group": g, "slots": slots, "waiting": waiting,
-                 "pins": pins, "hits": hits, "t0": time.perf_counter(), "demand": False, "lease": True}
-        if pins:
-            self.leases[req] = lease
-        if not waiting:
-            out.append(("compute", self._reply(lease)))
+        if pins:  # held until released; `waiting`: its reads not in yet (a failed one drops it)
+            self.leases[req] = {"layer": layer, "group": g, "pins": pins, "waiting": waiting}
         return out
 
     def release(self) -> None:
@@ -357,11 +350,9 @@ class Router:
         out = [("compute", M.Fill(req=self.pending["req"] if self.pending else -1, slot=slot,
                                   staging=msg.slot, layer=msg.layer, expert=msg.expert,
                                   generation=msg.generation))]
-        for held in list(self.leases.values()):
-            if held["group"] == g and slot in held["waiting"]:
+        for held in self.leases.values():
+            if held["group"] == g:
                 held["waiting"].discard(slot)
-                if not held["waiting"]:
-                    out.append(("compute", self._reply(held)))
         p = self.pending
         if p and p["group"] == g and slot in p["waiting"]:
             p["waiting"].discard(slot)
@@ -561,12 +552,12 @@ class Router:
         return []
 
     def _reply(self, p: dict | None = None) -> M.Slots:
-        """The `slots` answer of the need waiting (or of lease p)."""
+        """The `slots` answer of the need waiting (or of p)."""
         p = p or self.pending
         if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
             self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0
-        if p["hits"] < len(p["slots"]) and not p.get("lease"):  # a lease: nobody waited
+        if p["hits"] < len(p["slots"]):
             wait = time.perf_counter() - p["t0"]
             self.stall.add(wait)
             wait_us = int(wait * 1e6)

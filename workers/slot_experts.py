@@ -74,7 +74,7 @@ class SlotExperts(ExpertProvider):
         self._gate = None  # (layer, its gate's logits) where a lossy mode reroutes it
         self.rerouted_most = 0  # the most experts replaced in one token's row of a layer
         self._ahead_on = False  # this pass's partial layers run ahead (begin_ahead)
-        self._ahead = None  # the layer that ran ahead, its routing not read back yet
+        self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
 
@@ -336,17 +336,17 @@ class SlotExperts(ExpertProvider):
             assert at == layer, f"layer {layer} computed where layer {at} was to be computed again"
         else:
             if self._ahead_on:
-                if self._odds.get(layer, 1.0) >= AHEAD_ODDS and self.pipe.launch_first:
-                    # launched before the layer that ran ahead last is checked: the device
-                    # computes this one while the host waits for that one's routing
-                    prev, self._ahead = self._ahead, None
-                    y = self._run_ahead(layer, x, ids)
-                    if prev is not None:
-                        self._check_ahead(prev)
-                    return y
-                self._check_pending()
-                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:  # launch_first off: checked, then launched
+                depth = self.pipe.ahead_depth
+                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
+                    if self.pipe.launch_first:
+                        # launched before the layers that ran ahead before it are checked: the
+                        # device computes this one while the host waits for their routing
+                        y = self._run_ahead(layer, x, ids)
+                        self._check_pending(keep=depth)
+                        return y
+                    self._check_pending(keep=depth - 1)  # checked, then launched
                     return self._run_ahead(layer, x, ids)
+                self._check_pending()
                 judged = True
             flat = self._read_ids(x, ids)
         experts = np.unique(flat).tolist()
@@ -371,7 +371,7 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._ahead, self._redo = None, None
+        self._ahead, self._redo = [], None
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
@@ -379,15 +379,16 @@ class SlotExperts(ExpertProvider):
         return self._ahead_on
 
     def end_ahead(self) -> None:
-        """The pass's last layer that ran ahead is checked (may raise RunAheadMiss)."""
+        """The pass's layers that ran ahead and are not checked yet are checked (may raise
+        RunAheadMiss)."""
         self._check_pending()
         self._ahead_on = False
 
-    def _check_pending(self) -> None:
-        """The layer that ran ahead last, if any, checked now (`_check_ahead`)."""
-        rec, self._ahead = self._ahead, None
-        if rec is not None:
-            self._check_ahead(rec)
+    def _check_pending(self, keep: int = 0) -> None:
+        """The layers that ran ahead checked, oldest first, until at most `keep` are left
+        (`_check_ahead`; a miss forgets the rest)."""
+        while len(self._ahead) > keep:
+            self._check_ahead(self._ahead.pop(0))
 
     def _run_ahead(self, layer: int, x, ids):
         """A partially resident layer computed on the experts resident now, without reading its
@@ -402,7 +403,7 @@ class SlotExperts(ExpertProvider):
         y = switch_glu(x, table[ids], tier.weights(layer), tier.quant(layer))
         look, self._look = self._look, None
         mx.async_eval(y, *(() if look is None else (look[1],)))
-        self._ahead = {"layer": layer, "ids": ids, "where": where, "look": look}
+        self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
         return self._reads_pools(y)
 
@@ -429,7 +430,9 @@ class SlotExperts(ExpertProvider):
             return
         self.counters.add("ahead_missed")
         self._redo = (layer, flat)
-        self._ahead = None  # a layer launched after this one ran on its wrong output: forgotten
+        # the layers launched after this one ran on its wrong output: forgotten (computed in vain)
+        self.counters.add("ahead_forgotten", len(self._ahead))
+        self._ahead.clear()
         raise RunAheadMiss(layer)
 
     def _notes_out(self, lease) -> None:

@@ -206,7 +206,7 @@ class RouterClient:
                 raise ExpertUnavailable(msg.message, code=msg.code)
             elif isinstance(msg, M.Slots) and msg.req == req:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
-            # else a lease's answer: its fills were applied as they came
+            # else an older need's answer (one a timeout gave up on): dropped
 
     def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None:
         """Asks ahead for a later layer's experts (no wait): `need` with lease, carrying hints
@@ -241,10 +241,10 @@ def count_folded(messages: Counter, hints, uses) -> None:
 
 
 def drive_need(router, req: int, layer: int, experts: list[int], read, fill,
-               prefetch: bool = False, lease: bool = False) -> M.Slots:
+               prefetch: bool = False, lease: bool = False) -> M.Slots | None:
     """One need (or lease) served in-process: read(order) -> Loaded | LoadFailed (the loader),
-    fill(Fill) (compute applies it). Returns the `slots` answer; raises RouterError for a failed
-    read or a need that cannot be met."""
+    fill(Fill) (compute applies it). Returns the `slots` answer (None for a lease: none is
+    answered); raises RouterError for a failed read or a need that cannot be met."""
     from deltafin.workers.router import RouterError
     todo = deque(router.need(req, layer, experts, prefetch, lease))
     reply, failure = None, None
@@ -264,6 +264,6 @@ def drive_need(router, req: int, layer: int, experts: list[int], read, fill,
             reply = msg
     if failure is not None:
         raise RouterError(failure.error, code=M.ErrorCode.EXPERT_READ_FAILED)
-    if reply is None:
+    if reply is None and not lease:
         raise RouterError(f"need {req} of layer {layer} ended without an answer")
     return reply
