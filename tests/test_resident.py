@@ -329,7 +329,7 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, 
     e.begin_pass(1)
     pending = switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)
     if held_by == "pass":
-        e._reads_pools(pending)
+        e._reads_pools(pending, layer)
     else:
         e._inflight = {"layer": layer, "group": e.tier.group_of[layer], "slots": {0}, "pieces": [pending],
                        "waiting": set(), "stream": False}
@@ -337,6 +337,47 @@ def test_a_fill_in_place_first_evaluates_the_pass_reading_the_slot(tiny_stores, 
     np.testing.assert_array_equal(np.array(pending), expected)
     assert not np.array_equal(np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant)),
                               expected)
+    loader.close()
+
+
+def test_a_fill_in_place_waits_only_for_graphs_of_the_layer_whose_slot_it_takes(tiny_stores):
+    """A slot is read only by graphs of the layer whose expert it held: a fill into a slot of
+    another layer leaves the pass's pending graph alone (no settle, no device drain); one into a
+    slot of a layer with a graph still open settles first; a read-back of a layer's routing
+    proves the graphs of the layers before it done."""
+    store = Store(tiny_stores(ARCH))
+    compute, router, source, loader = _compute(store, 4)
+    e = compute.experts
+    a, b = store.moe_layers[0], store.moe_layers[1]
+    assert e.tier.group_of[a] == e.tier.group_of[b]
+    x = mx.array(np.random.default_rng(1).standard_normal((1, store.config["hidden_size"])).astype(np.float32))
+    quant = e.tier.quant(a)
+
+    def fill(layer: int, expert: int, slot: int) -> None:
+        rec = _record(store, layer, expert)
+        e.staging[:len(rec)] = rec
+        e.apply(M.Fill(req=0, slot=slot, staging=0, layer=layer, expert=expert, generation=0))
+
+    fill(a, 3, 0)
+    fill(b, 2, 1)
+    expected = np.array(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(a), quant))
+    e.begin_pass(1)
+    pending = switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(a), quant)
+    e._reads_pools(pending, a)
+    before = e.counters.get("settles")
+    fill(b, 5, 1)  # layer b's slot: no graph of b is open
+    assert "reads" in e.current and e.counters.get("settles") == before
+    fill(b, 6, 2)  # a slot never filled
+    assert "reads" in e.current and e.counters.get("settles") == before
+    fill(a, 6, 0)  # layer a's slot, read by the pending graph: it is evaluated first
+    assert e.counters.get("settles") == before + 1
+    np.testing.assert_array_equal(np.array(pending), expected)
+    # a later layer's routing read back: the graphs of the layers before it are done
+    for layer in (a, b):
+        e._reads_pools(switch_glu(x, mx.array([[0]], dtype=mx.uint32), e.tier.weights(layer), quant), layer)
+    assert e._may_read(a) and e._may_read(b)
+    e._done_below(b)
+    assert not e._may_read(a) and e._may_read(b)  # b's own graph may still run (launched ahead)
     loader.close()
 
 

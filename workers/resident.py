@@ -159,6 +159,9 @@ class ResidentTier:
         # read by the metrics thread too: a plain int, not the MLX arrays
         self.nbytes = sum(a.nbytes for pools in self.pools.values() for a in pools.values())
         self.held: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
+        # the layer whose expert each slot held last (kept when the slot is emptied): the graphs
+        # that may still read a slot are that layer's
+        self.last_layer: dict[str, list] = {g: [None] * n for g, n in self.n_slots.items()}
         self.slot_of = {layer: np.full(store.n_experts, -1, dtype=np.int64) for layer in self.group_of}
         self.count = dict.fromkeys(self.group_of, 0)
         self.n_full = 0  # layers with every expert resident (all_full asks once per layer)
@@ -276,6 +279,7 @@ class ResidentTier:
             pools[t["name"]][slot] = a  # MLX reuses the pool's buffer: no pending reader holds it
             self.pending_writes += 1
         self.held[g][slot] = (layer, expert)
+        self.last_layer[g][slot] = layer
         self.slot_of[layer][expert] = slot
         self.count[layer] += 1
         self.n_full += self.full(layer)

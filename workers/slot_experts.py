@@ -147,7 +147,7 @@ class SlotExperts(ExpertProvider):
             self._launch(fly, pairs_of(ids1, late), run=False)
         self._note(layer, flat, report=not reported, count=False)
         return self._reads_pools(in_token_order(fly["pieces"], fly["orders"], inds.shape[:-1],
-                                                fly["k"], x.shape[-1]))
+                                                fly["k"], x.shape[-1]), layer)
 
     def _flight(self, layer: int, x, flat: np.ndarray, experts: list[int]) -> dict:
         """A layer in pieces: its rows and ids, its misses still waiting, the pieces launched and
@@ -181,20 +181,36 @@ class SlotExperts(ExpertProvider):
         self._launch(fly, pairs_of(fly["ids1"], fly["ids1"] == expert))
         self.counters.add("streamed_misses")
 
-    def _reads_pools(self, y):
-        """y reads the pools lazily: kept as its pass's latest such output (it depends on every
-        earlier one of the pass), so a fill writing the pools' memory in place can evaluate it
-        first."""
+    def _reads_pools(self, y, layer: int):
+        """y reads the pools lazily (layer's slots): kept as its pass's latest such output (it
+        depends on every earlier one of the pass), so a fill writing the pools' memory in place
+        can evaluate it first; the layer is noted as one whose slots a graph may still read
+        (`_may_read`) until a read-back proves it done (`_done_below`) or the pass settles."""
         self.current["reads"] = y
+        self.current.setdefault("open", set()).add(layer)
         return y
+
+    def _done_below(self, layer: int) -> None:
+        """This pass's routing of `layer` was read back: it depends on the output of every MoE
+        layer before it in the pass, so their graphs, and the slots they read, are done."""
+        rec = self.current
+        if rec is not None and rec.get("open"):
+            rec["open"] = {lay for lay in rec["open"] if lay >= layer}
+
+    def _may_read(self, layer: int) -> bool:
+        """Whether a graph of an open pass, not known to be done, reads `layer`'s slots."""
+        return any(layer in rec.get("open", ()) for rec in self.passes.values())
 
     def _settle(self) -> None:
         """Evaluates what the open passes have built on the pools, before a fill writes them in
         place (ResidentTier.host): an unevaluated graph would read the new expert. Where a gate
         was read back this is already done, and costs nothing."""
         pending = [rec.pop("reads") for rec in self.passes.values() if "reads" in rec]
+        for rec in self.passes.values():
+            rec.pop("open", None)
         if pending:
             mx.eval(pending)
+            self.counters.add("settles")
 
     def apply(self, msg) -> None:
         """A router's `fill` (copy staging into a resident slot) or `fill_failed` (the slot is
@@ -216,7 +232,14 @@ class SlotExperts(ExpertProvider):
                 mx.eval(fly["pieces"])
                 fly["slots"].clear()
         if in_place:
-            self._settle()
+            # A slot is read only by graphs of the layer whose expert it held (a layer running
+            # ahead also reads slot 0 for a missing expert's rows, which it never keeps): where
+            # no graph still open may read that layer's slots, the write waits for nothing.
+            last = self.tier.last_layer[g][msg.slot]
+            if last is not None and self._may_read(last):
+                self._settle()
+            else:
+                self.counters.add("fills_unsettled")
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
         self._landed(msg.layer, msg.expert)
         dt = time.perf_counter() - t0
@@ -348,7 +371,7 @@ class SlotExperts(ExpertProvider):
                     return self._run_ahead(layer, x, ids)
                 self._check_pending()
                 judged = True
-            flat = self._read_ids(x, ids)
+            flat = self._read_ids(layer, x, ids)
         experts = np.unique(flat).tolist()
         early = self.take_fills(layer, experts)
         if judged:  # not run ahead: would it have been kept? (the odds keep being measured)
@@ -405,7 +428,7 @@ class SlotExperts(ExpertProvider):
         mx.async_eval(y, *(() if look is None else (look[1],)))
         self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
-        return self._reads_pools(y)
+        return self._reads_pools(y, layer)
 
     def _check_ahead(self, rec: dict) -> None:
         """A layer that ran ahead, its routing read back now (long computed: no wait): kept where
@@ -419,6 +442,7 @@ class SlotExperts(ExpertProvider):
             self._hint_with(rec["ids"])
             self._look = mine
         flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
+        self._done_below(layer)
         kept = bool((rec["where"][flat] >= 0).all())
         self._judge(layer, kept)
         if kept:
@@ -509,9 +533,9 @@ class SlotExperts(ExpertProvider):
             # A later layer of this pass reads its routing back, which waits for everything
             # before it: launched now, this layer computes while the next ones are built.
             mx.async_eval(y)
-        return self._reads_pools(y)
+        return self._reads_pools(y, layer)
 
-    def _read_ids(self, x, ids) -> np.ndarray:
+    def _read_ids(self, layer: int, x, ids) -> np.ndarray:
         """The layer's ids on the CPU [n, k] (the sync), the gate's lookahead sent with them."""
         if not isinstance(ids, mx.array):
             # Routing from a trace reads no gate back, so nothing has evaluated this layer's input:
@@ -522,7 +546,9 @@ class SlotExperts(ExpertProvider):
         if isinstance(ids, mx.array):
             self.counters.add("gate_syncs")
         self._hint_with(ids)  # before the need: the router prefetches after answering it
-        return self._host(ids).reshape(-1, ids.shape[-1])
+        flat = self._host(ids).reshape(-1, ids.shape[-1])
+        self._done_below(layer)
+        return flat
 
     def _hint_with(self, ids) -> None:
         """The pending lookahead, if any, evaluated with these ids and sent (`_send_hint`), its
@@ -542,7 +568,7 @@ class SlotExperts(ExpertProvider):
         if flush_ahead:
             self.flush(ahead=True)
         slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
-        return self._reads_pools(switch_glu(x, mx.array(slots), tier.weights(layer), tier.quant(layer)))
+        return self._reads_pools(switch_glu(x, mx.array(slots), tier.weights(layer), tier.quant(layer)), layer)
 
     def _in_chunks(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
         """More distinct experts than the layer's resident slots (a long prefill in a small

@@ -25,7 +25,7 @@ case "${1:-split}" in
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
   bench)
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
-      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-ahead-deep,deltafin-unfolded,mlx-lm \
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-ahead-deep,deltafin-chunked,mlx-lm \
       --rounds 3 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
     tail -40 "$out/bench.txt" ;;
   exact)
