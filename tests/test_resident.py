@@ -369,6 +369,10 @@ def test_a_fill_in_place_waits_only_for_graphs_of_the_layer_whose_slot_it_takes(
     assert "reads" in e.current and e.counters.get("settles") == before
     fill(b, 6, 2)  # a slot never filled
     assert "reads" in e.current and e.counters.get("settles") == before
+    fill(b, 7, 3)
+    e.tier.drop(b, 3)
+    fill(a, 5, 3)  # emptied, but held by b last: still no graph of b open
+    assert "reads" in e.current and e.counters.get("settles") == before
     fill(a, 6, 0)  # layer a's slot, read by the pending graph: it is evaluated first
     assert e.counters.get("settles") == before + 1
     np.testing.assert_array_equal(np.array(pending), expected)
@@ -378,6 +382,17 @@ def test_a_fill_in_place_waits_only_for_graphs_of_the_layer_whose_slot_it_takes(
     assert e._may_read(a) and e._may_read(b)
     e._done_below(b)
     assert not e._may_read(a) and e._may_read(b)  # b's own graph may still run (launched ahead)
+    # slot 0 is read by any layer running ahead on a missing expert: a graph of b still open
+    # makes a fill of slot 0 settle, whichever layer held it
+    before = e.counters.get("settles")
+    fill(b, 1, 1)
+    assert e.counters.get("settles") == before + 1  # (slot 1 was b's: settled)
+    e._reads_pools(switch_glu(x, mx.array([[1]], dtype=mx.uint32), e.tier.weights(b), quant), b)
+    e._done_below(b)
+    e.tier.drop(a, 0)
+    e.tier.last_layer[e.tier.group_of[a]][0] = None  # as if never filled
+    fill(a, 2, 0)
+    assert e.counters.get("settles") == before + 2
     loader.close()
 
 

@@ -201,6 +201,10 @@ class SlotExperts(ExpertProvider):
         """Whether a graph of an open pass, not known to be done, reads `layer`'s slots."""
         return any(layer in rec.get("open", ()) for rec in self.passes.values())
 
+    def _may_read_group(self, g: str) -> bool:
+        """Whether a graph of an open pass, not known to be done, reads slots of group g."""
+        return any(self.tier.group_of[layer] == g for rec in self.passes.values() for layer in rec.get("open", ()))
+
     def _settle(self) -> None:
         """Evaluates what the open passes have built on the pools, before a fill writes them in
         place (ResidentTier.host): an unevaluated graph would read the new expert. Where a gate
@@ -232,11 +236,12 @@ class SlotExperts(ExpertProvider):
                 mx.eval(fly["pieces"])
                 fly["slots"].clear()
         if in_place:
-            # A slot is read only by graphs of the layer whose expert it held (a layer running
-            # ahead also reads slot 0 for a missing expert's rows, which it never keeps): where
-            # no graph still open may read that layer's slots, the write waits for nothing.
+            # A slot is read only by graphs of the layer whose expert it held, and slot 0 also by
+            # a layer running ahead, for a missing expert's rows (never kept, but a read racing
+            # the write is left to no cache): where no graph still open may read the slot, the
+            # write waits for nothing.
             last = self.tier.last_layer[g][msg.slot]
-            if last is not None and self._may_read(last):
+            if (last is not None and self._may_read(last)) or (msg.slot == 0 and self._may_read_group(g)):
                 self._settle()
             else:
                 self.counters.add("fills_unsettled")
