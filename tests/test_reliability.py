@@ -107,6 +107,31 @@ def test_a_stop_answers_every_request_in_flight_with_shutting_down(tiny_stores, 
     assert "restarting" not in text and "died" not in text and "exited with code" not in text, text
 
 
+@pytest.fixture(scope="module")
+def preload_store(tmp_path_factory) -> Path:
+    """8 layers x 32 experts: a preload of the whole model takes a good part of a second here."""
+    from deltafin.tools import convert
+    from deltafin.tools.synth import tiny
+    root = tmp_path_factory.mktemp("preload")
+    src = tiny("qwen3_moe", root / "hf", layers=8, experts=32, top_k=4, hidden=256, moe_intermediate=192)
+    assert convert.main([str(src), str(root / "store"), "--no-progress"]) == 0
+    return root / "store"
+
+
+def test_a_stop_during_the_preload_ends_every_worker_cleanly(preload_store, tmp_path):
+    """With the whole model in budget compute preloads experts once ready, a need at a time (and
+    again between requests): a stop then finds it waiting for reads. Told first, while router
+    and loader still serve it, it finishes that step and stops; none is killed at the grace's
+    end (before, compute was, after 2 s)."""
+    log_path = tmp_path / "supervisor.log"
+    for _ in range(2):
+        with open(log_path, "w+") as log, running_supervisor(str(preload_store), BIG, stderr=log) as (ep, proc):
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        text = log_path.read_text()
+        assert "did not stop" not in text and "killed" not in text, text
+
+
 # -- unread replies -------------------------------------------------------------------------------
 def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss

@@ -530,14 +530,23 @@ class Supervisor:
         if self.frontend is not None:
             self.frontend.stop()
         if self.workers is not None:
+            deadline = time.monotonic() + (STOP_GRACE_S if self.clean_stop else 0)
             if self.clean_stop and hasattr(self, "control"):
-                for role in ROLES:
-                    if self.workers.alive(role):
-                        try:
-                            send(self.control, M.Shutdown(reason="supervisor stopping"), to=role.encode())
-                        except zmq.ZMQError:
-                            pass
-            self.workers.stop(grace_s=STOP_GRACE_S if self.clean_stop else 0)
+                # compute first: it takes its `shutdown` between requests and needs, and may be
+                # waiting for experts (a preload step, a need) that only router and loader,
+                # still running, can bring
+                for group in (("compute",), tuple(r for r in ROLES if r != "compute")):
+                    for role in group:
+                        if self.workers.alive(role):
+                            try:
+                                send(self.control, M.Shutdown(reason="supervisor stopping"), to=role.encode())
+                            except zmq.ZMQError:
+                                pass
+                    while any(self.workers.alive(r) for r in group) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+            if not self.workers.stop(grace_s=max(0.0, deadline - time.monotonic())) and self.clean_stop:
+                print(f"deltafin-supervisor: a worker did not stop within {STOP_GRACE_S:.0f} s and was "
+                      f"killed", file=sys.stderr, flush=True)
             self.workers.close()
         if self.client is not None:
             self.client.close()

@@ -107,14 +107,15 @@ class Workers:
             pids["forkserver"] = self.forkserver.pid
         return pids
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> bool:
         """Waits up to grace_s for the workers to exit by themselves (after a polite message
         from the caller), then SIGKILL (workers ignore SIGTERM: workers/common.py): one shared
         deadline per step (runtime/procs.py). Each exit is recorded by its watcher before this
-        returns."""
-        stop_processes(self.procs.values(), grace_s)
+        returns. True when every worker exited within grace_s."""
+        clean = stop_processes(self.procs.values(), grace_s)
         for t in self._threads:
             t.join(timeout=1.0)
+        return clean
 
     def close(self) -> None:
         self.wake.close()
