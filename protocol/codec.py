@@ -52,27 +52,42 @@ def short(value, n: int = 64) -> str:
 
 def _check(cls, data: dict):
     kwargs = {}
-    for f in fields(cls):
-        if f.name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+    schema, names = _schema(cls)
+    for name, required, kinds, number, optional, kind_name in schema:
+        if name not in data:
+            if required:
+                raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
             continue
-        value = data[f.name]
-        kind, optional = _kind(f.type)
+        value = data[name]
         if value is None and optional:
-            kwargs[f.name] = None
+            kwargs[name] = None
             continue
-        ok = isinstance(value, _KINDS[kind]) and not (kind in (int, float) and isinstance(value, bool))
-        if not ok:
-            raise ProtocolError(f"{cls.TYPE}: field {f.name!r} must be {kind.__name__}, "
-                                f"got {type(value).__name__}")
-        kwargs[f.name] = value
-    unknown = set(data) - {f.name for f in fields(cls)} - {"type"}
+        if not isinstance(value, kinds) or (number and isinstance(value, bool)):
+            raise ProtocolError(f"{cls.TYPE}: field {name!r} must be {kind_name}, got {type(value).__name__}")
+        kwargs[name] = value
+    unknown = data.keys() - names
     if unknown:
-        names = sorted(map(short, unknown))
-        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {', '.join(names[:8])}{more}")
+        listed = sorted(map(short, unknown))
+        more = f" and {len(listed) - 8} more" if len(listed) > 8 else ""
+        raise ProtocolError(f"{cls.TYPE}: unknown field(s) {', '.join(listed[:8])}{more}")
     return cls(**kwargs)
+
+
+_SCHEMAS: dict[type, tuple] = {}
+
+
+def _schema(cls) -> tuple:
+    """Per field (name, required, accepted types, numeric, optional, type name), and the keys a
+    message of the type may have ("type" and the field names): read off the dataclass once."""
+    got = _SCHEMAS.get(cls)
+    if got is None:
+        rows = []
+        for f in fields(cls):
+            kind, optional = _kind(f.type)
+            required = f.default is MISSING and f.default_factory is MISSING
+            rows.append((f.name, required, _KINDS[kind], kind in (int, float), optional, kind.__name__))
+        got = _SCHEMAS[cls] = (tuple(rows), frozenset([f.name for f in fields(cls)] + ["type"]))
+    return got
 
 
 _TYPE_NAMES = {"int": int, "float": float, "str": str, "bytes": bytes, "bool": bool,
@@ -88,8 +103,8 @@ def _kind(annotation) -> tuple[type, bool]:
 
 def encode(msg) -> bytes:
     data = {"type": msg.TYPE}
-    for f in fields(msg):
-        data[f.name] = getattr(msg, f.name)
+    for name, *_ in _schema(type(msg))[0]:
+        data[name] = getattr(msg, name)
     try:
         return msgpack.packb(data, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer beyond 64 bits
