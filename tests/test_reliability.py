@@ -2,7 +2,8 @@
 without CURVE, a stop answers every request in flight with `shutting_down` (SIGTERM to the whole
 process group too, without a worker restart), a client that never reads cannot make the
 supervisor hold its replies, a temperature below the floor is greedy, a bad configuration is a
-ConfigError, and a /dev/shm without room for the pool is refused at start."""
+ConfigError, a /dev/shm without room for the pool is refused at start, and a stop during the
+preload ends every worker without a kill."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
 import msgpack
 import psutil
 import pytest
