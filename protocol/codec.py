@@ -86,7 +86,7 @@ def _schema(cls) -> tuple:
             kind, optional = _kind(f.type)
             required = f.default is MISSING and f.default_factory is MISSING
             rows.append((f.name, required, _KINDS[kind], kind in (int, float), optional, kind.__name__))
-        got = _SCHEMAS[cls] = (tuple(rows), frozenset([f.name for f in fields(cls)] + ["type"]))
+        got = _SCHEMAS[cls] = (tuple(rows), frozenset([row[0] for row in rows] + ["type"]))
     return got
 
 

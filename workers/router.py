@@ -551,9 +551,9 @@ class Router:
                     return self._read(g, slot, gen, layer, expert, queue is self.queued_ahead)
         return []
 
-    def _reply(self, p: dict | None = None) -> M.Slots:
-        """The `slots` answer of the need waiting (or of p)."""
-        p = p or self.pending
+    def _reply(self) -> M.Slots:
+        """The `slots` answer of the need waiting (a lease gets none)."""
+        p = self.pending
         if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
             self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0
