@@ -232,6 +232,19 @@ def test_a_need_carries_hints_and_uses_the_router_takes_first():
             layer_lists(bad, "hints")
 
 
+def test_the_router_counts_each_message_type_and_the_time_until_its_answers_left():
+    """`handled`: per type, the handler's whole time and its part until the answers and read
+    orders were sent; a message that sent nothing counts its whole time there."""
+    from deltafin.workers.router_process import Handled
+    h = Handled()
+    h.add("need", 0.004, 0.001)
+    h.add("need", 0.002, 0.001)
+    h.add("hint", 0.0003)
+    s = h.summary()
+    assert s["need"] == {"count": 2, "total_s": 0.006, "mean_us": 3000.0, "sent_mean_us": 1000.0}
+    assert s["hint"]["sent_mean_us"] == s["hint"]["mean_us"] == 300.0
+
+
 @pytest.mark.parametrize("gap_s, issued", [(None, 3), (1.0, 3), (0.0045, 1)])
 def test_the_bandwidth_gate_issues_only_prefetch_reads_that_pay(gap_s, issued):
     """The router's bandwidth gate measures its reads and needs; here its figures are set: 5 ms
@@ -639,6 +652,11 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                 assert (leases > 0) == (name.endswith("prefetch") and not name.startswith("nolease")), (name, leases)
                 assert (stats["router"].get("leases", 0) > 0) == (leases > 0)
                 assert (stats["router"].get("lease_reads", 0) > 0) == (leases > 0), stats["router"]
+                # what each message cost the router, and of it what a need's reads waited for
+                handled = stats["router"]["handled"]
+                assert handled["need"]["count"] > 0
+                for kind, h in handled.items():
+                    assert 0 < h["sent_mean_us"] <= h["mean_us"], (kind, h)
     for name, (_, _, s) in runs.items():
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]

@@ -91,10 +91,12 @@ class RouterProcess(WorkerProcess):
             out = [("compute", M.Error(id=getattr(msg, "req", None), code=e.code, message=str(e)))]
         for to, m in out:
             send(self.data, m, to=to.encode())
+        t_out = time.perf_counter()
         if self.router is not None:  # the prefetch planned after an answer, once it is sent
             for to, m in self.router.deferred():
                 send(self.data, m, to=to.encode())
-        self.handled.add("lease" if getattr(msg, "lease", False) else msg.TYPE, time.perf_counter() - t0)
+        self.handled.add("lease" if getattr(msg, "lease", False) else msg.TYPE, time.perf_counter() - t0,
+                         t_out - t0)
 
     def on_hello(self, sender: bytes, msg: M.PeerHello) -> list:
         send(self.data, M.PeerHello(role="router"), to=sender)
@@ -144,17 +146,22 @@ def layer_lists(value, name: str) -> list:
 
 
 class Handled:
-    """Messages the router handled, per type: how many and the time its handlers took, answers
-    sent included (`handled` in its stats): what a need may queue behind."""
+    """Messages the router handled, per type: how many, the time its handlers took, answers
+    sent included (`handled` in its stats: what a need may queue behind), and of it the time
+    until the handler's own answers and read orders were sent (`sent_mean_us`: what a need's
+    reads wait for; the prefetch planned after them is the rest)."""
 
     def __init__(self):
         self.n: dict[str, int] = {}
         self.s: dict[str, float] = {}
+        self.sent: dict[str, float] = {}
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, kind: str, seconds: float, sent: float | None = None) -> None:
         self.n[kind] = self.n.get(kind, 0) + 1
         self.s[kind] = self.s.get(kind, 0.0) + seconds
+        self.sent[kind] = self.sent.get(kind, 0.0) + (seconds if sent is None else sent)
 
     def summary(self) -> dict:
-        return {k: {"count": n, "total_s": round(self.s[k], 6), "mean_us": round(self.s[k] / n * 1e6, 1)}
+        return {k: {"count": n, "total_s": round(self.s[k], 6), "mean_us": round(self.s[k] / n * 1e6, 1),
+                    "sent_mean_us": round(self.sent[k] / n * 1e6, 1)}
                 for k, n in self.n.items()}
