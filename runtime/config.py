@@ -141,6 +141,7 @@ class BenchConfig:
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
+    ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
 
 
 @dataclass
@@ -245,6 +246,8 @@ class Config:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
         if self.bench.spin_ms < 0:
             raise ConfigError("bench.spin_ms must be >= 0 (0: sleep in poll)")
+        if self.bench.ahead_reads < 0:
+            raise ConfigError("bench.ahead_reads must be >= 0 (0: half the staging ring)")
         if self.bench.ahead_depth < 1:
             raise ConfigError("bench.ahead_depth must be >= 1 (layers that ran ahead left unchecked)")
         if not 1 <= self.loader.threads <= 64:

@@ -449,6 +449,29 @@ def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer()
     assert (1, 3) not in r.table.where and s["lease_wasted"] == 1 and s["lease_precision"] == 0.5
 
 
+@pytest.mark.parametrize("cap", [None, 1])
+def test_reads_ahead_hold_at_most_their_cap_of_staging_slots(cap):
+    """A lease's reads take at most `prefetch_cap` staging slots at once (half the ring unless
+    bench.ahead_reads lowers it), each until compute applied its fill (`filled`); the rest wait
+    in order, and a demand read never waits for them."""
+    r = Router(8, "lru", n_staging=8, moe_layers=[0, 1], n_experts=8)
+    if cap is not None:
+        r.prefetch_cap = cap
+    limit = cap or 4
+    assert r.stats()["ahead_cap"] == limit
+    first = _sent(r.need(1, 1, [0, 1, 2, 3, 4], lease=True), M.Read)
+    assert [m.expert for m in first] == list(range(limit)) and all(m.prefetch for m in first)
+    demand = _sent(r.need(2, 0, [5]), M.Read)                     # a need: read at once, whatever waits
+    assert [(m.layer, m.expert, m.prefetch) for m in demand] == [(0, 5, False)]
+
+    def land(read):  # the loader read it, compute applied its fill: the reads it let go
+        out = r.loaded(_loaded(read))
+        fill = _sent(out, M.Fill)[0]
+        return _sent(out, M.Read) + _sent(r.filled(M.Filled(staging=fill.staging, generation=fill.generation)), M.Read)
+    assert not land(demand[0])                                   # the lease's reads still hold the cap
+    assert [m.expert for m in land(first[0])] == [limit]         # one landed: the next one goes
+
+
 def test_a_lease_is_best_effort():
     """A lease never fails the run: what finds no slot is left out (counted), a lease read that
     fails drops the lease (the `fill_failed` names it, no error), and the next need reads again."""
@@ -623,13 +646,15 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                         ("lru+prefetch", {"policy": "lru", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("late+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("nolease+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
+                        ("one+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0}),
                         ("whole+prefetch", {"policy": "predictive", "prefetch": True, "prefetch_threshold": 0.0,
                                             "whole_layers": True})):
         path = tmp_path / f"{name}.toml"
         path.write_text("[cache]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
                         + f"[bench]\nearly_fills = {json.dumps(not name.startswith('late'))}\n"  # on the CPU "auto" is off
-                        + f"leases = {json.dumps(not name.startswith('nolease'))}\n")
+                        + f"leases = {json.dumps(not name.startswith('nolease'))}\n"
+                        + f"ahead_reads = {1 if name.startswith('one') else 0}\n")
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
@@ -657,15 +682,17 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                 assert handled["need"]["count"] > 0
                 for kind, h in handled.items():
                     assert 0 < h["sent_mean_us"] <= h["mean_us"], (kind, h)
+                # reads ahead hold at most half the staging ring, or bench.ahead_reads of it
+                assert stats["router"]["ahead_cap"] == (1 if name.startswith("one") else 3), name
     for name, (_, _, s) in runs.items():
         print(name, {k: s.get(k) for k in ("hits", "uses", "reads", "prefetch_reads", "prefetch_used", "stray_uses", "evictions")})
     ref_toks, ref_logits, ref_stats = runs["lru"]
     assert "prefetch_reads" not in ref_stats and ref_stats.get("evictions", 0) > 0
     for name in ("predictive", "predictive+prefetch", "lru+prefetch", "late+prefetch", "nolease+prefetch",
-                 "whole+prefetch"):
+                 "one+prefetch", "whole+prefetch"):
         toks, logits, stats = runs[name]
         assert stats["policy"] == name.split("+")[0].replace("late", "predictive").replace(
-            "nolease", "predictive").replace("whole", "predictive")
+            "nolease", "predictive").replace("whole", "predictive").replace("one", "predictive")
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
         assert stats.get("prefetch_reads", 1) > 0
         if name.endswith("prefetch"):

@@ -110,6 +110,7 @@ class Loader:
         self.counters = Counter()
         self.read_latency = Latency()     # first chunk started -> record read and checked
         self.queue_latency = Latency()    # order received -> its first chunk started
+        self.demand_latency = Latency()   # read_latency of demand reads alone (not prefetch or lease)
         self.busy_s = 0.0                 # time with at least one read in flight (disk busy)
         self.depth_s = 0.0                # integral of reads in flight over time (mean queue depth)
         self._active, self._busy_since, self._first, self._changed = 0, 0.0, None, 0.0
@@ -162,6 +163,8 @@ class Loader:
         now = time.perf_counter()
         with self._lock:
             self.read_latency.add(now - job.t_start)
+            if not order.prefetch:
+                self.demand_latency.add(now - job.t_start)
             self.queue_latency.add(job.t_start - job.t_queued)
             self.counters.add("reads")
             self.counters.add("prefetch_reads" if order.prefetch else "demand_reads")
@@ -188,6 +191,7 @@ class Loader:
         c = self.counters.snapshot()
         wall = (time.perf_counter() - self._first) if self._first is not None else 0.0
         return {**c, "read": self.read_latency.summary(), "queue_wait": self.queue_latency.summary(),
+                "demand_read": self.demand_latency.summary(),
                 "chunk_bytes": self.chunk_bytes,
                 "direct_io": all(f.direct for f in self._files.values()) if self._files else None,
                 # bytes over the time some read was in flight: the disk's rate while it was used

@@ -133,8 +133,9 @@ class Router:
         self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
         # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
         self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
-        # prefetch reads hold at most half the staging ring (read, or read and not yet applied by
-        # compute): the other half is always there for demand reads
+        # prefetch and lease reads hold at most half the staging ring (read, or read and not yet
+        # applied by compute): the other half is always there for demand reads (`ahead_cap` in the
+        # stats; the router process may lower it: bench.ahead_reads)
         self.prefetch_cap = len(self.staging_free) // 2
         self.pending: dict | None = None  # the need compute waits for (and pins)
         self.leases: dict[int, dict] = {}  # req -> a lease: experts of a later layer, held
@@ -574,6 +575,7 @@ class Router:
         if c.get("leases"):
             c.update(self.lease_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
+                "ahead_cap": self.prefetch_cap,
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": metrics.hit_rate(c.get("hits", 0), uses),
                 "distinct_experts_used": len(self.uses),

@@ -66,6 +66,8 @@ class RouterProcess(WorkerProcess):
         self.router = router_for(Store(self.run["store"]), self.config.cache, msg.resident, msg.n_slots)
         self.router.defer_prefetch = self.config.bench.defer_prefetch
         self.router.lazy_history = self.config.bench.fold_notes
+        if self.config.bench.ahead_reads:
+            self.router.prefetch_cap = min(self.router.prefetch_cap, self.config.bench.ahead_reads)
 
     def idle(self):
         """With nothing waiting, the predictor catches up with the uses and needs it was spared

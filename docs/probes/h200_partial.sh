@@ -3,7 +3,7 @@
 # After docs/probes/h200_setup.sh (MLX CUDA in /tmp/site, the deltafin namespace mapped in /tmp/ns,
 # the checkpoint as a store in /tmp/store: deltafin-synth tiny qwen3_moe ... --init hf,
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
-#   bash docs/probes/h200_partial.sh split    # launch_first, ahead_depth, fold_notes, spin_ms: real supervisors, 25%
+#   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_depth at 50%
 #   bash docs/probes/h200_partial.sh bench    # the same switches as bench contenders beside mlx-lm
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
@@ -15,7 +15,7 @@ mkdir -p "$out"
 case "${1:-split}" in
   split)
     python3 docs/probes/real_split.py /tmp/store 3 \
-      "base:launch_first = false:0.25,lf:launch_first = true:0.25,deep2:launch_first = true;ahead_depth = 2:0.25,deep8:launch_first = true;ahead_depth = 8:0.25,unfold:fold_notes = false:0.25,spin:spin_ms = 2.0:0.25" -v \
+      "base:launch_first = false:0.25,lf:launch_first = true:0.25,one:ahead_reads = 1:0.25,lfone:launch_first = true;ahead_reads = 1:0.25,nolease:leases = false:0.25,spin:spin_ms = 2.0:0.25" -v \
       > "$out/split-0.25.txt" 2>&1
     grep "^r\|all same" "$out/split-0.25.txt" | cut -c1-260 ;;
   split50)

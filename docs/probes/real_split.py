@@ -44,16 +44,22 @@ def main() -> None:
             first.setdefault(name, done.token_ids)
             split = {k: round(v, 4) for k, v in done.stats.items() if k.endswith(("tok_s", "_s"))}
             pipe = {k: v for k, v in comp.get("pipeline", {}).items() if k != "resolved"}
-            print(f"r{r} {name} same={done.token_ids == first[name]} {json.dumps(split)} pipeline={pipe}",
-                  flush=True)
+            dec = done.stats.get("decode") or {}
+            n = max(1, dec.get("tokens") or 1)  # the decode phase alone, ms per token
+            per_tok = {k[:-2]: round(v * 1e3 / n, 3) for k, v in dec.items()
+                       if k in ("total_s", "compute_s", "wait_s", "ipc_s", "prepare_s", "sync_s")}
+            print(f"r{r} {name} same={done.token_ids == first[name]} {json.dumps(split)} "
+                  f"decode_ms_per_token={json.dumps(per_tok)} pipeline={pipe}", flush=True)
             if verbose:  # where a need's time goes outside compute: the router's stall, the loader's reads
                 rt, ld = workers.get("router", {}), workers.get("loader", {})
                 keep = ("hits", "uses", "prefetch_reads", "lease_reads", "lease_used", "stall", "handled")
                 print("   router", json.dumps({k: rt.get(k) for k in keep}), flush=True)
-                print("   loader", json.dumps({k: ld.get(k) for k in ("read", "queue_wait", "reads", "bytes")}),
-                      flush=True)
-                print("   compute", json.dumps({"messages": comp.get("messages"), "prepare": comp.get("prepare")}),
-                      flush=True)
+                lat = {k: {m: v for m, v in (ld.get(k) or {}).items() if m != "hist"}
+                       for k in ("read", "demand_read", "queue_wait")}
+                print("   loader", json.dumps({**lat, "reads": ld.get("reads"), "bytes": ld.get("bytes"),
+                                             "mean_in_flight": ld.get("mean_in_flight")}), flush=True)
+                prep = {m: v for m, v in (comp.get("prepare") or {}).items() if m != "hist"}
+                print("   compute", json.dumps({"messages": comp.get("messages"), "prepare": prep}), flush=True)
     print("all same", len({tuple(t) for t in first.values()}) == 1)
 
 
