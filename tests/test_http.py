@@ -302,7 +302,11 @@ def test_disconnect_mid_stream_and_frontend_restart(tiny_stores):
                     time.sleep(0.1)
                 stats = c.stats()
             assert stats["active_requests"] == 0
-            assert stats["totals"]["decode_tokens"] - decoded < n_alone // 2
+            # compute took the cancel and ended the request before its end (alone it decodes
+            # n_alone tokens; on a quiet machine 18-51 of 255 went before the cancel landed, 187
+            # once with this machine's two cores busy, so the bound is the whole answer)
+            assert stats["workers"]["compute"].get("cancelled", 0) >= 1, stats["workers"]["compute"]
+            assert stats["totals"]["decode_tokens"] - decoded < n_alone
         r = oa.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
 

@@ -694,7 +694,10 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
         assert stats["policy"] == name.split("+")[0].replace("late", "predictive").replace(
             "nolease", "predictive").replace("whole", "predictive").replace("one", "predictive")
         assert ("prefetch_reads" in stats) == name.endswith("prefetch")
-        assert stats.get("prefetch_reads", 1) > 0
+        if name.startswith("one"):  # one staging slot for reads ahead: leases may take every turn
+            assert stats["prefetch_reads"] + stats.get("lease_reads", 0) > 0
+        else:
+            assert stats.get("prefetch_reads", 1) > 0
         if name.endswith("prefetch"):
             assert 0 < stats["hint_precision"] <= 1
         assert toks == ref_toks
