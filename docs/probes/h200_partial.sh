@@ -4,7 +4,7 @@
 # the checkpoint as a store in /tmp/store: deltafin-synth tiny qwen3_moe ... --init hf,
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
-#   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_depth at 50%
+#   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench    # the same switches as bench contenders beside mlx-lm
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
@@ -20,12 +20,12 @@ case "${1:-split}" in
     grep "^r\|all same" "$out/split-0.25.txt" | cut -c1-260 ;;
   split50)
     python3 docs/probes/real_split.py /tmp/store 3 \
-      "base:launch_first = false:0.5,lf:launch_first = true:0.5,deep8:launch_first = true;ahead_depth = 8:0.5" -v \
+      "base:launch_first = false:0.5,lf:launch_first = true:0.5,one:ahead_reads = 1:0.5" -v \
       > "$out/split-0.5.txt" 2>&1
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
   bench)
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
-      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-ahead-deep,deltafin-chunked,mlx-lm \
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-one-ahead,mlx-lm \
       --rounds 3 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
     tail -40 "$out/bench.txt" ;;
   exact)
