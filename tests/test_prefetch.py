@@ -320,7 +320,7 @@ class Wire:
                 g, slot = self.router.staging_use[msg.slot][:2]
                 self.prefetch_reads += slot in self.router.tables[g].prefetched
                 assert not self.router.queued, "a read ahead went out while a demand read waits"
-                assert len(self.router.prefetching) <= self.router.prefetch_cap
+                assert len(self.router.prefetching) <= self.router.ahead_cap
             self.flight.append(msg)
 
     def loader_step(self) -> None:
@@ -451,12 +451,12 @@ def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer()
 
 @pytest.mark.parametrize("cap", [None, 1])
 def test_reads_ahead_hold_at_most_their_cap_of_staging_slots(cap):
-    """A lease's reads take at most `prefetch_cap` staging slots at once (half the ring unless
+    """A lease's reads take at most `ahead_cap` staging slots at once (half the ring unless
     bench.ahead_reads lowers it), each until compute applied its fill (`filled`); the rest wait
     in order, and a demand read never waits for them."""
     r = Router(8, "lru", n_staging=8, moe_layers=[0, 1], n_experts=8)
     if cap is not None:
-        r.prefetch_cap = cap
+        r.ahead_cap = cap
     limit = cap or 4
     assert r.stats()["ahead_cap"] == limit
     first = _sent(r.need(1, 1, [0, 1, 2, 3, 4], lease=True), M.Read)

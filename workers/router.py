@@ -136,7 +136,7 @@ class Router:
         # prefetch and lease reads hold at most half the staging ring (read, or read and not yet
         # applied by compute): the other half is always there for demand reads (`ahead_cap` in the
         # stats; the router process may lower it: bench.ahead_reads)
-        self.prefetch_cap = len(self.staging_free) // 2
+        self.ahead_cap = len(self.staging_free) // 2
         self.pending: dict | None = None  # the need compute waits for (and pins)
         self.leases: dict[int, dict] = {}  # req -> a lease: experts of a later layer, held
 
@@ -469,7 +469,7 @@ class Router:
         if f is None or self.queued or not (unasked or (self.pending and self.pending["demand"])):
             return []
         self.catch_up()
-        room = min(self.prefetch_cap - len(self.prefetching), len(self.staging_free))
+        room = min(self.ahead_cap - len(self.prefetching), len(self.staging_free))
         if room <= 0:
             return []
         rows = self.row_layer
@@ -516,7 +516,7 @@ class Router:
         shares the disk with them), behind every demand read, here and in the loader (as a
         prefetch read), and holds at most the prefetch share of the staging ring, with the
         prefetch reads."""
-        if ahead and (self.queued or len(self.prefetching) >= self.prefetch_cap or
+        if ahead and (self.queued or len(self.prefetching) >= self.ahead_cap or
                       (self.pending is not None and self.pending["waiting"])):
             self.queued_ahead.append((g, slot, gen, layer, expert))
             return []
@@ -544,7 +544,7 @@ class Router:
         for queue in (self.queued, self.queued_ahead):
             if queue is self.queued_ahead and self.pending is not None and self.pending["waiting"]:
                 break
-            while queue and self.staging_free and (queue is self.queued or len(self.prefetching) < self.prefetch_cap):
+            while queue and self.staging_free and (queue is self.queued or len(self.prefetching) < self.ahead_cap):
                 g, slot, gen, layer, expert = queue.popleft()
                 table = self.tables[g]
                 # a queued read whose fill was superseded or failed meanwhile is dropped
@@ -575,7 +575,7 @@ class Router:
         if c.get("leases"):
             c.update(self.lease_stats())
         return {**c, "n_slots": self.n_slots, "staging_slots": len(self.staging_free) + len(self.staging_use),
-                "ahead_cap": self.prefetch_cap,
+                "ahead_cap": self.ahead_cap,
                 "policy": self.policy_name, "resident": sum(len(t.where) for t in self.tables.values()),
                 "hit_rate": metrics.hit_rate(c.get("hits", 0), uses),
                 "distinct_experts_used": len(self.uses),

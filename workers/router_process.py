@@ -67,7 +67,7 @@ class RouterProcess(WorkerProcess):
         self.router.defer_prefetch = self.config.bench.defer_prefetch
         self.router.lazy_history = self.config.bench.fold_notes
         if self.config.bench.ahead_reads:
-            self.router.prefetch_cap = min(self.router.prefetch_cap, self.config.bench.ahead_reads)
+            self.router.ahead_cap = min(self.router.ahead_cap, self.config.bench.ahead_reads)
 
     def idle(self):
         """With nothing waiting, the predictor catches up with the uses and needs it was spared
