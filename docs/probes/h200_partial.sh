@@ -7,6 +7,8 @@
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench    # the same switches as bench contenders beside mlx-lm
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
+#   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
+#   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/ns PYTHONUNBUFFERED=1
@@ -28,6 +30,20 @@ case "${1:-split}" in
       --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-one-ahead,mlx-lm \
       --rounds 3 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
     tail -40 "$out/bench.txt" ;;
+  profile)
+    for share in 0.25 1.0; do
+      rm -rf "/tmp/prof-$share"
+      DELTAFIN_PROFILE_DIR="/tmp/prof-$share" python3 docs/probes/real_split.py /tmp/store 1 "base:launch_first = false:$share" -v \
+        > "$out/profile-split-$share.txt" 2>&1
+      for f in /tmp/prof-$share/*.prof; do
+        python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(40); s.sort_stats('cumulative').print_stats(60)" \
+          "$f" > "$out/profile-$share-$(basename "$f" .prof).txt" 2>&1
+      done
+    done
+    grep -h "^r" "$out"/profile-split-*.txt | cut -c1-400 ;;
+  inproc)
+    PROFILE=partial python3 docs/probes/partial_layer.py /tmp/store 64 64 3 > "$out/inproc.txt" 2>&1
+    grep "median\|differ" "$out/inproc.txt" ;;
   exact)
     python3 -m pytest -q -p no:cacheprovider -k "stream or gpu or run_ahead or rewind or kept" \
       tests/test_greedy_exact.py tests/test_run_ahead.py > "$out/exact.txt" 2>&1

@@ -84,7 +84,9 @@ def main() -> None:
               f"tokens {'= ' + names[0] if same is None else f'leave {names[0]} at {same}'}")
     if prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(60)
         print(out.getvalue())
 
 
