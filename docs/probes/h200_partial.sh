@@ -9,6 +9,7 @@
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
+#   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/ns PYTHONUNBUFFERED=1
@@ -44,6 +45,11 @@ case "${1:-split}" in
   inproc)
     PROFILE=partial python3 docs/probes/partial_layer.py /tmp/store 64 64 3 > "$out/inproc.txt" 2>&1
     grep "median\|differ" "$out/inproc.txt" ;;
+  graphs)
+    for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
+      env "$env" python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial > "$out/graphs-$env.txt" 2>&1
+      echo "$env: $(grep median "$out/graphs-$env.txt" | tr -s ' ' | cut -d' ' -f1,3 | tr '\n' ' ')"
+    done ;;
   exact)
     python3 -m pytest -q -p no:cacheprovider -k "stream or gpu or run_ahead or rewind or kept" \
       tests/test_greedy_exact.py tests/test_run_ahead.py > "$out/exact.txt" 2>&1
