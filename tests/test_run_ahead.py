@@ -105,3 +105,23 @@ def test_a_key_value_cache_rewinds_to_write_the_same_positions_again():
     assert c.offset == 4 and np.array_equal(np.array(first), np.array(again))
     with pytest.raises(TypeError, match="cannot take a pass back"):
         SlidingKVCache(4).rewind(1)
+
+
+@pytest.mark.parametrize("setting,gpu,environ,expected", [
+    ("auto", True, {}, "0"),      # a GPU: kernels launched one by one
+    (True, True, {}, "1"),
+    (False, True, {}, "0"),
+    ("auto", False, {}, None),    # the CPU backend has no graphs: the environment is left alone
+    (True, True, {"MLX_USE_CUDA_GRAPHS": "0"}, None),  # a value the user set wins
+])
+def test_compute_runs_mlx_cuda_graphs_as_configured(setting, gpu, environ, expected):
+    """bench.cuda_graphs: what compute's process sets MLX_USE_CUDA_GRAPHS to before its first kernel."""
+    from deltafin.runtime.config import BenchConfig
+    from deltafin.workers.pipeline import cuda_graphs_env
+    assert cuda_graphs_env(BenchConfig(cuda_graphs=setting), gpu, environ) == expected
+
+
+def test_cuda_graphs_setting_is_checked():
+    from deltafin.runtime.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="bench.cuda_graphs"):
+        load_config(None, overrides={"bench.cuda_graphs": "sometimes"})

@@ -26,6 +26,7 @@ from deltafin.runtime.sockets import send
 from deltafin.runtime.store import Store
 from deltafin.workers.common import WorkerProcess
 from deltafin.workers.engine import Compute
+from deltafin.workers.pipeline import on_gpu, use_cuda_graphs
 from deltafin.workers.scheduler import (Queued, RequestQueue, admit, cancelled_reply, error_reply,
                                         finished)
 from deltafin.workers.sources import ExpertUnavailable, RouterClient
@@ -36,6 +37,7 @@ class ComputeProcess(WorkerProcess):
 
     def setup(self):
         self.cfg = as_config(self.config)
+        use_cuda_graphs(self.cfg.bench, gpu=on_gpu())  # before MLX's first kernel
         mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
         self.store = Store(self.run["store"])
         self.data = self.connect_data_plane()

@@ -4,7 +4,9 @@ serves it on the data-plane ROUTER socket, one handler per message type (`HANDLE
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 import zmq
 
@@ -153,17 +155,24 @@ class Handled:
     until the handler's own answers and read orders were sent (`sent_mean_us`: what a need's
     reads wait for; the prefetch planned after them is the rest)."""
 
-    def __init__(self):
+    def __init__(self, keep: int = 4096):
         self.n: dict[str, int] = {}
         self.s: dict[str, float] = {}
         self.sent: dict[str, float] = {}
+        self.recent: dict[str, deque] = {}  # the last `keep` sent times per type, for the median
+        self.keep = keep
 
     def add(self, kind: str, seconds: float, sent: float | None = None) -> None:
+        sent = seconds if sent is None else sent
         self.n[kind] = self.n.get(kind, 0) + 1
         self.s[kind] = self.s.get(kind, 0.0) + seconds
-        self.sent[kind] = self.sent.get(kind, 0.0) + (seconds if sent is None else sent)
+        self.sent[kind] = self.sent.get(kind, 0.0) + sent
+        self.recent.setdefault(kind, deque(maxlen=self.keep)).append(sent)
 
     def summary(self) -> dict:
+        """Per type; `sent_p50_us` beside the means, which one slow message (a first call's
+        import, a prefill's need of many reads) can carry."""
         return {k: {"count": n, "total_s": round(self.s[k], 6), "mean_us": round(self.s[k] / n * 1e6, 1),
-                    "sent_mean_us": round(self.sent[k] / n * 1e6, 1)}
+                    "sent_mean_us": round(self.sent[k] / n * 1e6, 1),
+                    "sent_p50_us": round(statistics.median(self.recent[k]) * 1e6, 1)}
                 for k, n in self.n.items()}

@@ -5,7 +5,7 @@
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
-#   bash docs/probes/h200_partial.sh bench    # the same switches as bench contenders beside mlx-lm
+#   bash docs/probes/h200_partial.sh bench    # compute with and without CUDA graphs beside mlx-lm, 2 rounds
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
@@ -28,8 +28,8 @@ case "${1:-split}" in
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
   bench)
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
-      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-launch-first,deltafin-one-ahead,mlx-lm \
-      --rounds 3 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-cuda-graphs,mlx-lm \
+      --rounds 2 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
     tail -40 "$out/bench.txt" ;;
   profile)
     for share in 0.25 1.0; do
