@@ -73,11 +73,12 @@ class Pipeline:
         compute (demo 0.97-0.98x). "auto" run ahead on a GPU, where a read-back per layer
         leaves the device idle while the host builds the next layer."""
         eager = gpu if bench.eager_layers == "auto" else bench.eager_layers
+        graphs = os.environ.get(CUDA_GRAPHS_ENV, "")  # as use_cuda_graphs left it
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
                        fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                       ahead_depth=bench.ahead_depth, cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""))
+                       ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
@@ -85,7 +86,7 @@ class Pipeline:
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                   ahead_depth=bench.ahead_depth, cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""))
+                   ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
 
     def report(self) -> dict:
         return asdict(self)

@@ -155,7 +155,7 @@ class Handled:
     until the handler's own answers and read orders were sent (`sent_mean_us`: what a need's
     reads wait for; the prefetch planned after them is the rest)."""
 
-    def __init__(self, keep: int = 4096):
+    def __init__(self, keep: int = 512):  # small: the stats thread sorts them every 250 ms
         self.n: dict[str, int] = {}
         self.s: dict[str, float] = {}
         self.sent: dict[str, float] = {}
