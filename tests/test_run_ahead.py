@@ -108,11 +108,10 @@ def test_a_key_value_cache_rewinds_to_write_the_same_positions_again():
 
 
 @pytest.mark.parametrize("setting,gpu,environ,expected", [
-    ("auto", True, {}, "0"),      # a GPU: kernels launched one by one
-    (True, True, {}, "1"),
-    (False, True, {}, "0"),
-    ("auto", False, {}, None),    # the CPU backend has no graphs: the environment is left alone
-    (True, True, {"MLX_USE_CUDA_GRAPHS": "0"}, None),  # a value the user set wins
+    (True, True, {}, None),       # MLX's default: graphs on
+    (False, True, {}, "0"),       # kernels launched one by one
+    (False, False, {}, None),     # the CPU backend has no graphs: the environment is left alone
+    (False, True, {"MLX_USE_CUDA_GRAPHS": "1"}, None),  # a value the user set wins
 ])
 def test_compute_runs_mlx_cuda_graphs_as_configured(setting, gpu, environ, expected):
     """bench.cuda_graphs: what compute's process sets MLX_USE_CUDA_GRAPHS to before its first kernel."""

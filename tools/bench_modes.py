@@ -28,7 +28,7 @@ DELTAFIN_MODES = {
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
     "deltafin-one-ahead": [],  # the default with one lease or prefetch read in flight at most
-    "deltafin-cuda-graphs": [],  # the default with MLX CUDA batching compute's kernels into CUDA graphs
+    "deltafin-no-cuda-graphs": [],  # the default with MLX CUDA launching compute's kernels one by one
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
 }
@@ -51,7 +51,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
-    "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},
+    "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -31,16 +31,16 @@ def on_gpu() -> bool:
 
 
 def cuda_graphs_env(bench: BenchConfig, gpu: bool, environ=os.environ) -> str | None:
-    """The MLX_USE_CUDA_GRAPHS value compute's process should run with ("0" or "1"), or None to
-    leave the environment as it is: a value already set there wins, and the CPU backend has no
-    graphs. "auto" is "0" on a GPU: a partial layer's routing comes back to the host, so the device
-    drains once per layer, and a CUDA graph starts only once its nodes are encoded, where kernels
-    launched one by one start as they come (H200, docs/BENCHMARKS.md: 12.13 -> 9.77 ms per token
-    at 25% of the experts)."""
-    if not gpu or CUDA_GRAPHS_ENV in environ:
+    """"0" where compute's process should run MLX CUDA without CUDA graphs (bench.cuda_graphs
+    false, on a GPU, the environment not saying otherwise: a value set there wins), else None (the
+    environment left as it is; MLX's default is graphs on). Off, each kernel starts as it is
+    encoded instead of once its graph of up to 20 nodes is: a partial layer's routing comes back to
+    the host, so the device drains once per layer (H200, one process, 25% of the experts: 12.13
+    -> 9.77 ms per token, docs/BENCHMARKS.md). Open until its greedy tokens are checked against
+    mlx-lm's on a GPU (tests/test_greedy_exact.py runs it)."""
+    if not gpu or CUDA_GRAPHS_ENV in environ or bench.cuda_graphs:
         return None
-    on = False if bench.cuda_graphs == "auto" else bool(bench.cuda_graphs)
-    return "1" if on else "0"
+    return "0"
 
 
 def use_cuda_graphs(bench: BenchConfig, gpu: bool) -> None:
@@ -64,7 +64,7 @@ class Pipeline:
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
-    cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": MLX's default, graphs on CUDA)
+    cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":

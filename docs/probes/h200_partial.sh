@@ -5,7 +5,7 @@
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
-#   bash docs/probes/h200_partial.sh bench    # compute with and without CUDA graphs beside mlx-lm, 2 rounds
+#   bash docs/probes/h200_partial.sh bench    # compute with CUDA graphs (MLX's default) and without, beside mlx-lm, 2 rounds
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
@@ -28,7 +28,7 @@ case "${1:-split}" in
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
   bench)
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
-      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-cuda-graphs,mlx-lm \
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-no-cuda-graphs,mlx-lm \
       --rounds 2 --prompt-tokens 9 --max-tokens 64 > "$out/bench.txt" 2>&1
     tail -40 "$out/bench.txt" ;;
   profile)
@@ -47,8 +47,9 @@ case "${1:-split}" in
     grep "median\|differ" "$out/inproc.txt" ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
-      env "$env" python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial > "$out/graphs-$env.txt" 2>&1
-      echo "$env: $(grep median "$out/graphs-$env.txt" | tr -s ' ' | cut -d' ' -f1,3 | tr '\n' ' ')"
+      f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back
+      env "$env" python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial > "$f" 2>&1
+      echo "$env: $(grep median "$f" | tr -s ' ' | tr '\n' ' ')"
     done ;;
   exact)
     python3 -m pytest -q -p no:cacheprovider -k "stream or gpu or run_ahead or rewind or kept" \
