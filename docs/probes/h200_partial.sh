@@ -7,6 +7,7 @@
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench    # compute with CUDA graphs (MLX's default) and without, beside mlx-lm, 2 rounds
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
+#   bash docs/probes/h200_partial.sh goal     # issue 28 in one call: the streaming check (graphs off included), then bench
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -51,6 +52,10 @@ case "${1:-split}" in
       env "$env" python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial > "$f" 2>&1
       echo "$env: $(grep median "$f" | tr -s ' ' | tr '\n' ' ')"
     done ;;
+  goal)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -k streaming_gives tests/test_greedy_exact.py > "$out/goal-exact.txt" 2>&1
+    tail -5 "$out/goal-exact.txt"
+    timeout 240 bash "$0" bench ;;
   exact)
     python3 -m pytest -q -p no:cacheprovider -k "stream or gpu or run_ahead or rewind or kept" \
       tests/test_greedy_exact.py tests/test_run_ahead.py > "$out/exact.txt" 2>&1
