@@ -4,14 +4,13 @@ serves it on the data-plane ROUTER socket, one handler per message type (`HANDLE
 """
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 
 import zmq
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.config import CacheConfig
+from deltafin.runtime.metrics import Latency
 from deltafin.runtime.sockets import make_socket, recv, send
 from deltafin.workers.common import WorkerProcess
 from deltafin.workers.router import Router, RouterError
@@ -155,24 +154,25 @@ class Handled:
     until the handler's own answers and read orders were sent (`sent_mean_us`: what a need's
     reads wait for; the prefetch planned after them is the rest)."""
 
-    def __init__(self, keep: int = 512):  # small: the stats thread sorts them every 250 ms
-        self.n: dict[str, int] = {}
-        self.s: dict[str, float] = {}
-        self.sent: dict[str, float] = {}
-        self.recent: dict[str, deque] = {}  # the last `keep` sent times per type, for the median
+    def __init__(self, keep: int = 512):  # small: the stats thread summarizes them every 250 ms
+        self.whole: dict[str, Latency] = {}  # per type: the handler's whole time
+        self.sent: dict[str, Latency] = {}   # per type: its part until its answers and reads left
         self.keep = keep
 
     def add(self, kind: str, seconds: float, sent: float | None = None) -> None:
-        sent = seconds if sent is None else sent
-        self.n[kind] = self.n.get(kind, 0) + 1
-        self.s[kind] = self.s.get(kind, 0.0) + seconds
-        self.sent[kind] = self.sent.get(kind, 0.0) + sent
-        self.recent.setdefault(kind, deque(maxlen=self.keep)).append(sent)
+        if kind not in self.whole:
+            self.whole[kind], self.sent[kind] = Latency(self.keep), Latency(self.keep)
+        self.whole[kind].add(seconds)
+        self.sent[kind].add(seconds if sent is None else sent)
 
     def summary(self) -> dict:
         """Per type; `sent_p50_us` beside the means, which one slow message (a first call's
         import, a prefill's need of many reads) can carry."""
-        return {k: {"count": n, "total_s": round(self.s[k], 6), "mean_us": round(self.s[k] / n * 1e6, 1),
-                    "sent_mean_us": round(self.sent[k] / n * 1e6, 1),
-                    "sent_p50_us": round(statistics.median(self.recent[k]) * 1e6, 1)}
-                for k, n in self.n.items()}
+        out = {}
+        for k, whole in self.whole.items():
+            sent = self.sent[k].summary()
+            out[k] = {"count": whole.count, "total_s": round(whole.total, 6),
+                      "mean_us": round(whole.total / whole.count * 1e6, 1),
+                      "sent_mean_us": round(sent["total_s"] / whole.count * 1e6, 1),
+                      "sent_p50_us": round(sent["p50_ms"] * 1e3, 1)}
+        return out
