@@ -178,6 +178,9 @@ def test_standin_generates_with_real_reads(tiny_stores):
     # a lower bound only: every decode pass waits at least its layers' stand-in time
     assert gen.stats["decode_s"] >= (n - 1) * per_pass
     assert gen.stats["prefill_s"] >= per_pass
+    # compute's own thread's CPU time while decoding: its work, not the stand-in's sleeps
+    dec = gen.stats["decode"]
+    assert 0 < dec["host_s"] < dec["total_s"] - 0.5 * (n - 1) * per_pass
 
 
 def _gate_routing(store: Store, requests: list[tuple[list[int], int]]) -> np.ndarray:

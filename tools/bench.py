@@ -202,6 +202,8 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "prefetch_gate": ((stats.get("workers") or {}).get("router") or {}).get("prefetch_gate"),  # the prefetcher's own: its setting, precision and gated share
         "time_per_token_s": (1.0 / g["decode_tok_s"]) if g.get("decode_tok_s") else None,
         "split_per_token_s": split, "n_slots": got_slots,
+        # compute's own thread's CPU time per token: near time_per_token_s, the host sets the pace
+        "host_s_per_token": (dec["host_s"] / n_dec) if n_dec and "host_s" in dec else None,
         # The budget estimate for --cache-frac's slots can fall short of what the supervisor
         # finds once it measures the tree (the real regime in float32: 234 of 416 slots at the
         # estimate): then the contender ran with fewer slots than the bound assumes.

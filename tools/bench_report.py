@@ -18,7 +18,7 @@ from deltafin.tools.bench_modes import PF_PREFIX
 # Figures a contender's summary over rounds gives as the median of its rounds.
 ROUND_KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "hit_rate", "bytes_read_per_token",
               "bytes_read_per_token_all", "stall_share", "prefetch_precision", "prefetch_recall",
-              "ssd_gbps")
+              "ssd_gbps", "host_s_per_token")
 
 
 def summarize_rounds(runs: list[dict]) -> dict:
@@ -171,7 +171,7 @@ def table(report: dict) -> str:
         w = max(20, *(len(n) + 1 for n in rr["contenders"]))
         lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'/own':>6}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
                      f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
-                     f"{'pf prec':>8}{'pf rec':>7}{'peak MiB':>9}{'load':>10}{'=mlx-lm':>9}")
+                     f"{'pf prec':>8}{'pf rec':>7}{'host ms':>8}{'peak MiB':>9}{'load':>10}{'=mlx-lm':>9}")
         for name, r in rr["contenders"].items():
             if not r.get("ok"):
                 lines.append(f"{name:<{w}}  {'skipped: ' if r.get('skipped') else ''}{r.get('cause', 'failed')}")
@@ -188,11 +188,12 @@ def table(report: dict) -> str:
                 f"{fmt(((r.get('loader') or {}).get('need_stall') or {}).get('p50_ms'), '{:.1f}'):>14}"
                 f"{fmt((r.get('loader') or {}).get('disk_busy_share'), '{:.0%}'):>10}"
                 f"{fmt(r.get('prefetch_precision'), '{:.2f}'):>8}{fmt(r.get('prefetch_recall'), '{:.2f}'):>7}"
+                f"{fmt((r['host_s_per_token'] * 1e3) if r.get('host_s_per_token') is not None else None, '{:.1f}'):>8}"
                 f"{r.get('peak_tree_pss_bytes', 0) / 2**20:>9.0f}"
                 f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}"
                 f"{_agreement_cell(r.get('vs_mlx_lm')):>9}")
         lines.append("/own: time per token over the contender's own bound, max(compute, its bytes read per "
-                     "token at the probed disk rate)")
+                     "token at the probed disk rate); host ms: CPU time of compute's own thread per token")
         if rr.get("rounds", 1) > 1:
             lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
                          f"fastest / slowest round's decode tok/s")

@@ -274,7 +274,7 @@ class Compute:
         # hits, bytes the misses read, and what this process itself read from disk (the mmap
         # baseline's page faults; the loader reads in its own process).
         decode = {k: split2[k] - split1[k] for k in split2 if k != "t"}
-        decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare", "sync")},
+        decode = {"tokens": n_decode, "total_s": t_decode, **{f"{k}_s": decode.pop(k) for k in ("ipc", "wait", "prepare", "sync", "host")},
                   **decode}
         decode["compute_s"] = max(0.0, t_decode - decode["ipc_s"] - decode["wait_s"] - decode["prepare_s"])
         decode["loop"] = {f"{k}_s": v - loop1[k] for k, v in self.scheduler.loop.items()}
@@ -299,7 +299,7 @@ class Compute:
     def _split(self) -> dict:
         e = self.experts
         disk = disk_read_bytes()
-        return {"t": time.perf_counter(), "ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
+        return {"t": time.perf_counter(), "host": time.thread_time(), "ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
                 "uses": e.counters.get("uses"), "hits": e.counters.get("hits"),
                 "miss_bytes": e.counters.get("miss_bytes"), "disk_read_bytes": disk or 0}
 

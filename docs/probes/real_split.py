@@ -47,7 +47,7 @@ def main() -> None:
             dec = done.stats.get("decode") or {}
             n = max(1, dec.get("tokens") or 1)  # the decode phase alone, ms per token
             per_tok = {k[:-2]: round(v * 1e3 / n, 3) for k, v in dec.items()
-                       if k in ("total_s", "compute_s", "wait_s", "ipc_s", "prepare_s", "sync_s")}
+                       if k in ("total_s", "compute_s", "wait_s", "ipc_s", "prepare_s", "sync_s", "host_s")}
             print(f"r{r} {name} same={done.token_ids == first[name]} {json.dumps(split)} "
                   f"decode_ms_per_token={json.dumps(per_tok)} pipeline={pipe}", flush=True)
             if verbose:  # where a need's time goes outside compute: the router's stall, the loader's reads
