@@ -140,7 +140,6 @@ class BenchConfig:
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
-    foresee_misses: bool = False  # a layer whose read-back lookahead chose a missing expert is not run ahead (deltafin-foresight)
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
     cuda_graphs: bool = True  # false: compute launches MLX CUDA's kernels one by one (deltafin-no-cuda-graphs)

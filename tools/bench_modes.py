@@ -30,8 +30,7 @@ DELTAFIN_MODES = {
     "deltafin-one-ahead": [],  # the default with one lease or prefetch read in flight at most
     "deltafin-no-cuda-graphs": [],  # the default with MLX CUDA launching compute's kernels one by one
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
-    "deltafin-ahead-deep": [],
-    "deltafin-foresight": [],  # the default with a layer not run ahead where its lookahead, read back, chose a missing expert  # the default with up to 8 layers run ahead left unchecked (launched first)
+    "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -52,7 +51,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
-    "deltafin-foresight": {"bench": {"foresee_misses": True}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the

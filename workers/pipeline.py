@@ -64,7 +64,6 @@ class Pipeline:
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
-    foresee_misses: bool = False  # running ahead: not where the lookahead read back chose a missing expert
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
 
     @classmethod
@@ -79,8 +78,7 @@ class Pipeline:
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
                        fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                       ahead_depth=bench.ahead_depth, foresee_misses=bench.foresee_misses,
-                       cuda_graphs=graphs)
+                       ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
@@ -88,8 +86,7 @@ class Pipeline:
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                   ahead_depth=bench.ahead_depth, foresee_misses=bench.foresee_misses,
-                   cuda_graphs=graphs)
+                   ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
 
     def report(self) -> dict:
         return asdict(self)

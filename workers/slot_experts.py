@@ -77,7 +77,6 @@ class SlotExperts(ExpertProvider):
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
-        self._foreseen = None  # (layer, the experts its gate lookahead chose), the latest read back
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -108,7 +107,6 @@ class SlotExperts(ExpertProvider):
         mx.eval(ids, look[1])
         self.counters.add("hints")
         experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
-        self._foreseen = (look[0], experts)
         if self.pipe.fold_notes:  # rides the layer's need or lease (`_notes_out`)
             self._hints.append([look[0], experts])
         else:
@@ -375,9 +373,7 @@ class SlotExperts(ExpertProvider):
                         self._check_pending(keep=depth)
                         return y
                     self._check_pending(keep=depth - 1)  # checked, then launched
-                    if not (self.pipe.foresee_misses and self._foreseen_miss(layer)):
-                        return self._run_ahead(layer, x, ids)
-                    self.counters.add("ahead_declined")
+                    return self._run_ahead(layer, x, ids)
                 self._check_pending()
                 judged = True
             flat = self._read_ids(layer, x, ids)
@@ -403,7 +399,7 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._ahead, self._redo, self._foreseen = [], None, None
+        self._ahead, self._redo = [], None
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
@@ -415,15 +411,6 @@ class SlotExperts(ExpertProvider):
         RunAheadMiss)."""
         self._check_pending()
         self._ahead_on = False
-
-    def _foreseen_miss(self, layer: int) -> bool:
-        """Whether this layer's gate lookahead, read back with a layer before it (most often the
-        check of the one before), chose an expert of it that is not resident (bench.foresee_misses):
-        run ahead, the layer would likely be computed again (the host having built it and the
-        attention after it in vain), so its routing is read back first instead. The lease that
-        lookahead asked is already reading the missing experts."""
-        seen = self._foreseen
-        return seen is not None and seen[0] == layer and bool(self.tier.missing(layer, seen[1]))
 
     def _check_pending(self, keep: int = 0) -> None:
         """The layers that ran ahead checked, oldest first, until at most `keep` are left

@@ -4,7 +4,7 @@
 # the checkpoint as a store in /tmp/store: deltafin-synth tiny qwen3_moe ... --init hf,
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
-#   bash docs/probes/h200_partial.sh next     # CUDA graphs off as the base, with launch_first, with foresee_misses; graphs on: 25%
+#   bash docs/probes/h200_partial.sh next     # CUDA graphs off as the base, with launch_first, with depth 2; graphs on: 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench    # compute with CUDA graphs (MLX's default) and without, beside mlx-lm, 2 rounds
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
@@ -23,9 +23,9 @@ case "${1:-split}" in
       "base:launch_first = false:0.25,lf:launch_first = true:0.25,one:ahead_reads = 1:0.25,lfone:launch_first = true;ahead_reads = 1:0.25,nolease:leases = false:0.25,spin:spin_ms = 2.0:0.25" -v \
       > "$out/split-0.25.txt" 2>&1
     grep "^r\|all same" "$out/split-0.25.txt" | cut -c1-260 ;;
-  next)  # graphs off as the base: launch first and foresight beside it, and MLX's default
+  next)  # graphs off as the base: launch first and two layers unchecked beside it, and MLX's default
     python3 docs/probes/real_split.py /tmp/store 3 \
-      "g0:cuda_graphs = false:0.25,g0lf:cuda_graphs = false;launch_first = true:0.25,g0fore:cuda_graphs = false;foresee_misses = true:0.25,graphs:cuda_graphs = true:0.25" -v \
+      "g0:cuda_graphs = false:0.25,g0lf:cuda_graphs = false;launch_first = true:0.25,g0lf2:cuda_graphs = false;launch_first = true;ahead_depth = 2:0.25,graphs:cuda_graphs = true:0.25" -v \
       > "$out/next-0.25.txt" 2>&1
     grep "^r\|all same" "$out/next-0.25.txt" | cut -c1-300 ;;
   split50)
