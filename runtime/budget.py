@@ -172,6 +172,13 @@ class BudgetPlan:
         room = self.budget - self.dense - self.processes - self.reserves - self.staging
         return sum(tiers.split_resident(self.group_experts, self.resident_bytes, room).values())
 
+    def streams(self, cap: int = 0) -> bool:
+        """Whether the estimate before start leaves some expert out of the resident tier (cap:
+        cache.max_slots, 0 none): what compute's process decides its MLX CUDA graphs on before
+        its first kernel, while the pool is sized only once the workers are measured."""
+        slots = self.estimated_slots()
+        return min(slots, cap or slots) < sum(self.group_experts.values())
+
     def explain(self, max_context: int, max_batch: int, chunk: int, note: str = "") -> list[str]:
         """The plan as lines a person reads at start: each part of the budget, the expert slots as
         a count and a share of all experts, and where the share is below FEW_SLOTS what gives

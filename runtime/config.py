@@ -142,7 +142,8 @@ class BenchConfig:
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
-    cuda_graphs: bool = True  # false: compute launches MLX CUDA's kernels one by one (deltafin-no-cuda-graphs)
+    # MLX CUDA graphs in compute: "auto" off where the plan leaves experts out of the resident tier
+    cuda_graphs: bool | str = field(default="auto", metadata={"types": (bool, str)})
 
 
 @dataclass
@@ -230,7 +231,8 @@ class Config:
         for name, value in (("cache.whole_layers", self.cache.whole_layers),
                             ("bench.early_fills", self.bench.early_fills),
                             ("bench.eager_layers", self.bench.eager_layers),
-                            ("bench.run_ahead", self.bench.run_ahead)):
+                            ("bench.run_ahead", self.bench.run_ahead),
+                            ("bench.cuda_graphs", self.bench.cuda_graphs)):
             if value not in (True, False, "auto"):
                 raise ConfigError(f"{name} {value!r}: use true, false or \"auto\"")
         if self.bench.pipeline not in ("overlapped", "sync"):

@@ -86,7 +86,7 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
     """bfloat16: 25%, 50% and 100% of the experts resident, prefetch and leases on and off, and 25%
     twice, running ahead on and off (launched before or after the check, checked one or eight
     layers later), hints and uses folded
-    into needs or not, reads ahead capped at one, CUDA graphs off: every run's greedy tokens equal mlx-lm's and each other's,
+    into needs or not, reads ahead capped at one, CUDA graphs on and off: every run's greedy tokens equal mlx-lm's and each other's,
     whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
     (workers/pipeline.py: one call per layer there); on the CPU it runs the pieces path."""
@@ -102,8 +102,10 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # ... and several left unchecked (every layer of the pass: one read-back at its end)
             (0.25, {"bench": {"run_ahead": True, "launch_first": True, "ahead_depth": 8}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
-            # one lease or prefetch read ahead at a time; MLX CUDA's kernels launched one by one
-            (0.25, {"bench": {"ahead_reads": 1}}), (0.25, {"bench": {"cuda_graphs": False}})]
+            # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while
+            # streaming (by default only all resident) and one by one all resident
+            (0.25, {"bench": {"ahead_reads": 1}}), (0.25, {"bench": {"cuda_graphs": True}}),
+            (1.0, {"bench": {"cuda_graphs": False}})]
     _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, "qwen3_moe", runs)
 
 

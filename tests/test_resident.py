@@ -236,6 +236,18 @@ def test_budget_counts_both_tiers(tiny_stores):
         plan.size_pool(measured)
 
 
+def test_the_plan_says_before_start_whether_experts_stream(tiny_stores):
+    """What compute decides its MLX CUDA graphs on before its first kernel (bench.cuda_graphs
+    "auto"): the estimate leaves experts out at a small budget or under cache.max_slots."""
+    store = Store(tiny_stores(ARCH))
+    plan = plan_budget(store, load_config(None, {"runtime.memory_budget": "4GiB"}))
+    n = len(store.records)
+    assert plan.estimated_slots() >= n and not plan.streams() and not plan.streams(cap=n)
+    assert plan.streams(cap=n - 1)
+    plan.budget = plan.budget_for(n // 2)
+    assert plan.streams()
+
+
 def test_resident_slots_split_among_layouts():
     sizes, per = {"A": 100, "B": 20}, {"A": 10, "B": 50}
     out = tiers.split_resident(sizes, per, room=(50 * 10 + 10 * 50))

@@ -107,17 +107,19 @@ def test_a_key_value_cache_rewinds_to_write_the_same_positions_again():
         SlidingKVCache(4).rewind(1)
 
 
-@pytest.mark.parametrize("setting,gpu,environ,expected", [
-    (True, True, {}, None),       # MLX's default: graphs on
-    (False, True, {}, "0"),       # kernels launched one by one
-    (False, False, {}, None),     # the CPU backend has no graphs: the environment is left alone
-    (False, True, {"MLX_USE_CUDA_GRAPHS": "1"}, None),  # a value the user set wins
+@pytest.mark.parametrize("setting,gpu,streams,environ,expected", [
+    ("auto", True, True, {}, "0"),     # the default where experts stream: kernels launched one by one
+    ("auto", True, False, {}, None),   # ... and where every expert is resident: MLX's default, graphs
+    (True, True, True, {}, None),      # graphs asked for
+    (False, True, False, {}, "0"),     # one by one asked for
+    (False, False, True, {}, None),    # the CPU backend has no graphs: the environment is left alone
+    ("auto", True, True, {"MLX_USE_CUDA_GRAPHS": "1"}, None),  # a value the user set wins
 ])
-def test_compute_runs_mlx_cuda_graphs_as_configured(setting, gpu, environ, expected):
+def test_compute_runs_mlx_cuda_graphs_as_configured(setting, gpu, streams, environ, expected):
     """bench.cuda_graphs: what compute's process sets MLX_USE_CUDA_GRAPHS to before its first kernel."""
     from deltafin.runtime.config import BenchConfig
     from deltafin.workers.pipeline import cuda_graphs_env
-    assert cuda_graphs_env(BenchConfig(cuda_graphs=setting), gpu, environ) == expected
+    assert cuda_graphs_env(BenchConfig(cuda_graphs=setting), gpu, streams, environ) == expected
 
 
 def test_cuda_graphs_setting_is_checked():

@@ -29,6 +29,7 @@ DELTAFIN_MODES = {
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
     "deltafin-one-ahead": [],  # the default with one lease or prefetch read in flight at most
     "deltafin-no-cuda-graphs": [],  # the default with MLX CUDA launching compute's kernels one by one
+    "deltafin-cuda-graphs": [],  # ... and with them in CUDA graphs (MLX's default) though experts stream
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
 }
@@ -52,6 +53,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
+    "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

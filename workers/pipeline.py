@@ -30,23 +30,26 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def cuda_graphs_env(bench: BenchConfig, gpu: bool, environ=os.environ) -> str | None:
-    """"0" where compute's process should run MLX CUDA without CUDA graphs (bench.cuda_graphs
-    false, on a GPU, the environment not saying otherwise: a value set there wins), else None (the
-    environment left as it is; MLX's default is graphs on). Off, each kernel starts as it is
-    encoded instead of once its graph of up to 20 nodes is: a partial layer's routing comes back to
-    the host, so the device drains once per layer (H200, one process, 25% of the experts: 12.13
-    -> 9.77 ms per token, docs/BENCHMARKS.md). Open until its greedy tokens are checked against
-    mlx-lm's on a GPU (tests/test_greedy_exact.py runs it)."""
-    if not gpu or CUDA_GRAPHS_ENV in environ or bench.cuda_graphs:
+def cuda_graphs_env(bench: BenchConfig, gpu: bool, streams: bool, environ=os.environ) -> str | None:
+    """"0" where compute's process should run MLX CUDA without CUDA graphs, else None (the
+    environment left as it is; MLX's default is graphs on). Off where bench.cuda_graphs is false,
+    or "auto" and the plan streams experts (`streams`: the budget's estimate before start leaves
+    some out of the resident tier); only on a GPU, and a value set in the environment wins.
+    Off, each kernel starts as it is encoded instead of once its graph of up to 20 nodes is: a
+    partial layer's routing comes back to the host, so the device drains once per layer (H200,
+    the `--init hf` 8 x 32 store at 25%, real processes: 1.10x; all resident graphs keep ~6%,
+    docs/BENCHMARKS.md). The kernels are the same: greedy tokens equal mlx-lm's either way
+    (tests/test_greedy_exact.py, on the H200)."""
+    graphs = (not streams) if bench.cuda_graphs == "auto" else bench.cuda_graphs
+    if not gpu or CUDA_GRAPHS_ENV in environ or graphs:
         return None
     return "0"
 
 
-def use_cuda_graphs(bench: BenchConfig, gpu: bool) -> None:
+def use_cuda_graphs(bench: BenchConfig, gpu: bool, streams: bool) -> None:
     """Sets MLX_USE_CUDA_GRAPHS in this process (`cuda_graphs_env`); MLX reads it once, at its
     first kernel, so the compute process calls this before any."""
-    value = cuda_graphs_env(bench, gpu)
+    value = cuda_graphs_env(bench, gpu, streams)
     if value is not None:
         os.environ[CUDA_GRAPHS_ENV] = value
 

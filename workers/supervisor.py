@@ -137,7 +137,8 @@ class Supervisor:
                              "data": self.rundir.endpoint("data"),
                              "metrics_in": self.rundir.endpoint("metrics-in"),
                              "metrics": self.rundir.endpoint("metrics")},
-               "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache}}
+               "budget": {**self.plan.to_dict(), "mlx_cache_bytes": self.plan.mlx_cache},
+               "streams": self.plan.streams(self.config.cache.max_slots)}
         (self.rundir.path / "run-config.json").write_text(json.dumps(run))
         self.workers = Workers(self.rundir.path, self.forkserver)
         self.poller = zmq.Poller()

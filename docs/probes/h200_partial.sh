@@ -7,6 +7,7 @@
 #   bash docs/probes/h200_partial.sh next     # CUDA graphs off as the base, with launch_first, with depth 2; graphs on: 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench [SHARE [ROUNDS]]  # CUDA graphs (MLX's default) and without, beside mlx-lm (0.25, 2)
+#   bash docs/probes/h200_partial.sh auto     # cuda_graphs "auto" at 25% (beside graphs, launch first) and all resident
 #   bash docs/probes/h200_partial.sh goal3    # bench at 25% and at 50%, 3 rounds each: the issue's goals on its checkpoint
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 #   bash docs/probes/h200_partial.sh goal     # issue 28 in one call: the streaming check (graphs off included), then bench
@@ -34,12 +35,15 @@ case "${1:-split}" in
       "base:launch_first = false:0.5,lf:launch_first = true:0.5,one:ahead_reads = 1:0.5" -v \
       > "$out/split-0.5.txt" 2>&1
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
-  bench)  # [SHARE [ROUNDS]]: 0.25 and 2 unless given
-    share=${2:-0.25}; rounds=${3:-2}
+  bench)  # [SHARE [ROUNDS [CONTENDERS]]]: 0.25, 2 and graphs on and off beside mlx-lm unless given
+    share=${2:-0.25}; rounds=${3:-2}; contenders=${4:-deltafin,deltafin-cuda-graphs,mlx-lm}
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
-      --cache-frac "$share" --dtype auto --contenders deltafin,deltafin-no-cuda-graphs,mlx-lm \
+      --cache-frac "$share" --dtype auto --contenders "$contenders" \
       --rounds "$rounds" --prompt-tokens 9 --max-tokens 64 > "$out/bench-$share.txt" 2>&1
     tail -30 "$out/bench-$share.txt" ;;
+  auto)  # cuda_graphs "auto": at 25% against graphs and launch first, 3 rounds; all resident against graphs off
+    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
+    timeout 150 bash "$0" bench 1.0 2 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
   goal3)  # issue 28's goals on its checkpoint: 3 rounds at 25% and at 50% beside mlx-lm (tokens and time)
     timeout 280 bash "$0" bench 0.25 3
     timeout 250 bash "$0" bench 0.5 3 ;;
