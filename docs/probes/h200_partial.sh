@@ -42,8 +42,8 @@ case "${1:-split}" in
       --rounds "$rounds" --prompt-tokens 9 --max-tokens 64 > "$out/bench-$share.txt" 2>&1
     tail -30 "$out/bench-$share.txt" ;;
   auto)  # cuda_graphs "auto": at 25% against graphs and launch first, 3 rounds; all resident against graphs off
-    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
-    timeout 150 bash "$0" bench 1.0 2 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
+    timeout 270 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
+    timeout 110 bash "$0" bench 1.0 2 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
   goal3)  # issue 28's goals on its checkpoint: 3 rounds at 25% and at 50% beside mlx-lm (tokens and time)
     timeout 280 bash "$0" bench 0.25 3
     timeout 250 bash "$0" bench 0.5 3 ;;
