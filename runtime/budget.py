@@ -167,17 +167,17 @@ class BudgetPlan:
         per = sum(self.group_experts[g] * self.resident_bytes[g] for g in self.group_experts) / max(1, total)
         return int(self.dense + self.processes + self.reserves + self.staging + n_resident * per)
 
-    def estimated_slots(self) -> int:
-        """Resident slots before the workers exist: the process tree at its estimate."""
+    def estimated_slots(self, cap: int = 0) -> int:
+        """Resident slots before the workers exist: the process tree at its estimate (cap:
+        cache.max_slots, 0 none)."""
         room = self.budget - self.dense - self.processes - self.reserves - self.staging
-        return sum(tiers.split_resident(self.group_experts, self.resident_bytes, room).values())
+        return sum(tiers.split_resident(self.group_experts, self.resident_bytes, room, cap).values())
 
     def streams(self, cap: int = 0) -> bool:
-        """Whether the estimate before start leaves some expert out of the resident tier (cap:
-        cache.max_slots, 0 none): what compute's process decides its MLX CUDA graphs on before
-        its first kernel, while the pool is sized only once the workers are measured."""
-        slots = self.estimated_slots()
-        return min(slots, cap or slots) < sum(self.group_experts.values())
+        """Whether the estimate before start leaves some expert out of the resident tier: what
+        compute's process decides its MLX CUDA graphs on before its first kernel, while the pool
+        is sized only once the workers are measured."""
+        return self.estimated_slots(cap) < sum(self.group_experts.values())
 
     def explain(self, max_context: int, max_batch: int, chunk: int, note: str = "") -> list[str]:
         """The plan as lines a person reads at start: each part of the budget, the expert slots as

@@ -38,7 +38,7 @@ class ComputeProcess(WorkerProcess):
     def setup(self):
         self.cfg = as_config(self.config)
         # before MLX's first kernel, so before the pool is sized: the plan's estimate says whether it streams
-        use_cuda_graphs(self.cfg.bench, gpu=on_gpu(), streams=self.run.get("streams", True))
+        use_cuda_graphs(self.cfg.bench, gpu=on_gpu(), streams=self.run["streams"])
         mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
         self.store = Store(self.run["store"])
         self.data = self.connect_data_plane()
