@@ -5,6 +5,7 @@
 # then deltafin-convert; docs/BENCHMARKS.md "Running ahead"):
 #   bash docs/probes/h200_partial.sh split    # launch_first, ahead_reads, leases, spin_ms: real supervisors, 25%
 #   bash docs/probes/h200_partial.sh next     # CUDA graphs off as the base, with launch_first, with depth 2; graphs on: 25%
+#   bash docs/probes/h200_partial.sh depth    # launch_first at depth 1, 2, 4, 8 beside auto (graphs off): 25%
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench [SHARE [ROUNDS]]  # CUDA graphs (MLX's default) and without, beside mlx-lm (0.25, 2)
 #   bash docs/probes/h200_partial.sh auto     # cuda_graphs "auto" at 25% (beside graphs, launch first) and all resident
@@ -30,6 +31,11 @@ case "${1:-split}" in
       "g0:cuda_graphs = false:0.25,g0lf:cuda_graphs = false;launch_first = true:0.25,g0lf2:cuda_graphs = false;launch_first = true;ahead_depth = 2:0.25,graphs:cuda_graphs = true:0.25" -v \
       > "$out/next-0.25.txt" 2>&1
     grep "^r\|all same" "$out/next-0.25.txt" | cut -c1-300 ;;
+  depth)  # launching first with 1, 2, 4 and 8 layers left unchecked (8: one read-back per token), beside auto
+    python3 docs/probes/real_split.py /tmp/store 3 \
+      "auto:launch_first = false:0.25,lf1:launch_first = true:0.25,lf2:launch_first = true;ahead_depth = 2:0.25,lf4:launch_first = true;ahead_depth = 4:0.25,lf8:launch_first = true;ahead_depth = 8:0.25" -v \
+      > "$out/depth-0.25.txt" 2>&1
+    grep "^r\|all same" "$out/depth-0.25.txt" | cut -c1-300 ;;
   split50)
     python3 docs/probes/real_split.py /tmp/store 3 \
       "base:launch_first = false:0.5,lf:launch_first = true:0.5,one:ahead_reads = 1:0.5" -v \
