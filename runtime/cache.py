@@ -252,7 +252,9 @@ class Predictive(Policy):
 
     rank="probability" (the default): the victim is the evictable key least likely to be used at
     its layer's next occurrence (`RoutingPredictor.q`: neighbours' votes for the layers ahead in
-    this pass, age and distance for all), ties to the slot released first. A prefetched key that
+    this pass, age and distance for all), weighted by what its miss would cost
+    (`RoutingPredictor.miss_weights`: more where no gate lookahead foresees the layer; off with
+    weigh_misses=False), ties to the slot released first. A prefetched key that
     was not used when its layer came keeps its old age and has no votes left, so it goes early.
     rank="recency": least recently *used* first (a prefetched key never used is the oldest), but
     keys given at least `keep` within the next `keep_depth` layers go last. Measured with prefetch
@@ -268,7 +270,7 @@ class Predictive(Policy):
     RANKS = ("probability", "recency")
 
     def __init__(self, predictor=None, layer_index=None, rank: str = "probability", keep: float = 0.4,
-                 keep_depth: int = 2):
+                 keep_depth: int = 2, weigh_misses: bool = True):
         if predictor is None:
             raise CacheError("the predictive policy reads a routing predictor: the router makes one "
                              "from the store's shape (Router(..., moe_layers=..., n_experts=...))")
@@ -276,6 +278,7 @@ class Predictive(Policy):
             raise CacheError(f"predictive rank {rank!r} is not one of: {', '.join(self.RANKS)}")
         self.predictor = predictor
         self.rank, self.keep, self.keep_depth = rank, keep, keep_depth
+        self.weigh_misses = weigh_misses
         self.n_experts = predictor.n_experts
         rows = np.arange(predictor.n_layers) if layer_index is None else None
         if layer_index is not None:
@@ -334,9 +337,12 @@ class Predictive(Policy):
         p = self.predictor
         codes = self.code[slots]
         q = p.q.reshape(-1)[codes]
-        if self.rank == "probability":
-            return slots[np.lexsort((self.released[slots], q))]
         row = codes // self.n_experts
+        if self.rank == "probability":
+            weights = p.miss_weights() if self.weigh_misses else None
+            if weights is not None:  # expected cost of a miss: probability x what it costs
+                q = q * weights[row]
+            return slots[np.lexsort((self.released[slots], q))]
         used_at = p.last_use.reshape(-1)[codes] * p.n_layers + row  # in steps of the need stream
         kept = (q >= self.keep) & (p.distances()[row] <= self.keep_depth)
         return slots[np.lexsort((self.released[slots], used_at, kept))]

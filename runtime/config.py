@@ -112,6 +112,7 @@ class CacheConfig:
     prefetch: bool | str = field(default="auto", metadata={"types": (bool, str)})
     prefetch_threshold: float = 0.4
     prefetch_depth: int = 3  # layers ahead the prefetcher reads for
+    weigh_misses: bool = True  # predictive: a key no gate lookahead foresees weighs more (its miss costs a whole read)
     routing_history: str = ""  # a routing trace (.npz) the router's predictor learns from at start
     history_tokens: int = 4096  # of it, at most this many tokens (the last ones)
 

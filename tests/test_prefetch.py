@@ -68,6 +68,37 @@ def test_predictive_policy_evicts_the_least_likely_key_first():
     assert router.policy.row_of[5] == 1 and router.policy.predictor is router.predictor
 
 
+def test_predictive_policy_weighs_a_miss_no_lookahead_foresees():
+    """Once the gate lookahead names a row, a key of a row it never names (the pass's first MoE
+    layer: its miss waits for the whole read) weighs 1 + the hints' precision: kept over a key of
+    a foreseen row a little more likely to be used. Before any hint, probability alone."""
+    def table_with(q00, q12, hinted):
+        pred = RoutingPredictor(2, 4, history=8, neighbours=1, candidates=2)
+        table = SlotTable(2, Predictive(pred))
+        for key in [(0, 0), (1, 2)]:
+            table.release()
+            slot, _ = table.acquire(key)
+            table.loaded(slot, key, table.generation[slot])
+        table.release()
+        if hinted:
+            pred.hint(1, [3])  # row 1 is foreseen; row 0 never is
+        pred.q = np.zeros((2, 4))
+        pred.q[0, 0], pred.q[1, 2] = q00, q12
+        pred.version += 1
+        return pred, table
+    pred, table = table_with(0.4, 0.5, hinted=False)
+    assert pred.miss_weights() is None
+    table.acquire((1, 0))
+    assert (0, 0) not in table.where and (1, 2) in table.where  # the less likely goes
+    pred, table = table_with(0.4, 0.5, hinted=True)
+    assert pred.miss_weights().tolist() == [1.0 + pred.hint_precision(), 1.0]
+    table.acquire((1, 0))
+    assert (1, 2) not in table.where and (0, 0) in table.where  # 0.4 x 1.5 > 0.5: the first layer's stays
+    pred, table = table_with(0.3, 0.5, hinted=True)
+    table.acquire((1, 0))
+    assert (0, 0) not in table.where  # 0.3 x 1.5 < 0.5: probability still rules
+
+
 def test_prefetched_slots_are_counted_and_a_need_takes_over_a_loading_one():
     table = SlotTable(3, make_policy("lru"))
 
@@ -622,6 +653,20 @@ def test_prefetch_config_keys():
     assert gated.prefetcher.gate is True and gated.read_gate is not None
     # in-process (replay, tests) the router has no bandwidth gate unless asked: no clock to trust
     assert Router(4, "predictive", moe_layers=[0, 1], n_experts=4, prefetch=True).read_gate is None
+
+
+def test_weigh_misses_reaches_the_router_s_policy(tiny_stores):
+    """cache.weigh_misses (default true) is the predictive policy's weigh_misses, as the router
+    process builds it (router_for); LRU takes no such option."""
+    from deltafin.runtime.store import Store
+    from deltafin.workers.router_process import router_for
+    assert Config.from_dict({}).cache.weigh_misses is True
+    store = Store(tiny_stores("mixtral"))
+    few = {g: 2 for g in store.layouts}
+    for weigh in (True, False):
+        router = router_for(store, CacheConfig(weigh_misses=weigh), few, 4)
+        assert {t.policy.weigh_misses for t in router.tables.values()} == {weigh}
+    assert router_for(store, CacheConfig(policy="lru"), few, 4).policy_name == "lru"
 
 
 # -- exactness in real runs ---------------------------------------------------------------------------------

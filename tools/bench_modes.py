@@ -32,6 +32,7 @@ DELTAFIN_MODES = {
     "deltafin-cuda-graphs": [],  # ... and with them in CUDA graphs (MLX's default) though experts stream
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
+    "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -54,6 +55,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},
+    "deltafin-unweighted": {"cache": {"weigh_misses": False}},
 }
 # The real peers (tools/peer_runner.py) run their own layout of the mlx-lm checkpoint, routed by the
 # model's own gate, with their expert budget at deltafin's share of the experts.

@@ -43,7 +43,8 @@ def router_for(store, cache: CacheConfig, resident: dict, n_staging: int) -> Rou
         policy = "lru"
     router = Router(resident, policy, n_staging=n_staging, groups=layer_groups(store, resident),
                     moe_layers=store.moe_layers, n_experts=store.n_experts,
-                    prefetch=prefetch_setting(cache, sum(resident.values()), n_keys))
+                    prefetch=prefetch_setting(cache, sum(resident.values()), n_keys),
+                    policy_options={"weigh_misses": cache.weigh_misses} if policy == "predictive" else None)
     if cache.routing_history and router.predictor is not None:
         router.learn_history(cache.routing_history, int(cache.history_tokens))
     return router

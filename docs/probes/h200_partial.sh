@@ -9,6 +9,7 @@
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench [SHARE [ROUNDS]]  # CUDA graphs (MLX's default) and without, beside mlx-lm (0.25, 2)
 #   bash docs/probes/h200_partial.sh auto     # cuda_graphs "auto" at 25% (beside graphs, launch first) and all resident
+#   bash docs/probes/h200_partial.sh weigh    # cache.weigh_misses on and off at 25% (bench, 3 rounds), then depth
 #   bash docs/probes/h200_partial.sh goal3    # bench at 25% and at 50%, 3 rounds each: the issue's goals on its checkpoint
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
 #   bash docs/probes/h200_partial.sh goal     # issue 28 in one call: the streaming check (graphs off included), then bench
@@ -50,6 +51,9 @@ case "${1:-split}" in
   auto)  # cuda_graphs "auto": at 25% against graphs and launch first, 3 rounds; all resident against graphs off
     timeout 270 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
     timeout 110 bash "$0" bench 1.0 2 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
+  weigh)  # cache.weigh_misses against probability alone, 25%, 3 rounds; then launch first's depths
+    timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-unweighted
+    timeout 280 bash "$0" depth ;;
   goal3)  # issue 28's goals on its checkpoint: 3 rounds at 25% and at 50% beside mlx-lm (tokens and time)
     timeout 280 bash "$0" bench 0.25 3
     timeout 250 bash "$0" bench 0.5 3 ;;
