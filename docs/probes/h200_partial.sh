@@ -9,6 +9,7 @@
 #   bash docs/probes/h200_partial.sh split50  # launch_first and ahead_reads at 50%
 #   bash docs/probes/h200_partial.sh bench [SHARE [ROUNDS]]  # CUDA graphs (MLX's default) and without, beside mlx-lm (0.25, 2)
 #   bash docs/probes/h200_partial.sh auto     # cuda_graphs "auto" at 25% (beside graphs, launch first) and all resident
+#   bash docs/probes/h200_partial.sh stop45   # auto, unweighted, launch first, mlx-lm at 25% (3 rounds); all resident (1 round)
 #   bash docs/probes/h200_partial.sh weigh    # cache.weigh_misses on and off at 25% (bench, 3 rounds), then depth
 #   bash docs/probes/h200_partial.sh goal3    # bench at 25% and at 50%, 3 rounds each: the goals on its checkpoint
 #   bash docs/probes/h200_partial.sh exact    # the GPU exactness tests (streaming, run ahead, every mode)
@@ -51,6 +52,9 @@ case "${1:-split}" in
   auto)  # cuda_graphs "auto": at 25% against graphs and launch first, 3 rounds; all resident against graphs off
     timeout 270 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
     timeout 110 bash "$0" bench 1.0 2 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
+  stop45)  # one call: auto (graphs off while streaming) beside probability-alone victims and launch first at 25%; all resident
+    timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-unweighted,deltafin-launch-first,mlx-lm
+    timeout 120 bash "$0" bench 1.0 1 deltafin,deltafin-no-cuda-graphs,mlx-lm ;;
   weigh)  # cache.weigh_misses against probability alone, 25%, 3 rounds; then launch first's depths
     timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-unweighted
     timeout 280 bash "$0" depth ;;
