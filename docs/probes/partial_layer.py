@@ -6,9 +6,14 @@ the router and loader wired in-process (tools/inprocess.py), greedy decode, alte
 Variants (comma-separated, default all): `resident` every expert resident (no read-back); `sync`
 every expert resident but each MoE layer's routing read back (force_sync: the cost of the syncs
 alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same without prefetch
-(no gate lookahead, hints or leases). Each variant runs once per round, in turn, after one warm-up
+(no gate lookahead, hints or leases); `partial-lf` launch first (`bench.launch_first`);
+`partial-d8` launch first, 8 layers unchecked; `partial-dev` streaming pools in device memory
+(`bench.device_pools`). Each variant runs once per round, in turn, after one warm-up
 generation; prints ms per decode token per round and the median, the tokens' agreement with the
-first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run.
+first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
+TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
+and launching kernels), `eval` (launch and wait) and the routing's read-backs (`_host`: the wait for
+the device), beside the rest of the host's time.
 """
 from __future__ import annotations
 
@@ -30,9 +35,39 @@ from deltafin.workers.engine import Compute
 PROMPT = [1, 504, 3458, 314, 260, 6123, 4876, 47, 198]
 
 
-def make(store: Store, slots: int, prefetch: str, force_sync: bool) -> Compute:
+class Timing:
+    """Wall time spent inside mx.async_eval, mx.eval and the routing's read-backs (patched in)."""
+
+    def __init__(self):
+        import mlx.core as mx
+        from deltafin.workers.passes import ExpertProvider
+        self.t = {"async_eval": 0.0, "eval": 0.0, "read_back": 0.0}
+        self.n = dict.fromkeys(self.t, 0)
+        for name in ("async_eval", "eval"):
+            setattr(mx, name, self._wrap(name, getattr(mx, name)))
+        ExpertProvider._host = self._wrap("read_back", ExpertProvider._host)
+
+    def _wrap(self, key, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+                self.n[key] += 1
+        return timed
+
+    def take(self) -> tuple[dict, dict]:
+        t, n = dict(self.t), dict(self.n)
+        self.t, self.n = dict.fromkeys(t, 0.0), dict.fromkeys(n, 0)
+        return t, n
+
+
+def make(store: Store, slots: int, prefetch: str, force_sync: bool, bench: dict | None = None) -> Compute:
     c = load_config(None)
     c = dataclasses.replace(c, cache=dataclasses.replace(c.cache, max_slots=slots, prefetch=prefetch))
+    if bench:
+        c = dataclasses.replace(c, bench=dataclasses.replace(c.bench, **bench))
     src, staging, _ = local_router(store, c)
     comp = Compute(store, c, src, staging, store.max_record_bytes)
     if slots >= len(store.records) and c.cache.preload:
@@ -55,10 +90,16 @@ def main() -> None:
     names = (sys.argv[5] if len(sys.argv) > 5 else "resident,sync,partial,partial-nopf").split(",")
     all_slots = len(store.records)
     specs = {"resident": (all_slots, "auto", False), "sync": (all_slots, "auto", True),
-             "partial": (slots, "auto", False), "partial-nopf": (slots, "off", False)}
+             "partial": (slots, "auto", False), "partial-nopf": (slots, "off", False),
+             "partial-lf": (slots, "auto", False, {"launch_first": True}),
+             "partial-d8": (slots, "auto", False, {"launch_first": True, "ahead_depth": 8}),
+             "partial-dev": (slots, "auto", False, {"device_pools": True})}
+    timing = Timing() if os.environ.get("TIMING") else None
     comps = {name: make(store, *specs[name]) for name in names}
     for comp in comps.values():
         generate(comp, 4)  # warm-up: kernels, buffers
+    if timing:
+        timing.take()
     ms = {name: [] for name in names}
     tokens, prof = {}, None
     for r in range(rounds):
@@ -67,7 +108,12 @@ def main() -> None:
             if profiled:
                 prof = cProfile.Profile()
                 prof.enable()
-            done, _ = generate(comp, n)
+            done, wall = generate(comp, n)
+            if timing:
+                t, calls = timing.take()
+                print(f"  {name} host ms per token (the whole request / {n}): total {wall * 1e3 / n:.2f}, "
+                      + ", ".join(f"{k} {v * 1e3 / n:.2f} ({calls[k] / n:.1f} calls)" for k, v in t.items())
+                      + f", rest {(wall - sum(t.values())) * 1e3 / n:.2f}", flush=True)
             if profiled:
                 prof.disable()
             st = done.stats
