@@ -17,6 +17,7 @@
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
 #   bash docs/probes/h200_partial.sh timing   # partial_layer.py, TIMING=1: host time in async_eval / eval / read-backs per variant, graphs off
+#   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
@@ -83,6 +84,11 @@ case "${1:-split}" in
     TIMING=1 timeout 200 python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial \
       > "$out/timing-g1.txt" 2>&1
     grep "median\|differ" "$out/timing-g1.txt" | cut -c1-300 ;;
+  place)
+    MLX_USE_CUDA_GRAPHS=0 timeout 250 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g0.txt" 2>&1
+    cat "$out/place-g0.txt" | cut -c1-300
+    timeout 200 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g1.txt" 2>&1
+    cat "$out/place-g1.txt" | cut -c1-300 ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
       f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back
