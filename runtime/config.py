@@ -136,6 +136,9 @@ class BenchConfig:
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
     run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
     device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
+    # MLX CUDA: streaming pools in device memory, filled by the driver's copies ("auto": on a GPU;
+    # false: in host memory, written with numpy, deltafin-host-pools)
+    device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
@@ -233,7 +236,8 @@ class Config:
                             ("bench.early_fills", self.bench.early_fills),
                             ("bench.eager_layers", self.bench.eager_layers),
                             ("bench.run_ahead", self.bench.run_ahead),
-                            ("bench.cuda_graphs", self.bench.cuda_graphs)):
+                            ("bench.cuda_graphs", self.bench.cuda_graphs),
+                            ("bench.device_copies", self.bench.device_copies)):
             if value not in (True, False, "auto"):
                 raise ConfigError(f"{name} {value!r}: use true, false or \"auto\"")
         if self.bench.pipeline not in ("overlapped", "sync"):

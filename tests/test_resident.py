@@ -481,6 +481,38 @@ def test_pools_are_placed_in_host_memory_only_where_mlx_cuda_streams_experts(tin
             assert not placement["placed"] and "not MLX CUDA" in placement["why"]
 
 
+def test_pools_filled_by_the_driver_compute_what_host_pools_do(bf16_store):
+    """MLX CUDA only: a tier whose pools live in device memory, filled by the driver's copies out
+    of a pinned buffer (bytes as stored, and bfloat16 widened to float32), computes bit for bit
+    what a tier in host memory written with numpy does; refilling a slot replaces its expert.
+    Elsewhere the tier falls back to host writes and says there is nothing to place."""
+    store = bf16_store
+    layer = store.moe_layers[0]
+    g = store.record(layer, 0).layout
+    x = mx.array(np.random.default_rng(3).standard_normal((1, store.config["hidden_size"])).astype(np.float32))
+    for dtype in (mx.float32, mx.bfloat16):
+        tiers = [ResidentTier(store, dtype, {g: 4}, host_writes=True, on_host=True, copies=c) for c in (True, False)]
+        if not _is_cuda():
+            assert tiers[0].copies is None and "not MLX CUDA" in tiers[0].placement["why"]
+        else:
+            assert tiers[0].copies is not None and tiers[0].placement["where"] == "device", tiers[0].placement
+            staging = np.zeros(4 << 20, dtype=np.uint8)
+            assert tiers[0].copies.pin(staging)
+        out = []
+        for tier in tiers:
+            for slot, expert in ((1, 5), (3, 2), (1, 7)):  # slot 1 refilled
+                rec = _record(store, layer, expert)
+                if tier.copies is not None:  # out of the pinned buffer, as from staging
+                    staging[:len(rec)] = np.frombuffer(rec, dtype=np.uint8)
+                    rec = memoryview(staging)[:len(rec)]
+                tier.fill(layer, expert, slot, rec)
+            out.append(np.array(switch_glu(x.astype(dtype), mx.array([[1, 3]], dtype=mx.uint32),
+                                           tier.weights(layer), tier.quant(layer)).astype(mx.float32)))
+            if tier.copies is not None:
+                tier.copies.unpin()
+        np.testing.assert_array_equal(out[0], out[1])
+
+
 def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
     """MLX CUDA only: a tier placed in host memory takes host writes the device sees, and the
     experts computed from it equal those from a tier left in device memory."""

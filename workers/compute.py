@@ -232,6 +232,8 @@ class ComputeProcess(WorkerProcess):
     def teardown(self):
         if getattr(self, "dist", None) is not None:
             self.dist.stop()
+        if getattr(self, "compute", None) is not None:
+            self.compute.experts.detach()  # before the staging segment is unmapped
 
 
 def run_compute_process(run_dir: str) -> None:

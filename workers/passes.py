@@ -136,6 +136,9 @@ class ExpertProvider:
             self.t_sync += time.perf_counter() - t0
         return ids
 
+    def detach(self) -> None:
+        """Lets go of what holds the staging segment, before the process unmaps it (none here)."""
+
     def can_overlap(self) -> bool:
         """A pass can be launched before the previous token is read: it will never stop to wait."""
         return False

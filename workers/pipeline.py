@@ -68,6 +68,7 @@ class Pipeline:
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
+    device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
@@ -86,10 +87,11 @@ class Pipeline:
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
         host = not bench.device_pools
+        copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                   ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
+                   ahead_depth=bench.ahead_depth, cuda_graphs=graphs, device_copies=copies)
 
     def report(self) -> dict:
         return asdict(self)

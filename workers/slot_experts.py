@@ -87,9 +87,17 @@ class SlotExperts(ExpertProvider):
         # whole layers) is read faster from device memory.
         self.tier = ResidentTier(self.store, self.dtype, resident,
                                  host_writes=None if self.pipe.host_fills else False,
-                                 on_host="streaming" if self.pipe.host_pools else False)
+                                 on_host="streaming" if self.pipe.host_pools else False,
+                                 copies=self.pipe.device_copies)
+        if self.tier.copies is not None:  # the driver copies records straight out of staging
+            self.tier.placement["pinned"] = self.tier.copies.pin(staging_buf)
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
+
+    def detach(self) -> None:
+        """Lets the staging segment go before it is unmapped (the driver's pinning of it)."""
+        if self.tier is not None and self.tier.copies is not None:
+            self.tier.copies.unpin()
 
     def wants_lookahead(self, layer: int) -> bool:
         """Whether the model should apply the next MoE layer's gate to this layer's input: only

@@ -18,6 +18,7 @@
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
 #   bash docs/probes/h200_partial.sh timing   # partial_layer.py, TIMING=1: host time in async_eval / eval / read-backs per variant, graphs off
 #   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
+#   bash docs/probes/h200_partial.sh copies   # pools filled by the driver (device_copies) against host pools: probe, bench 25% x3, streaming check
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
@@ -87,8 +88,15 @@ case "${1:-split}" in
   place)
     MLX_USE_CUDA_GRAPHS=0 timeout 250 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g0.txt" 2>&1
     cat "$out/place-g0.txt" | cut -c1-300
+    [ "${2:-}" = "g0" ] && exit 0
     timeout 200 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g1.txt" 2>&1
     cat "$out/place-g1.txt" | cut -c1-300 ;;
+  copies)  # device_copies (the default on a GPU) against host pools (deltafin-host-pools)
+    timeout 90 bash "$0" place g0
+    timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,mlx-lm
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -k "streaming_gives or driver" tests/test_greedy_exact.py \
+      tests/test_resident.py > "$out/copies-exact.txt" 2>&1
+    tail -4 "$out/copies-exact.txt" ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
       f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back

@@ -6,9 +6,9 @@ expert compute cost the device", with the runtime's ResidentTier and switch_glu,
 Placements (one tier each, every slot filled from the store's records):
   host    the runtime's today: pools advised into host memory, mapped for the GPU (place_on_host),
           filled with numpy; the GPU reads the experts over the bus
-  device  pools advised into device memory (cuMemAdvise preferred location the GPU, prefetched
-          there), filled by the driver's copy (cuMemcpyHtoD) from the record's bytes, then a
-          stream sync: the GPU reads them from its own memory
+  device  the runtime's on MLX CUDA now (workers/resident.py DriverCopies): pools advised into
+          device memory, filled by the driver's copies out of the records' buffer, pinned
+  device-pageable  the same from pageable memory (the buffer not registered)
   managed MLX's placement (pages migrate to wherever touched last), filled with numpy
 Prints per placement: a "token" of every MoE layer's switch_glu on 1 row, k experts among the
 layer's slots, evaluated per layer (as a layer that reads its routing back) and once per token;
@@ -16,7 +16,6 @@ the time of one fill (median); and whether every placement's outputs equal the f
 """
 from __future__ import annotations
 
-import ctypes
 import statistics
 import sys
 import time
@@ -29,46 +28,6 @@ from deltafin.runtime.tiers import layer_groups
 from deltafin.runtime.models.switch import switch_glu
 from deltafin.workers import resident as R
 
-_ADVISE_PREFERRED, _ADVISE_ACCESSED_BY = 3, 5
-
-
-def to_device(tier: R.ResidentTier) -> None:
-    cu, dev = R._cuda_driver()
-    cu.cuMemPrefetchAsync.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    for pools in tier.pools.values():
-        for a in pools.values():
-            ptr = np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
-            assert cu.cuMemAdvise(ptr, a.nbytes, _ADVISE_PREFERRED, dev) == 0
-            assert cu.cuMemPrefetchAsync(ptr, a.nbytes, dev, None) == 0
-    assert cu.cuCtxSynchronize() == 0
-
-
-class DeviceFill:
-    """Fills a slot with cuMemcpyHtoD from the record's bytes (no host touch of the pool)."""
-
-    def __init__(self, tier: R.ResidentTier):
-        self.cu, _ = R._cuda_driver()
-        self.cu.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
-        self.cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        self.tier = tier
-        self.base = {g: {k: (np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data, a.nbytes // a.shape[0])
-                         for k, a in pools.items()} for g, pools in tier.pools.items()}
-
-    def fill(self, layer: int, expert: int, slot: int, record) -> None:
-        tier = self.tier
-        g = tier.group_of[layer]
-        views = views_from_buffer(record, tier.layouts[g])
-        for t in tier.layouts[g]["tensors"]:
-            ptr, row = self.base[g][t["name"]]
-            src = np.ascontiguousarray(views[t["name"]]).view(np.uint8).reshape(-1)
-            assert src.nbytes == row, (t["name"], src.nbytes, row)
-            assert self.cu.cuMemcpyHtoD_v2(ptr + slot * row, src.ctypes.data, row) == 0
-        assert self.cu.cuStreamSynchronize(None) == 0
-        # the tier's map, as ResidentTier.fill keeps it
-        tier.held[g][slot] = (layer, expert)
-        tier.slot_of[layer][expert] = slot
-
-
 def main() -> None:
     store = Store(sys.argv[1])
     per_layer = int(sys.argv[2]) if len(sys.argv) > 2 else 8
@@ -78,11 +37,15 @@ def main() -> None:
     layers = list(store.moe_layers)
     slots = {g: per_layer * list(groups.values()).count(g) for g in set(groups.values())}
     k = store.top_k
+    size = store.max_record_bytes
+    buf = np.zeros(len(layers) * per_layer * size, dtype=np.uint8)  # as the staging segment
     records = {}
     for i, layer in enumerate(layers):
         for j in range(per_layer):
             view = store.read_record(store.record(layer, j))
-            records[(layer, j)] = np.frombuffer(bytes(view), dtype=np.uint8)
+            at = (i * per_layer + j) * size
+            buf[at:at + len(view)] = np.frombuffer(view, dtype=np.uint8)
+            records[(layer, j)] = memoryview(buf)[at:at + len(view)]
     gate = next(t for t in store.layout(layers[0])["tensors"] if t["name"].startswith("gate_proj.w"))
     d = gate["shape"][-1] * 32 // store.layout(layers[0])["quant"]["gate_proj"]["bits"]
     rng = np.random.default_rng(0)
@@ -90,19 +53,18 @@ def main() -> None:
     picks = [[np.sort(rng.choice(per_layer, k, replace=False)) for _ in layers] for _ in range(tokens)]
     results, report = {}, {}
     cuda = R._cuda_driver() is not None and mx.default_device() == mx.gpu
-    for place in ("host", "device", "managed") if cuda else ("host", "managed"):
-        tier = R.ResidentTier(store, mx.bfloat16, slots, host_writes=True, on_host=(place == "host"))
+    for place in ("host", "device", "device-pageable", "managed") if cuda else ("host", "managed"):
+        tier = R.ResidentTier(store, mx.bfloat16, slots, host_writes=True, on_host=place != "managed",
+                              copies=place.startswith("device"))
         if place == "device":
-            to_device(tier)
-            filler = DeviceFill(tier).fill
-        else:
-            filler = tier.fill
+            assert tier.copies.pin(buf)
+        filler = tier.fill
         fill_ms = []
         for (layer, j), rec in records.items():
             g = tier.group_of[layer]
             slot = layers.index(layer) * per_layer + j if len(slots) == 1 else j
             t0 = time.perf_counter()
-            filler(layer, j, slot, memoryview(rec))
+            filler(layer, j, slot, rec)
             fill_ms.append((time.perf_counter() - t0) * 1e3)
         mx.synchronize()
 
@@ -132,8 +94,10 @@ def main() -> None:
         results[place] = outs
         report[place] = {m: round(statistics.median(v), 3) for m, v in times.items()}
         report[place]["fill_ms_p50"] = round(statistics.median(fill_ms), 3)
-        report[place]["placement"] = tier.placement.get("why") if place == "host" else place
+        report[place]["placement"] = tier.placement.get("why")
         print(place, report[place], flush=True)
+        if tier.copies is not None:
+            tier.copies.unpin()
         del tier
     first = next(iter(results.values()))
     for place, outs in results.items():
