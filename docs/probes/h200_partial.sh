@@ -19,6 +19,7 @@
 #   bash docs/probes/h200_partial.sh timing   # partial_layer.py, TIMING=1: host time in async_eval / eval / read-backs per variant, graphs off
 #   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
 #   bash docs/probes/h200_partial.sh copies   # pools filled by the driver (device_copies) against host pools: probe, bench 25% x3, streaming check
+#   bash docs/probes/h200_partial.sh big      # dsv2-lite-sized experts (4 x 64, top-6, hidden 2048): pool_place, then bench device copies vs host pools
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
@@ -97,6 +98,18 @@ case "${1:-split}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -k "streaming_gives or driver" tests/test_greedy_exact.py \
       tests/test_resident.py > "$out/copies-exact.txt" 2>&1
     tail -4 "$out/copies-exact.txt" ;;
+  big)  # experts of DeepSeek-V2-Lite's size (hidden 2048, 1408 wide, 4.6 MB a record): where the bus reads weigh
+    if [ ! -f /tmp/storebig/manifest.json ]; then
+      python3 -m deltafin.tools.synth tiny qwen3_moe /tmp/hfbig --layers 4 --experts 64 --top-k 6 --hidden 2048 \
+        --moe-intermediate 1408 --vocab 8192 --dtype bfloat16 --init hf > /tmp/synthbig.log 2>&1
+      python3 -m deltafin.tools.convert /tmp/hfbig /tmp/storebig --no-progress > /tmp/convertbig.log 2>&1
+    fi
+    MLX_USE_CUDA_GRAPHS=0 timeout 120 python3 docs/probes/pool_place.py /tmp/storebig 16 32 2 > "$out/big-place.txt" 2>&1
+    cut -c1-300 "$out/big-place.txt"
+    timeout 300 python3 -m deltafin.tools.bench --store /tmp/storebig --trace none --regimes real --memory-budget 8GiB \
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-host-pools --rounds "${2:-2}" --prompt-tokens 9 \
+      --max-tokens 64 > "$out/big-bench.txt" 2>&1
+    tail -12 "$out/big-bench.txt" | cut -c1-330 ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
       f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back

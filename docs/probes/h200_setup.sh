@@ -8,7 +8,7 @@
 # and at once call 2 (carry .devwheels/b): bash docs/probes/h200_setup.sh && bash docs/probes/h200_partial.sh split
 # It installs MLX CUDA and the wheels into /tmp/site, maps the deltafin namespace onto this tree in
 # /tmp/ns (what the package-dir mapping does when installed), and builds issue 28's store in
-# /tmp/store once per machine. Later calls on the same machine skip what is there.
+# /tmp/store once per machine (not with SETUP_STORE=0). Later calls on the same machine skip what is there.
 set -euo pipefail
 if [ ! -d /tmp/site/mlx ]; then
   cat /root/w/mlx_cuda.part00 .devwheels/b/mlx_cuda.part01 > "/root/w/$(cat .devwheels/b/mlx_cuda.name)"
@@ -22,7 +22,7 @@ for d in runtime workers protocol tools configs; do ln -s "$PWD/$d" "/tmp/ns/del
 ln -s "$PWD/protocol/client" /tmp/ns/deltafin/client
 export PYTHONPATH=/tmp/site:/tmp/ns PYTHONUNBUFFERED=1
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-if [ ! -f /tmp/store/manifest.json ]; then
+if [ "${SETUP_STORE:-1}" = 1 ] && [ ! -f /tmp/store/manifest.json ]; then
   python3 -m deltafin.tools.synth tiny qwen3_moe /tmp/hf --layers 8 --experts 32 --top-k 4 --hidden 1024 \
     --moe-intermediate 768 --vocab 8192 --dtype bfloat16 --init hf > /tmp/synth.log 2>&1
   python3 -m deltafin.tools.convert /tmp/hf /tmp/store --no-progress > /tmp/convert.log 2>&1
