@@ -130,3 +130,24 @@ def test_cuda_graphs_setting_is_checked():
     from deltafin.runtime.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="bench.cuda_graphs"):
         load_config(None, overrides={"bench.cuda_graphs": "sometimes"})
+
+
+@pytest.mark.parametrize("setting,gpu,device_pools,expected", [
+    ("auto", True, False, True),    # a GPU: streaming pools in device memory, filled by the driver
+    ("auto", False, False, False),  # the CPU backend: host writes, nothing to place
+    (False, True, False, False),    # deltafin-host-pools: host memory, numpy writes
+    (True, True, True, False),      # deltafin-device-pools fills through MLX: no host writes to copy
+])
+def test_device_copies_resolve_per_backend(setting, gpu, device_pools, expected):
+    """bench.device_copies: whether compute's streaming pools live in device memory, filled by the
+    CUDA driver's copies (workers/resident.py DriverCopies)."""
+    from deltafin.runtime.config import BenchConfig
+    from deltafin.workers.pipeline import Pipeline
+    bench = BenchConfig(device_copies=setting, device_pools=device_pools)
+    assert Pipeline.resolve(bench, gpu=gpu, standin=False).device_copies is expected
+
+
+def test_device_copies_setting_is_checked():
+    from deltafin.runtime.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="bench.device_copies"):
+        load_config(None, overrides={"bench.device_copies": "maybe"})

@@ -14,6 +14,7 @@ own thread, so the map and the pools never disagree, and a hit needs no question
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import mlx.core as mx
@@ -130,6 +131,7 @@ class DriverCopies:
             raise OSError("cuStreamCreate refused")
         self.pinned: tuple[int, int] | None = None  # (address, bytes) of the registered staging
         self.keep: list = []  # converted sources until their copies are done
+        self._thread = threading.get_ident()  # where the context was made current last
 
     @classmethod
     def open(cls) -> "DriverCopies | None":
@@ -144,9 +146,10 @@ class DriverCopies:
 
     def _current(self) -> None:
         # the primary context current in the calling thread (fills run in compute's thread, the
-        # tier is made where the pool is attached); a no-op where it already is
+        # tier is made where the pool is attached)
         if self.cu.cuCtxSetCurrent(self.ctx) != 0:
             raise OSError("cuCtxSetCurrent refused")
+        self._thread = threading.get_ident()
 
     def place(self, arrays: list) -> dict:
         """Advises the arrays' memory to live on the device and moves it there now."""
@@ -185,6 +188,8 @@ class DriverCopies:
     def write(self, dst: np.ndarray, src: np.ndarray, how: str) -> None:
         """Queues the copy of one tensor's record bytes into a slot's row (dst: that row of the
         pool's bytes, never touched on the host)."""
+        if threading.get_ident() != self._thread:
+            self._current()
         if how != "bytes":  # bf16 -> f32: the shift on the host, into a buffer kept until done
             src = np.left_shift(src, 16, dtype=np.uint32)
             self.keep.append(src)

@@ -80,6 +80,7 @@ class SlotExperts(ExpertProvider):
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
+        self.detach()  # a tier attached before lets its staging go
         self.staging, self.slot_bytes = staging_buf, slot_bytes
         n_keys = self.store.n_experts * len(self.store.moe_layers)
         # Pools in host memory where experts stream (a group with fewer slots than experts) and
