@@ -117,15 +117,15 @@ class DriverCopies:
     but its slot (the caller settles the graphs that may read it first, as for host writes), and
     no host access ever pulls the pools' pages back. The staging segment the records come from
     is pinned (`pin`, cuMemHostRegister) so the copies go straight from it by DMA. Measured on the
-    lent H100 (docs/BENCHMARKS.md, docs/probes/pool_place.py): 8 layers x 4 experts of the issue-28
-    store per token 0.94 ms against 1.83 ms from host memory, a fill 0.35-0.41 ms from pageable
-    memory against 0.50-0.68 ms written with numpy into host memory."""
+    lent H100 and H200 (docs/BENCHMARKS.md, docs/probes/pool_place.py): 8 layers x 4 experts of
+    the issue-28 store per token 0.94-1.10 ms against 1.83-1.97 ms from host memory (DeepSeek-V2-
+    Lite-sized experts 0.65 against 3.42 ms), a fill 0.14-0.18 ms from the pinned buffer against
+    0.52-2.29 ms written with numpy into host memory."""
 
     def __init__(self, drv):
         import ctypes
         self.cu, self.dev, self.ctx = drv
         self.stream = ctypes.c_void_p()
-        self._c = ctypes
         self._current()
         if self.cu.cuStreamCreate(ctypes.byref(self.stream), _CU_STREAM_NON_BLOCKING) != 0:
             raise OSError("cuStreamCreate refused")
@@ -190,9 +190,12 @@ class DriverCopies:
         pool's bytes, never touched on the host)."""
         if threading.get_ident() != self._thread:
             self._current()
-        if how != "bytes":  # bf16 -> f32: the shift on the host, into a buffer kept until done
+        if how != "bytes":  # bf16 -> f32: the shift on the host
             src = np.left_shift(src, 16, dtype=np.uint32)
-            self.keep.append(src)
+        src = np.ascontiguousarray(src)
+        self.keep.append(src)  # a converted source lives until its copy is done
+        if src.nbytes != dst.nbytes:
+            raise ValueError(f"a record's tensor of {src.nbytes} bytes for a slot row of {dst.nbytes}")
         r = self.cu.cuMemcpyHtoDAsync_v2(dst.ctypes.data, src.ctypes.data, dst.nbytes, self.stream)
         if r != 0:
             raise OSError(f"cuMemcpyHtoDAsync refused (CUresult {r})")
