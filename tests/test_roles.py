@@ -189,3 +189,22 @@ def test_a_need_that_cannot_be_met_leaves_no_slot_behind():
     assert router.table.where.keys() == {(0, 0), (0, 1)} and len(router.table.free) == 1
     seen = _serve(router, router.need(3, layer=0, experts=[5]))
     assert any(isinstance(m, M.Slots) for m in seen)
+
+
+def test_a_profiled_worker_names_mlx_evaluations(tmp_path, monkeypatch):
+    """DELTAFIN_PROFILE_DIR: the worker's profile lists MLX's eval and async_eval as functions of
+    their own (cProfile does not see nanobind's calls), and they still evaluate."""
+    import pstats
+    from deltafin.workers import common
+    monkeypatch.setattr(mx, "eval", mx.eval)  # restored after the test
+    monkeypatch.setattr(mx, "async_eval", mx.async_eval)
+    monkeypatch.setenv("DELTAFIN_PROFILE_DIR", str(tmp_path))
+    profile = common._profiler()
+    a = mx.arange(4) * 2
+    mx.async_eval(a)
+    mx.eval(a)
+    profile.disable()
+    assert a.tolist() == [0, 2, 4, 6]
+    profile.dump_stats(tmp_path / "p.prof")
+    names = {fn for (_, _, fn) in pstats.Stats(str(tmp_path / "p.prof")).stats}
+    assert {"mlx_eval", "mlx_async_eval"} <= names

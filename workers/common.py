@@ -12,7 +12,8 @@ every handler except `on_forward` (compute's whole request), and the metrics cla
 Profiling: with DELTAFIN_PROFILE_DIR set, each worker's main thread runs under cProfile and
 writes DIR/ROLE-PID.prof when it ends (read with `python -m pstats`); DELTAFIN_PROFILE_CLOCK=cpu
 times it by the thread's CPU time, so a wait (for the device, a socket) counts nothing and what
-is left is the host's own work.
+is left is the host's own work. MLX's `eval` and `async_eval` are then listed as functions of
+their own (`mlx_eval`, `mlx_async_eval`).
 """
 from __future__ import annotations
 
@@ -50,8 +51,26 @@ def _profiler():
     if clock not in ("wall", "cpu"):
         raise ValueError(f"DELTAFIN_PROFILE_CLOCK={clock!r}: wall or cpu")
     profile = cProfile.Profile(time.thread_time) if clock == "cpu" else cProfile.Profile()
+    _named_evaluations()
     profile.enable()
     return profile
+
+
+def _named_evaluations() -> None:
+    """MLX's evaluations wrapped in Python functions of their own, so that a profile lists them
+    (`mlx_eval`, `mlx_async_eval`: building and launching kernels, and the waits for them) instead
+    of counting them inside their callers (cProfile does not see nanobind's calls)."""
+    import mlx.core as mx
+    if getattr(mx.eval, "__name__", "") == "mlx_eval":
+        return
+    ev, aev = mx.eval, mx.async_eval
+
+    def mlx_eval(*args, **kw):
+        return ev(*args, **kw)
+
+    def mlx_async_eval(*args, **kw):
+        return aev(*args, **kw)
+    mx.eval, mx.async_eval = mlx_eval, mlx_async_eval
 
 
 PARENT_CHECK_S = 0.2  # a worker outlives its supervisor by at most this (plus scheduling)
