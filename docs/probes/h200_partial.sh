@@ -17,6 +17,7 @@
 #   bash docs/probes/h200_partial.sh profile  # each worker under cProfile (wall clock), 25% and all resident
 #   bash docs/probes/h200_partial.sh inproc   # docs/probes/partial_layer.py: resident, sync, partial in one process, partial profiled
 #   bash docs/probes/h200_partial.sh timing   # partial_layer.py, TIMING=1: host time in async_eval / eval / read-backs per variant, graphs off
+#   bash docs/probes/h200_partial.sh nodes    # partial_layer.py, NODES=1: primitives launched per token, all resident / 25% / launch first
 #   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
 #   bash docs/probes/h200_partial.sh copies   # pools filled by the driver (device_copies) against host pools: probe, bench 25% x3, streaming check
 #   bash docs/probes/h200_partial.sh big      # dsv2-lite-sized experts (4 x 64, top-6, hidden 2048): pool_place, then bench device copies vs host pools
@@ -86,6 +87,10 @@ case "${1:-split}" in
     TIMING=1 timeout 200 python3 docs/probes/partial_layer.py /tmp/store 64 64 2 resident,sync,partial \
       > "$out/timing-g1.txt" 2>&1
     grep "median\|differ" "$out/timing-g1.txt" | cut -c1-300 ;;
+  nodes)
+    MLX_USE_CUDA_GRAPHS=0 NODES=1 timeout 200 python3 docs/probes/partial_layer.py /tmp/store 64 32 1 \
+      resident,partial,partial-lf > "$out/nodes.txt" 2>&1
+    grep "nodes per token\|median" "$out/nodes.txt" | cut -c1-600 ;;
   place)
     MLX_USE_CUDA_GRAPHS=0 timeout 250 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g0.txt" 2>&1
     cat "$out/place-g0.txt" | cut -c1-300

@@ -13,7 +13,9 @@ generation; prints ms per decode token per round and the median, the tokens' agr
 first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
 TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
 and launching kernels), `eval` (launch and wait) and the routing's read-backs (`_host`: the wait for
-the device), beside the rest of the host's time.
+the device), beside the rest of the host's time. With NODES=1 (instead: it slows the host) each
+variant's graphs launched per decode token are counted by primitive (`mx.export_to_dot` of what
+each `async_eval` launches: on a GPU the fused kernels show as one node each).
 """
 from __future__ import annotations
 
@@ -57,6 +59,26 @@ class Timing:
                 self.n[key] += 1
         return timed
 
+    def count_nodes(self) -> None:
+        """Counts the primitives of the graphs each async_eval launches (export_to_dot)."""
+        import io
+        import re
+        import mlx.core as mx
+        self.nodes: dict = {}
+        launch = mx.async_eval
+
+        def counted(*arrays, **kw):
+            dot = io.StringIO()
+            mx.export_to_dot(dot, *[a for a in arrays if isinstance(a, mx.array)])
+            for label in re.findall(r'label ="(\w+)", shape=rectangle', dot.getvalue()):
+                self.nodes[label] = self.nodes.get(label, 0) + 1
+            return launch(*arrays, **kw)
+        mx.async_eval = counted
+
+    def take_nodes(self) -> dict:
+        nodes, self.nodes = self.nodes, {}
+        return nodes
+
     def take(self) -> tuple[dict, dict]:
         t, n = dict(self.t), dict(self.n)
         self.t, self.n = dict.fromkeys(t, 0.0), dict.fromkeys(n, 0)
@@ -94,12 +116,16 @@ def main() -> None:
              "partial-lf": (slots, "auto", False, {"launch_first": True}),
              "partial-d8": (slots, "auto", False, {"launch_first": True, "ahead_depth": 8}),
              "partial-dev": (slots, "auto", False, {"device_pools": True})}
-    timing = Timing() if os.environ.get("TIMING") else None
+    timing = Timing() if os.environ.get("TIMING") or os.environ.get("NODES") else None
+    if os.environ.get("NODES"):
+        timing.count_nodes()
     comps = {name: make(store, *specs[name]) for name in names}
     for comp in comps.values():
         generate(comp, 4)  # warm-up: kernels, buffers
     if timing:
         timing.take()
+        if os.environ.get("NODES"):
+            timing.take_nodes()
     ms = {name: [] for name in names}
     tokens, prof = {}, None
     for r in range(rounds):
@@ -114,6 +140,11 @@ def main() -> None:
                 print(f"  {name} host ms per token (the whole request / {n}): total {wall * 1e3 / n:.2f}, "
                       + ", ".join(f"{k} {v * 1e3 / n:.2f} ({calls[k] / n:.1f} calls)" for k, v in t.items())
                       + f", rest {(wall - sum(t.values())) * 1e3 / n:.2f}", flush=True)
+            if os.environ.get("NODES"):
+                nodes = timing.take_nodes()
+                top = sorted(nodes.items(), key=lambda kv: -kv[1])[:25]
+                print(f"  {name} nodes per token {sum(nodes.values()) / n:.1f}: "
+                      + ", ".join(f"{k} {v / n:.1f}" for k, v in top), flush=True)
             if profiled:
                 prof.disable()
             st = done.stats
