@@ -78,6 +78,12 @@ def is_metal() -> bool:
     return bool(metal is not None and metal.is_available())
 
 
+def _address(a) -> int:
+    """Where an MLX array's memory starts (MLX CUDA: its managed memory's address, the same on
+    the host and the device; taking it touches no page)."""
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
 def place_on_host(arrays: list) -> dict:
     """MLX CUDA keeps arrays in managed memory, whose pages migrate to wherever they were last
     touched: a fill written from the host pulls a pool's pages to the host, and the next kernel
@@ -94,18 +100,12 @@ def place_on_host(arrays: list) -> dict:
         return {"placed": False, "why": "the CUDA driver (libcuda.so.1) could not be opened"}
     cu, dev, _ = drv
     for a in arrays:
-        ptr = np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+        ptr = _address(a)
         for advice, where in ((_CU_ADVISE_PREFERRED_LOCATION, _CU_DEVICE_CPU), (_CU_ADVISE_ACCESSED_BY, dev)):
             r = cu.cuMemAdvise(ptr, a.nbytes, advice, where)
             if r != 0:
                 return {"placed": False, "why": f"cuMemAdvise refused (CUresult {r})"}
     return {"placed": True, "where": "host", "why": "pools in host memory, mapped for the GPU (cuMemAdvise)"}
-
-
-def _address(a) -> int:
-    """Where an MLX array's memory starts (MLX CUDA: its managed memory's address, the same on
-    the host and the device; taking it touches no page)."""
-    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
 
 
 class DriverCopies:
