@@ -144,6 +144,7 @@ class BenchConfig:
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
+    ahead_launch: str = "layer"  # running ahead: each layer launched as built, or the pass at once ("pass")
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
     # MLX CUDA graphs in compute: "auto" off where the plan leaves experts out of the resident tier
@@ -256,6 +257,8 @@ class Config:
             raise ConfigError("bench.spin_ms must be >= 0 (0: sleep in poll)")
         if self.bench.ahead_reads < 0:
             raise ConfigError("bench.ahead_reads must be >= 0 (0: half the staging ring)")
+        if self.bench.ahead_launch not in ("layer", "pass"):
+            raise ConfigError(f"bench.ahead_launch must be \"layer\" or \"pass\", not {self.bench.ahead_launch!r}")
         if self.bench.ahead_depth < 1:
             raise ConfigError("bench.ahead_depth must be >= 1 (layers that ran ahead left unchecked)")
         if not 1 <= self.loader.threads <= 64:

@@ -54,6 +54,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-launch-first": {"bench": {"launch_first": True}},
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
+    "deltafin-ahead-pass": {"bench": {"ahead_launch": "pass"}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},

@@ -67,6 +67,7 @@ class Pipeline:
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
+    ahead_launch: str = "layer"  # running ahead: "pass": launched and checked once per pass
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -82,7 +83,7 @@ class Pipeline:
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
                        fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                       ahead_depth=bench.ahead_depth, cuda_graphs=graphs)
+                       ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
@@ -91,7 +92,8 @@ class Pipeline:
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                   ahead_depth=bench.ahead_depth, cuda_graphs=graphs, device_copies=copies)
+                   ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
+                   device_copies=copies)
 
     def report(self) -> dict:
         return asdict(self)

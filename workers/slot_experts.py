@@ -103,6 +103,9 @@ class SlotExperts(ExpertProvider):
     def wants_lookahead(self, layer: int) -> bool:
         """Whether the model should apply the next MoE layer's gate to this layer's input: only
         where the router prefetches and this layer reads its gate back anyway (not all resident)."""
+        if self._ahead_on and self.pipe.ahead_launch == "pass" and \
+                (self._redo is not None or self._odds.get(layer, 1.0) >= AHEAD_ODDS):
+            return False  # read back at the pass's end, or its ids known: no lead to give
         return self.hints and not self.tier.full(layer) and not self.force_sync
 
     def lookahead(self, layer: int, inds) -> None:
@@ -111,9 +114,9 @@ class SlotExperts(ExpertProvider):
     def _send_hint(self, ids) -> None:
         """Evaluates the lookahead with this layer's ids (one sync for both) and sends it."""
         look, self._look = self._look, None
-        if look is None or not isinstance(ids, mx.array):
+        if look is None:
             return
-        mx.eval(ids, look[1])
+        mx.eval(*((ids,) if isinstance(ids, mx.array) else ()), look[1])  # ids may be read back already
         self.counters.add("hints")
         experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
         if self.pipe.fold_notes:  # rides the layer's need or lease (`_notes_out`)
@@ -375,6 +378,8 @@ class SlotExperts(ExpertProvider):
             if self._ahead_on:
                 depth = self.pipe.ahead_depth
                 if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
+                    if self.pipe.ahead_launch == "pass":  # checked at the pass's end
+                        return self._run_ahead(layer, x, ids)
                     if self.pipe.launch_first:
                         # launched before the layers that ran ahead before it are checked: the
                         # device computes this one while the host waits for their routing
@@ -423,7 +428,13 @@ class SlotExperts(ExpertProvider):
 
     def _check_pending(self, keep: int = 0) -> None:
         """The layers that ran ahead checked, oldest first, until at most `keep` are left
-        (`_check_ahead`; a miss forgets the rest)."""
+        (`_check_ahead`; a miss forgets the rest). Several to check: their routing comes back
+        in one copy."""
+        if len(self._ahead) - keep > 1:
+            recs = [rec for rec in self._ahead[:len(self._ahead) - keep] if isinstance(rec["ids"], mx.array)]
+            if len(recs) > 1 and len({rec["ids"].shape for rec in recs}) == 1:
+                for rec, host in zip(recs, self._host(mx.stack([rec["ids"] for rec in recs]))):
+                    rec["ids"] = host
         while len(self._ahead) > keep:
             self._check_ahead(self._ahead.pop(0))
 
@@ -439,7 +450,8 @@ class SlotExperts(ExpertProvider):
         table, where = tier.ahead_table(layer)
         y = switch_glu(x, table[ids], tier.weights(layer), tier.quant(layer))
         look, self._look = self._look, None
-        mx.async_eval(y, *(() if look is None else (look[1],)))
+        if self.pipe.ahead_launch != "pass":  # else launched with the pass's end
+            mx.async_eval(y, *(() if look is None else (look[1],)))
         self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
         return self._reads_pools(y, layer)

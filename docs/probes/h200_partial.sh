@@ -21,6 +21,8 @@
 #   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
 #   bash docs/probes/h200_partial.sh copies   # pools filled by the driver (device_copies) against host pools: probe, bench 25% x3, streaming check
 #   bash docs/probes/h200_partial.sh big      # dsv2-lite-sized experts (4 x 64, top-6, hidden 2048): pool_place, then bench device copies vs host pools
+#   bash docs/probes/h200_partial.sh pass     # bench.ahead_launch "pass" beside "layer": one process (TIMING), real supervisors (-v)
+#   bash docs/probes/h200_partial.sh passbench [ROUNDS]  # the same as bench contenders beside mlx-lm at 25% (3)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
@@ -115,6 +117,16 @@ case "${1:-split}" in
       --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-host-pools --rounds "${2:-2}" --prompt-tokens 9 \
       --max-tokens 64 > "$out/big-bench.txt" 2>&1
     tail -12 "$out/big-bench.txt" | cut -c1-330 ;;
+  pass)  # layers run ahead launched and read back once per pass, against one layer at a time
+    MLX_USE_CUDA_GRAPHS=0 TIMING=1 timeout 200 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 \
+      resident,partial,partial-pass > "$out/pass-timing.txt" 2>&1
+    grep "host ms\|median\|differ" "$out/pass-timing.txt" | cut -c1-300
+    timeout 240 python3 docs/probes/real_split.py /tmp/store 2 \
+      "layer:ahead_launch = \"layer\":0.25,pass:ahead_launch = \"pass\":0.25,passg:ahead_launch = \"pass\";cuda_graphs = true:0.25" -v > "$out/pass-split.txt" 2>&1
+    grep "^r\|all same" "$out/pass-split.txt" | cut -c1-420
+    grep -o "pipeline={[^}]*}" "$out/pass-split.txt" ;;
+  passbench)
+    timeout 420 bash "$0" bench 0.25 "${2:-3}" deltafin,deltafin-ahead-pass,mlx-lm ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
       f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back
