@@ -47,6 +47,12 @@ from deltafin.workers.sources import ExpertSource, ExpertUnavailable
 # stays at this: a kept layer saves the device's wait for the host, a missed one computes again
 # and learns its misses one layer later (about as much), so it pays above one in two.
 AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
+# Where a pass's layers are launched and checked together (bench.ahead_launch = "pass"), a miss is
+# found at the pass's end and every MoE layer built after it is computed in vain: a layer runs
+# ahead while its decayed miss share times the layers after it stays under this, a read-back
+# costing about one layer computed again (the pass's first layer, whose experts no lookahead
+# foretold, misses most and so reads back).
+AHEAD_PASS_WASTE = 1.0
 
 
 class SlotExperts(ExpertProvider):
@@ -104,7 +110,7 @@ class SlotExperts(ExpertProvider):
         """Whether the model should apply the next MoE layer's gate to this layer's input: only
         where the router prefetches and this layer reads its gate back anyway (not all resident)."""
         if self._ahead_on and self.pipe.ahead_launch == "pass" and \
-                (self._redo is not None or self._odds.get(layer, 1.0) >= AHEAD_ODDS):
+                (self._redo is not None or self._goes_ahead(layer)):
             return False  # read back at the pass's end, or its ids known: no lead to give
         return self.hints and not self.tier.full(layer) and not self.force_sync
 
@@ -377,7 +383,7 @@ class SlotExperts(ExpertProvider):
         else:
             if self._ahead_on:
                 depth = self.pipe.ahead_depth
-                if self._odds.get(layer, 1.0) >= AHEAD_ODDS:
+                if self._goes_ahead(layer):
                     if self.pipe.ahead_launch == "pass":  # checked at the pass's end
                         return self._run_ahead(layer, x, ids)
                     if self.pipe.launch_first:
@@ -388,7 +394,8 @@ class SlotExperts(ExpertProvider):
                         return y
                     self._check_pending(keep=depth - 1)  # checked, then launched
                     return self._run_ahead(layer, x, ids)
-                self._check_pending()
+                # one drain for the layers pending and this one's routing (and its lookahead)
+                self._check_pending(also=(ids, *(() if self._look is None else (self._look[1],))))
                 judged = True
             flat = self._read_ids(layer, x, ids)
         experts = np.unique(flat).tolist()
@@ -426,15 +433,27 @@ class SlotExperts(ExpertProvider):
         self._check_pending()
         self._ahead_on = False
 
-    def _check_pending(self, keep: int = 0) -> None:
+    def _goes_ahead(self, layer: int) -> bool:
+        """Whether a partially resident layer runs ahead now, by its odds (`_judge`)."""
+        odds = self._odds.get(layer, 1.0)
+        if self.pipe.ahead_launch == "pass":
+            after = len(self.store.moe_layers) - 1 - self.store.moe_layers.index(layer)
+            return (1.0 - odds) * after < AHEAD_PASS_WASTE
+        return odds >= AHEAD_ODDS
+
+    def _check_pending(self, keep: int = 0, also: tuple = ()) -> None:
         """The layers that ran ahead checked, oldest first, until at most `keep` are left
         (`_check_ahead`; a miss forgets the rest). Several to check: their routing comes back
-        in one copy."""
-        if len(self._ahead) - keep > 1:
-            recs = [rec for rec in self._ahead[:len(self._ahead) - keep] if isinstance(rec["ids"], mx.array)]
-            if len(recs) > 1 and len({rec["ids"].shape for rec in recs}) == 1:
-                for rec, host in zip(recs, self._host(mx.stack([rec["ids"] for rec in recs]))):
-                    rec["ids"] = host
+        in one copy; `also`: device arrays evaluated in the same drain."""
+        recs = [rec for rec in self._ahead[:max(0, len(self._ahead) - keep)] if isinstance(rec["ids"], mx.array)]
+        if recs and (len(recs) > 1 or also):
+            t0 = time.perf_counter()
+            same = len({rec["ids"].shape for rec in recs}) == 1
+            stacked = mx.stack([rec["ids"] for rec in recs]) if same else None
+            mx.eval(*([stacked] if same else [rec["ids"] for rec in recs]), *also)
+            self.t_sync += time.perf_counter() - t0
+            for rec, host in zip(recs, self._host(stacked) if same else [self._host(r["ids"]) for r in recs]):
+                rec["ids"] = host
         while len(self._ahead) > keep:
             self._check_ahead(self._ahead.pop(0))
 
