@@ -136,15 +136,15 @@ class BenchConfig:
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
     run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
     device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
-    # MLX CUDA: streaming pools in device memory, filled by the driver's copies ("auto": on a GPU;
-    # false: in host memory, written with numpy, deltafin-host-pools)
-    device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    # MLX CUDA: streaming pools in device memory, filled by the driver's copies (true / "auto": on a
+    # GPU, deltafin-device-copies; off: not exact where layers share a slot group, docs/BENCHMARKS.md)
+    device_copies: bool | str = field(default=False, metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
-    ahead_launch: str = "layer"  # running ahead: each layer launched as built, or the pass at once ("pass")
+    ahead_launch: str = "pass"  # running ahead: the pass launched and checked at once, or each layer ("layer")
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
     # MLX CUDA graphs in compute: "auto" off where the plan leaves experts out of the resident tier

@@ -85,7 +85,7 @@ def _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, arch: str, runs: list, 
 def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stores, tmp_path):
     """bfloat16: 25%, 50% and 100% of the experts resident, prefetch and leases on and off, and 25%
     twice, running ahead on and off (launched before or after the check, checked one or eight
-    layers later, or launched and checked with the pass), hints and uses folded
+    layers later, or launched and checked with the pass, or each layer as built), hints and uses folded
     into needs or not, reads ahead capped at one, CUDA graphs on and off: every run's greedy tokens equal mlx-lm's and each other's,
     whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
@@ -101,17 +101,17 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             (0.25, {"bench": {"run_ahead": True, "launch_first": True}}),
             # ... and several left unchecked (every layer of the pass: one read-back at its end)
             (0.25, {"bench": {"run_ahead": True, "launch_first": True, "ahead_depth": 8}}),
-            # ... or launched with the pass and read back at its end
-            (0.25, {"bench": {"run_ahead": True, "ahead_launch": "pass"}}),
-            (0.5, {"bench": {"run_ahead": True, "ahead_launch": "pass"}}),
+            # ... or each launched as built and checked at the next (by default the pass at once)
+            (0.25, {"bench": {"run_ahead": True, "ahead_launch": "layer"}}),
+            (0.5, {"bench": {"run_ahead": True, "ahead_launch": "layer"}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
             # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while
             # streaming (by default only all resident) and one by one all resident
             (0.25, {"bench": {"ahead_reads": 1}}), (0.25, {"bench": {"cuda_graphs": True}}),
             (1.0, {"bench": {"cuda_graphs": False}}),
-            # streaming pools in host memory written with numpy (by default on MLX CUDA: in device
-            # memory, filled by the driver's copies)
-            (0.25, {"bench": {"device_copies": False}})]
+            # streaming pools in device memory filled by the driver's copies (by default on MLX
+            # CUDA: in host memory, written with numpy)
+            (0.25, {"bench": {"device_copies": True}})]
     _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, "qwen3_moe", runs)
 
 

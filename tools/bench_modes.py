@@ -24,7 +24,7 @@ DELTAFIN_MODES = {
     "deltafin-no-run-ahead": [],  # the default with each partial layer's routing read back before its experts
     "deltafin-run-ahead": [],  # ... and with partial layers run ahead (the CPU too)
     "deltafin-device-pools": [],  # the default with streaming pools in device memory, filled through MLX
-    "deltafin-host-pools": [],  # the default with streaming pools in host memory, written with numpy (MLX CUDA)
+    "deltafin-device-copies": [],  # the default with streaming pools in device memory, filled by the driver (MLX CUDA)
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
@@ -33,6 +33,7 @@ DELTAFIN_MODES = {
     "deltafin-cuda-graphs": [],  # ... and with them in CUDA graphs (MLX's default) though experts stream
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
+    "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
@@ -48,13 +49,13 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-run-ahead": {"bench": {"run_ahead": False}},
     "deltafin-run-ahead": {"bench": {"run_ahead": True}},
     "deltafin-device-pools": {"bench": {"device_pools": True}},
-    "deltafin-host-pools": {"bench": {"device_copies": False}},
+    "deltafin-device-copies": {"bench": {"device_copies": True}},
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
     "deltafin-launch-first": {"bench": {"launch_first": True}},
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
-    "deltafin-ahead-pass": {"bench": {"ahead_launch": "pass"}},
+    "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},
