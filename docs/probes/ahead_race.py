@@ -1,5 +1,13 @@
-"""Issue 28: test_run_ahead's store (4 layers x 8 experts, top-2, one slot group) on a GPU:
-first-pass logits against all resident, per pipeline setting (device copies on/off)."""
+"""Issue 28: tests/test_run_ahead.py's store (4 layers x 8 experts, top-2, one slot group shared by
+the 4 layers) in one process: 12 greedy passes' logits at 4 and 8 slots against all resident, per
+setting (streaming pools filled by the driver's copies or written with numpy; run ahead per layer
+or per pass), with the pipeline's counters.
+
+  python docs/probes/ahead_race.py          # SYNC=1: each driver copy waits for MLX's queue first
+
+Found on an H100 (2026-12-05, stop 47): with `bench.device_copies` on, 8 slots gave other logits
+from the first pass (max |diff| 4.48-5.24) in some settings and runs, also with SYNC=1 (so not a
+copy overtaking a queued kernel); host pools exact in every setting. Why: not found."""
 import sys, tempfile
 from pathlib import Path
 import numpy as np

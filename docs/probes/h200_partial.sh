@@ -21,8 +21,9 @@
 #   bash docs/probes/h200_partial.sh place    # docs/probes/pool_place.py: expert compute and fills with pools in host / device / managed memory
 #   bash docs/probes/h200_partial.sh copies   # pools filled by the driver (device_copies) against host pools: probe, bench 25% x3, streaming check
 #   bash docs/probes/h200_partial.sh big      # dsv2-lite-sized experts (4 x 64, top-6, hidden 2048): pool_place, then bench device copies vs host pools
-#   bash docs/probes/h200_partial.sh pass     # bench.ahead_launch "pass" beside "layer": one process (TIMING), real supervisors (-v)
-#   bash docs/probes/h200_partial.sh passbench [ROUNDS]  # the same as bench contenders beside mlx-lm at 25% (3)
+#   bash docs/probes/h200_partial.sh pass     # bench.ahead_launch "pass" (default) beside "layer": one process (TIMING), real supervisors (-v)
+#   bash docs/probes/h200_partial.sh passbench [ROUNDS]  # the same as bench contenders (deltafin, deltafin-ahead-layer) beside mlx-lm at 25% (3)
+#   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
 set -uo pipefail
@@ -119,7 +120,7 @@ case "${1:-split}" in
     tail -12 "$out/big-bench.txt" | cut -c1-330 ;;
   pass)  # layers run ahead launched and read back once per pass, against one layer at a time
     MLX_USE_CUDA_GRAPHS=0 TIMING=1 timeout 200 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 \
-      resident,partial,partial-pass > "$out/pass-timing.txt" 2>&1
+      resident,partial-layer,partial > "$out/pass-timing.txt" 2>&1
     grep "host ms\|median\|differ" "$out/pass-timing.txt" | cut -c1-300
     timeout 300 python3 docs/probes/real_split.py /tmp/store 3 \
       "layer:ahead_launch = \"layer\":0.25,pass:ahead_launch = \"pass\":0.25" -v > "$out/pass-split.txt" 2>&1
