@@ -75,6 +75,20 @@ def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, lau
     assert (forgotten > 0) == (launch_first or depth > 1 or launch == "pass"), forgotten
 
 
+def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store, monkeypatch):
+    """ahead_launch "pass": a miss found at the pass's end forgets every layer built after it, so a
+    layer whose miss share times the layers after it reaches AHEAD_PASS_WASTE reads back instead:
+    fewer layers computed in vain than running every layer ahead, the same logits."""
+    from deltafin.workers import slot_experts
+    ruled, counted = _decode(store, 8, run_ahead=True, launch="pass")
+    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
+    blind, blind_counted = _decode(store, 8, run_ahead=True, launch="pass")
+    assert all(np.array_equal(a, b) for a, b in zip(ruled, blind))
+    assert counted.get("ahead_forgotten") < blind_counted.get("ahead_forgotten"), \
+        (counted.get("ahead_forgotten"), blind_counted.get("ahead_forgotten"))
+    assert counted.get("ran_ahead") < blind_counted.get("ran_ahead")
+
+
 def test_every_partial_layer_still_sends_its_lookahead(store):
     """A layer that ran ahead sends its gate lookahead when it is checked, and the layer being
     called then keeps its own: as many hints as reading each layer back sends."""

@@ -461,7 +461,8 @@ class SlotExperts(ExpertProvider):
         """A partially resident layer computed on the experts resident now, without reading its
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
         Launched at once (its ids with it), so the device computes it while the host checks the
-        one that ran ahead before it and builds the next layer. Where every chosen
+        one that ran ahead before it and builds the next layer; with `ahead_launch` "pass" left to
+        the pass's end, launched and checked with the rest of the pass. Where every chosen
         expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
         same rows, the same kernel."""
         self.take_fills(layer, [])
