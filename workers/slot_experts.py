@@ -443,17 +443,15 @@ class SlotExperts(ExpertProvider):
 
     def _check_pending(self, keep: int = 0, also: tuple = ()) -> None:
         """The layers that ran ahead checked, oldest first, until at most `keep` are left
-        (`_check_ahead`; a miss forgets the rest). Several to check: their routing comes back
-        in one copy; `also`: device arrays evaluated in the same drain."""
+        (`_check_ahead`; a miss forgets the rest). Several to check: their routing is evaluated
+        in one drain, with `also` (device arrays the caller reads next)."""
         recs = [rec for rec in self._ahead[:max(0, len(self._ahead) - keep)] if isinstance(rec["ids"], mx.array)]
         if recs and (len(recs) > 1 or also):
             t0 = time.perf_counter()
-            same = len({rec["ids"].shape for rec in recs}) == 1
-            stacked = mx.stack([rec["ids"] for rec in recs]) if same else None
-            mx.eval(*([stacked] if same else [rec["ids"] for rec in recs]), *also)
+            mx.eval(*[rec["ids"] for rec in recs], *also)
             self.t_sync += time.perf_counter() - t0
-            for rec, host in zip(recs, self._host(stacked) if same else [self._host(r["ids"]) for r in recs]):
-                rec["ids"] = host
+            for rec in recs:
+                rec["ids"] = self._host(rec["ids"])
         while len(self._ahead) > keep:
             self._check_ahead(self._ahead.pop(0))
 
