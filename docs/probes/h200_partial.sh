@@ -23,6 +23,7 @@
 #   bash docs/probes/h200_partial.sh big      # dsv2-lite-sized experts (4 x 64, top-6, hidden 2048): pool_place, then bench device copies vs host pools
 #   bash docs/probes/h200_partial.sh pass     # bench.ahead_launch "pass" (default) beside "layer": one process (TIMING), real supervisors (-v)
 #   bash docs/probes/h200_partial.sh passbench [ROUNDS]  # the same as bench contenders (deltafin, deltafin-ahead-layer) beside mlx-lm at 25% (3)
+#   bash docs/probes/h200_partial.sh final50  # the defaults at 50% (3 rounds) and all resident (1), beside mlx-lm
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
@@ -128,6 +129,9 @@ case "${1:-split}" in
     grep -o "pipeline={[^}]*}" "$out/pass-split.txt" ;;
   passbench)
     timeout 420 bash "$0" bench 0.25 "${2:-3}" deltafin,deltafin-ahead-layer,mlx-lm ;;
+  final50)  # the final defaults at 50% (3 rounds) and all resident (1 round) beside mlx-lm
+    timeout 330 bash "$0" bench 0.5 3 deltafin,mlx-lm
+    timeout 150 bash "$0" bench 1.0 1 deltafin,mlx-lm ;;
   graphs)
     for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=4" "MLX_MAX_OPS_PER_BUFFER=80"; do
       f="$out/graphs-${env%%=*}-${env#*=}.txt"  # no "=" in names that come back
