@@ -15,7 +15,6 @@ DELTAFIN_MODES = {
     "deltafin-lfuda": ["--policy", "lfuda"],
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
-    "deltafin-chunked-256k": [],  # ... as 256 KiB chunks
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
@@ -41,7 +40,6 @@ DELTAFIN_MODES = {
 DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"bench": {"pipeline": "sync"}},
     "deltafin-chunked": {"bench": {"chunk_bytes": 1 << 20}},
-    "deltafin-chunked-256k": {"bench": {"chunk_bytes": 256 << 10}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
     "deltafin-no-leases": {"bench": {"leases": False}},

@@ -459,8 +459,8 @@ class SlotExperts(ExpertProvider):
         """A partially resident layer computed on the experts resident now, without reading its
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
         Launched at once (its ids with it), so the device computes it while the host checks the
-        one that ran ahead before it and builds the next layer; with `ahead_launch` "pass" checked
-        with the rest of the pass at its end (and launched as built where layers are eager). Where every chosen
+        one that ran ahead before it and builds the next layer; with `ahead_launch` "pass" left to
+        the pass's end, launched and checked with the rest of the pass. Where every chosen
         expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
         same rows, the same kernel."""
         self.take_fills(layer, [])
@@ -468,10 +468,8 @@ class SlotExperts(ExpertProvider):
         table, where = tier.ahead_table(layer)
         y = switch_glu(x, table[ids], tier.weights(layer), tier.quant(layer))
         look, self._look = self._look, None
-        if self.pipe.ahead_launch != "pass":
+        if self.pipe.ahead_launch != "pass":  # else launched with the pass's end
             mx.async_eval(y, *(() if look is None else (look[1],)))
-        elif self.pipe.eager_layers:  # launched as built, so the device computes it while the
-            mx.async_eval(y)          # host builds the next; its routing read back at the pass's end
         self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
         return self._reads_pools(y, layer)
