@@ -568,3 +568,50 @@ def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need
     finally:
         dealer.close(0)
         router.close(0)
+
+
+class _RecordingDriver:
+    """The few CUDA driver calls DriverCopies makes, recorded (no GPU here): registrations of host
+    memory by address."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def cuCtxSetCurrent(self, ctx):
+        return 0
+
+    def cuStreamCreate(self, stream, flags):
+        return 0
+
+    def cuMemHostRegister_v2(self, address, nbytes, flags):
+        if address in self.registered:
+            return 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        self.registered[address] = nbytes
+        return 0
+
+    def cuMemHostUnregister(self, address):
+        return 0 if self.registered.pop(address, None) is not None else 713
+
+
+def test_a_pinned_staging_stays_mapped_until_its_registration_ends():
+    """DriverCopies.pin holds the staging memory it registers: unmapped under a registration, the
+    driver kept its stale pages at that address and copied from them into the next buffer mapped
+    there (an H100, docs/probes/ahead_race.py). So the buffer cannot be closed while pinned, and a
+    copier let go without unpin (an in-process tier) ends its registration first."""
+    cu = _RecordingDriver()
+    copies = resident.DriverCopies((cu, 0, None))
+    pool = mmap.mmap(-1, 1 << 20)
+    assert copies.pin(memoryview(pool)) and len(cu.registered) == 1
+    with pytest.raises(BufferError):  # held: not unmapped under the registration
+        pool.close()
+    other = mmap.mmap(-1, 1 << 20)
+    assert copies.pin(memoryview(other))  # a new staging: the old one let go first
+    assert list(cu.registered) == [np.frombuffer(other, dtype=np.uint8).ctypes.data]
+    pool.close()
+    del copies  # no unpin: the registration ends as the copier goes
+    assert cu.registered == {}
+    other.close()
+    refused = resident.DriverCopies((cu, 0, None))
+    taken = mmap.mmap(-1, 1 << 16)
+    cu.registered[np.frombuffer(taken, dtype=np.uint8).ctypes.data] = 1 << 16  # someone else's
+    assert not refused.pin(memoryview(taken)) and refused.pin_error == 712

@@ -28,7 +28,7 @@ def store(tmp_path_factory) -> Store:
 
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
-            depth: int = 1, weigh_misses: bool = True, launch: str = "layer"):
+            depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool = False):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -37,12 +37,14 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["launch_first"] = launch_first
     cfg["bench"]["ahead_depth"] = depth
     cfg["bench"]["ahead_launch"] = launch
+    cfg["bench"]["device_copies"] = copies
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
         c.preload()
         out = greedy_alone(c, PROMPT, steps)
+        c.experts.counters.add("driver_copies", int(c.experts.tier.copies is not None))
         sent = c.experts.source.messages
         c.experts.counters.add("hints_sent", sent.get("hint") + sent.get("folded_hint"))
         return out, c.experts.counters
@@ -73,6 +75,22 @@ def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, lau
     assert kept > 0 and missed > 0, (kept, missed)
     # checked before the next is launched, no layer ever runs on a missed one's output
     assert (forgotten > 0) == (launch_first or depth > 1 or launch == "pass"), forgotten
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the driver's copies are MLX CUDA's")
+def test_driver_copies_in_one_process_give_the_all_resident_logits(store):
+    """bench.device_copies: streaming pools in device memory, filled by the driver out of the
+    pinned staging. Several tiers made and let go in one process, each over a new staging pool
+    (often mapped where the last one was): each decode's logits equal all resident, bit for bit.
+    Found on an H100 before DriverCopies held its pinned staging: from the second tier on, the
+    copies came from the driver's stale pages of the first (docs/probes/ahead_race.py)."""
+    ref, _ = _decode(store, len(store.records), run_ahead=True)
+    for launch in ("layer", "pass"):
+        for n_slots in (4, 8, 16, 8):
+            got, counters = _decode(store, n_slots, run_ahead=True, launch=launch, copies=True)
+            assert counters.get("driver_copies") == 1
+            for s, (a, b) in enumerate(zip(ref, got)):
+                assert np.array_equal(a, b), (launch, n_slots, s, float(np.abs(a - b).max()))
 
 
 def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store, monkeypatch):

@@ -130,6 +130,8 @@ class DriverCopies:
         if self.cu.cuStreamCreate(ctypes.byref(self.stream), _CU_STREAM_NON_BLOCKING) != 0:
             raise OSError("cuStreamCreate refused")
         self.pinned: tuple[int, int] | None = None  # (address, bytes) of the registered staging
+        self._held = None  # that staging's memory, kept mapped while registered
+        self.pin_error: int | None = None  # the CUresult of a refused registration
         self.keep: list = []  # converted sources until their copies are done
         self._thread = threading.get_ident()  # where the context was made current last
 
@@ -166,16 +168,22 @@ class DriverCopies:
 
     def pin(self, buf) -> bool:
         """Registers the staging segment's memory with the driver (page-locked), so the copies
-        from it need no bounce buffer; the one registered before is let go. False where refused
-        (the copies still work, from pageable memory)."""
+        from it need no bounce buffer; the one registered before is let go. The buffer is held
+        while registered: memory unmapped under a registration (an in-process staging pool let
+        go without `unpin`) left the driver's stale pages at that address, and the next buffer
+        mapped there was refused registration and copied from them (other experts, other
+        logits: docs/probes/ahead_race.py on an H100). False where refused (`pin_error` says
+        why; the copies still work, from pageable memory)."""
         view = np.frombuffer(buf, dtype=np.uint8)
         where = (view.ctypes.data, view.nbytes)
         if self.pinned == where:
             return True
         self.unpin()
         self._current()
-        if view.nbytes and self.cu.cuMemHostRegister_v2(where[0], where[1], 0) == 0:
-            self.pinned = where
+        r = self.cu.cuMemHostRegister_v2(where[0], where[1], 0) if view.nbytes else None
+        if r == 0:
+            self.pinned, self._held = where, view
+        self.pin_error = None if r == 0 else r
         return self.pinned is not None
 
     def unpin(self) -> None:
@@ -183,7 +191,15 @@ class DriverCopies:
         if self.pinned is not None:
             self._current()
             self.cu.cuMemHostUnregister(self.pinned[0])
-            self.pinned = None
+            self.pinned, self._held = None, None
+
+    def __del__(self):
+        # a tier let go without detach (in-process use): the registration ends before the
+        # buffer it holds can be unmapped
+        try:
+            self.unpin()
+        except Exception:
+            pass
 
     def write(self, dst: np.ndarray, src: np.ndarray, how: str) -> None:
         """Queues the copy of one tensor's record bytes into a slot's row (dst: that row of the

@@ -98,6 +98,8 @@ class SlotExperts(ExpertProvider):
                                  copies=self.pipe.device_copies)
         if self.tier.copies is not None:  # the driver copies records straight out of staging
             self.tier.placement["pinned"] = self.tier.copies.pin(staging_buf)
+            if self.tier.copies.pin_error is not None:
+                self.tier.placement["pin_error"] = f"cuMemHostRegister refused (CUresult {self.tier.copies.pin_error})"
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
 
