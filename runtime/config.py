@@ -137,8 +137,8 @@ class BenchConfig:
     run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
     device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
     # MLX CUDA: streaming pools in device memory, filled by the driver's copies (true / "auto": on a
-    # GPU, deltafin-device-copies; off: not exact where layers share a slot group, docs/BENCHMARKS.md)
-    device_copies: bool | str = field(default=False, metadata={"types": (bool, str)})
+    # GPU; false: in host memory, written with numpy, deltafin-host-pools)
+    device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first

@@ -109,9 +109,9 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # streaming (by default only all resident) and one by one all resident
             (0.25, {"bench": {"ahead_reads": 1}}), (0.25, {"bench": {"cuda_graphs": True}}),
             (1.0, {"bench": {"cuda_graphs": False}}),
-            # streaming pools in device memory filled by the driver's copies (by default on MLX
-            # CUDA: in host memory, written with numpy)
-            (0.25, {"bench": {"device_copies": True}})]
+            # streaming pools in host memory written with numpy (by default on MLX CUDA: in device
+            # memory, filled by the driver's copies)
+            (0.25, {"bench": {"device_copies": False}})]
     _streamed_runs_equal_mlx_lm(mlx_lm_stores, tmp_path, "qwen3_moe", runs)
 
 

@@ -28,7 +28,7 @@ def store(tmp_path_factory) -> Store:
 
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
-            depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool = False):
+            depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto"):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute

@@ -24,7 +24,7 @@ DELTAFIN_MODES = {
     "deltafin-no-run-ahead": [],  # the default with each partial layer's routing read back before its experts
     "deltafin-run-ahead": [],  # ... and with partial layers run ahead (the CPU too)
     "deltafin-device-pools": [],  # the default with streaming pools in device memory, filled through MLX
-    "deltafin-device-copies": [],  # the default with streaming pools in device memory, filled by the driver (MLX CUDA)
+    "deltafin-host-pools": [],  # the default with streaming pools in host memory, written with numpy (MLX CUDA)
     "deltafin-prefetch-first": [],  # the default with the router planning prefetch before answering
     "deltafin-unfolded": [],  # the default with hints and uses sent alone, the router learning before reading
     "deltafin-launch-first": [],  # the default with a layer run ahead launched before the one before is checked
@@ -49,7 +49,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-run-ahead": {"bench": {"run_ahead": False}},
     "deltafin-run-ahead": {"bench": {"run_ahead": True}},
     "deltafin-device-pools": {"bench": {"device_pools": True}},
-    "deltafin-device-copies": {"bench": {"device_copies": True}},
+    "deltafin-host-pools": {"bench": {"device_copies": False}},
     "deltafin-prefetch-first": {"bench": {"defer_prefetch": False}},
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
     "deltafin-launch-first": {"bench": {"launch_first": True}},

@@ -101,9 +101,9 @@ case "${1:-split}" in
     [ "${2:-}" = "g0" ] && exit 0
     timeout 200 python3 docs/probes/pool_place.py /tmp/store 8 64 3 > "$out/place-g1.txt" 2>&1
     cat "$out/place-g1.txt" | cut -c1-300 ;;
-  copies)  # device_copies (opt-in, deltafin-device-copies) against host pools (the default)
+  copies)  # device_copies (the default on a GPU) against host pools (deltafin-host-pools)
     timeout 90 bash "$0" place g0
-    timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-device-copies,mlx-lm
+    timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,mlx-lm
     timeout 200 python3 -m pytest -q -p no:cacheprovider -k "streaming_gives or driver" tests/test_greedy_exact.py \
       tests/test_resident.py > "$out/copies-exact.txt" 2>&1
     tail -4 "$out/copies-exact.txt" ;;
@@ -116,7 +116,7 @@ case "${1:-split}" in
     MLX_USE_CUDA_GRAPHS=0 timeout 120 python3 docs/probes/pool_place.py /tmp/storebig 16 32 2 > "$out/big-place.txt" 2>&1
     cut -c1-300 "$out/big-place.txt"
     timeout 300 python3 -m deltafin.tools.bench --store /tmp/storebig --trace none --regimes real --memory-budget 8GiB \
-      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-device-copies --rounds "${2:-2}" --prompt-tokens 9 \
+      --cache-frac 0.25 --dtype auto --contenders deltafin,deltafin-host-pools --rounds "${2:-2}" --prompt-tokens 9 \
       --max-tokens 64 > "$out/big-bench.txt" 2>&1
     tail -12 "$out/big-bench.txt" | cut -c1-330 ;;
   pass)  # layers run ahead launched and read back once per pass, against one layer at a time
