@@ -7,7 +7,11 @@ or per pass), with the pipeline's counters.
 
 Found on an H100 (2026-12-05, stop 47): with `bench.device_copies` on, 8 slots gave other logits
 from the first pass (max |diff| 4.48-5.24) in some settings and runs, also with SYNC=1 (so not a
-copy overtaking a queued kernel); host pools exact in every setting. Why: not found."""
+copy overtaking a queued kernel); host pools exact in every setting. Why (stop 48): each decode
+here makes a tier over a new anonymous staging pool and lets the last go without unpinning it, so
+a pool was unmapped while registered with the driver, and the next one, mapped at the same
+address, was refused registration and copied from the driver's stale pages. Since DriverCopies
+holds what it pins and unregisters when let go, every setting gives 0.0 (an H100, 2026-12-05)."""
 import sys, tempfile
 from pathlib import Path
 import numpy as np
