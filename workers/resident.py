@@ -129,8 +129,7 @@ class DriverCopies:
         self._current()
         if self.cu.cuStreamCreate(ctypes.byref(self.stream), _CU_STREAM_NON_BLOCKING) != 0:
             raise OSError("cuStreamCreate refused")
-        self.pinned: tuple[int, int] | None = None  # (address, bytes) of the registered staging
-        self._held = None  # that staging's memory, kept mapped while registered
+        self.pinned: np.ndarray | None = None  # the registered staging's bytes, kept mapped while registered
         self.pin_error: int | None = None  # the CUresult of a refused registration
         self.keep: list = []  # converted sources until their copies are done
         self._thread = threading.get_ident()  # where the context was made current last
@@ -175,14 +174,13 @@ class DriverCopies:
         logits: docs/probes/ahead_race.py on an H100). False where refused (`pin_error` says
         why; the copies still work, from pageable memory)."""
         view = np.frombuffer(buf, dtype=np.uint8)
-        where = (view.ctypes.data, view.nbytes)
-        if self.pinned == where:
+        if self.pinned is not None and (self.pinned.ctypes.data, self.pinned.nbytes) == (view.ctypes.data, view.nbytes):
             return True
         self.unpin()
         self._current()
-        r = self.cu.cuMemHostRegister_v2(where[0], where[1], 0) if view.nbytes else None
+        r = self.cu.cuMemHostRegister_v2(view.ctypes.data, view.nbytes, 0) if view.nbytes else None
         if r == 0:
-            self.pinned, self._held = where, view
+            self.pinned = view
         self.pin_error = None if r == 0 else r
         return self.pinned is not None
 
@@ -190,8 +188,8 @@ class DriverCopies:
         """Lets the staging segment go (before it is unmapped)."""
         if self.pinned is not None:
             self._current()
-            self.cu.cuMemHostUnregister(self.pinned[0])
-            self.pinned, self._held = None, None
+            self.cu.cuMemHostUnregister(self.pinned.ctypes.data)
+            self.pinned = None
 
     def __del__(self):
         # a tier let go without detach (in-process use): the registration ends before the
