@@ -67,7 +67,7 @@ class Pipeline:
     fold_notes: bool = True  # hints and uses ride the need or lease after them (bench.fold_notes)
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
-    ahead_launch: str = "layer"  # running ahead: "pass": launched and checked once per pass
+    ahead_launch: str = "pass"  # running ahead: launched and checked once per pass, or "layer" (bench.ahead_launch)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
