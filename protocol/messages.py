@@ -393,7 +393,9 @@ class Need:
     released by the need or `used` of its layer; it releases nothing and is not a use. Best
     effort: an expert that finds no slot is left out. `hints` and `uses`: a `hint` and a `used`
     that compute would have sent just before, folded in; the router takes them first, in that
-    order (its predictor may learn from them after this need's reads have gone out)."""
+    order (its predictor may learn from them after this need's reads have gone out). `sure`
+    (with `lease`): compute foresaw these experts (a layer that ran ahead on a wrong input chose
+    them), so the missing ones are read whatever the router's predictor expects of them."""
     req: int
     layer: int
     experts: list
@@ -401,6 +403,7 @@ class Need:
     lease: bool = False
     hints: list | None = None
     uses: list | None = None
+    sure: bool = False
 
 
 @message("used")

@@ -558,6 +558,30 @@ def test_a_lease_reads_only_what_pays(case):
         assert s["lease_reads"] <= asked // 3 and s["lease_unlikely"] >= asked // 2
 
 
+def test_a_foreseen_lease_reads_what_the_predictor_doubts():
+    """Need.sure: compute foresaw the experts (a layer that ran ahead on a wrong input chose them),
+    so a lease reads its missing ones whatever the predictor expects of them; the same lease
+    without it reads none of the keys the predictor rates under the threshold. The reads queue
+    behind the need that waits, as any lease's."""
+    def fresh():
+        r = Router(4, "predictive", n_staging=4, moe_layers=[0, 1], n_experts=16,
+                   prefetch={"threshold": 0.4, "depth": 1})
+        assert r.predictor.q[1, [5, 6]].max() < 0.4  # nothing learnt: the prior
+        return r
+    doubted = fresh()
+    assert not _sent(doubted.need(1, 1, [5, 6], lease=True), M.Read)
+    assert doubted.stats()["lease_unlikely"] == 2
+    r = fresh()
+    demand = _sent(r.need(1, 0, [1]), M.Read)                    # a need waiting for its read
+    assert [(m.layer, m.expert) for m in demand] == [(0, 1)]
+    assert not _sent(r.need(2, 1, [5, 6], lease=True, sure=True), M.Read)  # queued behind it
+    after = r.loaded(M.Loaded(slot=demand[0].slot, generation=demand[0].generation, layer=0,
+                              expert=1, read_us=0, nbytes=1))
+    assert sorted((m.layer, m.expert, m.prefetch) for m in _sent(after, M.Read)) == [(1, 5, True), (1, 6, True)]
+    s = r.stats()
+    assert s["foreseen_reads"] == 2 and "lease_unlikely" not in s
+
+
 def test_used_trains_the_predictor_and_release_ends_the_pass():
     router = Router(8, "predictive", moe_layers=[1, 2], n_experts=4)
     router.used([(1, [3]), (2, [0])])  # hits compute served alone (not in the table: stray)

@@ -28,7 +28,8 @@ def store(tmp_path_factory) -> Store:
 
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
-            depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto"):
+            depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto",
+            foresight: bool = True):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -38,6 +39,7 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["ahead_depth"] = depth
     cfg["bench"]["ahead_launch"] = launch
     cfg["bench"]["device_copies"] = copies
+    cfg["bench"]["foresight"] = foresight
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
@@ -105,6 +107,28 @@ def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store, mon
     assert counted.get("ahead_forgotten") < blind_counted.get("ahead_forgotten"), \
         (counted.get("ahead_forgotten"), blind_counted.get("ahead_forgotten"))
     assert counted.get("ran_ahead") < blind_counted.get("ran_ahead")
+
+
+def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store, monkeypatch):
+    """bench.foresight: the layers a miss forgets chose their experts on a wrong input, mostly the
+    right ones; where they chose a missing expert they read their routing back when computed
+    again instead of running ahead into a second miss. Fewer misses found at the pass's end and
+    fewer layers computed in vain than without it, the all-resident logits either way."""
+    from deltafin.workers import slot_experts
+    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
+    ref, _ = _decode(store, len(store.records), run_ahead=True)
+    totals = {}
+    for foresight in (True, False):
+        seen = totals[foresight] = {"foreseen": 0, "ahead_missed": 0, "ahead_forgotten": 0}
+        for n_slots in (4, 8):
+            got, counters = _decode(store, n_slots, run_ahead=True, launch="pass", foresight=foresight)
+            for s, (a, b) in enumerate(zip(ref, got)):
+                assert np.array_equal(a, b), (foresight, n_slots, s, float(np.abs(a - b).max()))
+            for k in seen:
+                seen[k] += counters.get(k)
+    assert totals[True]["foreseen"] > 0 and totals[False]["foreseen"] == 0, totals
+    assert totals[True]["ahead_missed"] < totals[False]["ahead_missed"], totals
+    assert totals[True]["ahead_forgotten"] < totals[False]["ahead_forgotten"], totals
 
 
 def test_every_partial_layer_still_sends_its_lookahead(store):

@@ -56,6 +56,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
+    "deltafin-no-foresight": {"bench": {"foresight": False}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},

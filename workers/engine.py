@@ -317,7 +317,7 @@ class Compute:
                 # layers computed in pieces (hits first, misses as they land), prefetch fills taken
                 # before a layer asked, leases asked; and the settings resolved at start
                 "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases",
-                                                                "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten",
+                                                                "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten", "foreseen",
                                                                 "settles", "fills_unsettled")},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),

@@ -68,6 +68,7 @@ class Pipeline:
     launch_first: bool = False  # running ahead: launched before the previous layer is checked
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
     ahead_launch: str = "pass"  # running ahead: launched and checked once per pass, or "layer" (bench.ahead_launch)
+    foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -83,7 +84,8 @@ class Pipeline:
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
                        fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                       ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs)
+                       ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
+                       foresight=bench.foresight)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
@@ -93,7 +95,7 @@ class Pipeline:
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                    ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
-                   device_copies=copies)
+                   device_copies=copies, foresight=bench.foresight)
 
     def report(self) -> dict:
         return asdict(self)

@@ -177,13 +177,13 @@ class Router:
                     self.counters.add("stray_uses")
 
     def need(self, req: int, layer: int, experts: list[int], prefetch: bool = False,
-             lease: bool = False) -> list[tuple[str, object]]:
+             lease: bool = False, sure: bool = False) -> list[tuple[str, object]]:
         """Pins the experts' slots; misses get a victim slot and a read. Returns what to send:
         read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
-        history, no use or hit counted). lease: see `lease`. Releases the last need's pins and
-        the leases of layers up to this one."""
+        history, no use or hit counted). lease, sure: see `lease`. Releases the last need's pins
+        and the leases of layers up to this one."""
         if lease:
-            return self.lease(req, layer, experts)
+            return self.lease(req, layer, experts, sure)
         self._release_to(layer)
         now = time.perf_counter()
         if not prefetch:
@@ -238,7 +238,7 @@ class Router:
             return []
         return self._free_staging(msg.staging)
 
-    def lease(self, req: int, layer: int, experts: list[int]) -> list[tuple[str, object]]:
+    def lease(self, req: int, layer: int, experts: list[int], sure: bool = False) -> list[tuple[str, object]]:
         """compute's gate lookahead for a later layer, sent while an earlier layer's need may still
         wait (several requests in flight): the experts are held (pinned) as they are, the
         missing ones read into slots the policy gives up (never a pinned one, nor one more likely
@@ -246,7 +246,9 @@ class Router:
         by nothing: compute waits for no lease (it takes the fills as they come, and the need
         of that layer answers for every expert it uses). Not a use. Released by the need or
         `used` of its layer (or a later one), or the pass's end. Best effort: what finds no slot
-        is left out (counted), never an error."""
+        is left out (counted), never an error. sure: compute foresaw the experts (Need.sure), so
+        a missing one is read whatever the predictor says, into the policy's victim (counted
+        as `foreseen_reads`)."""
         self.catch_up()
         g = self.group(layer)
         table = self.tables[g]
@@ -255,15 +257,18 @@ class Router:
         for e in dict.fromkeys(experts):
             slot = table.hold((layer, e))
             if slot is None:
-                if not self._lease_pays((layer, e)):
+                if not sure and not self._lease_pays((layer, e)):
                     self.counters.add("lease_unlikely")
                     continue
                 # as for a prefetch, the victim must be less likely to be used than the key (whose
-                # probability the lookahead's hint has just set)
-                slot = table.prefetch((layer, e), lease=True, keep=self._worth_more((layer, e)))
+                # probability the lookahead's hint has just set); a foreseen key is likelier
+                # than any
+                slot = table.prefetch((layer, e), lease=True, keep=None if sure else self._worth_more((layer, e)))
                 if slot is None:
                     self.counters.add("lease_refused")
                     continue
+                if sure:
+                    self.counters.add("foreseen_reads")
                 out += self._read(g, slot, table.generation[slot], layer, e, ahead=True)
             pins.append((slot, table.generation[slot]))
             if not table.ready(slot):

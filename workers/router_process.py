@@ -108,7 +108,7 @@ class RouterProcess(WorkerProcess):
 
     def on_need(self, sender: bytes, msg: M.Need) -> list:
         self.router.notes(layer_lists(msg.hints or [], "hints"), layer_lists(msg.uses or [], "uses"))
-        return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease)
+        return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease, msg.sure)
 
     def on_used(self, sender: bytes, msg: M.Used) -> list:
         self.router.used(layer_lists(msg.uses, "uses"))

@@ -83,6 +83,8 @@ class SlotExperts(ExpertProvider):
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
+        self._foreseen: dict[int, list[int]] = {}  # after a miss: later layers' experts chosen on its wrong output
+        self._foreseen_out: list = []  # (layer, experts, True): their leases, sent behind the next need
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -301,9 +303,9 @@ class SlotExperts(ExpertProvider):
         missing = self.tier.missing(layer, experts)
         self.counters.add("uses", len(experts))
         self.counters.add("hits", len(experts) - len(missing))
-        lease = self._take_lease()  # the next layer's, asked behind this need
+        leases = self._take_leases()  # the next layer's (and foreseen ones), asked behind this need
         if not missing:
-            self._notes_out(lease)
+            self._notes_out(leases)
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         t0, prep0 = time.perf_counter(), self.t_prepare
@@ -313,7 +315,7 @@ class SlotExperts(ExpertProvider):
         else:
             self.flush()
             uses = None
-        granted = self.source.need(layer, experts, self.apply, lease=lease, hints=hints, uses=uses)
+        granted = self.source.need(layer, experts, self.apply, leases=leases, hints=hints, uses=uses)
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)
@@ -423,6 +425,7 @@ class SlotExperts(ExpertProvider):
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
         self._ahead, self._redo = [], None
+        self._foreseen, self._foreseen_out = {}, []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
@@ -436,7 +439,10 @@ class SlotExperts(ExpertProvider):
         self._ahead_on = False
 
     def _goes_ahead(self, layer: int) -> bool:
-        """Whether a partially resident layer runs ahead now, by its odds (`_judge`)."""
+        """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
+        whose miss is foreseen (`_foresee`)."""
+        if layer in self._foreseen:
+            return False
         odds = self._odds.get(layer, 1.0)
         if self.pipe.ahead_launch == "pass":
             after = len(self.store.moe_layers) - 1 - self.store.moe_layers.index(layer)
@@ -496,21 +502,46 @@ class SlotExperts(ExpertProvider):
             self.counters.add("uses", n)
             self.counters.add("hits", n)
             self._note(layer, flat, report=True, count=False)
-            self._notes_out(self._take_lease())
+            self._notes_out(self._take_leases())
             return
         self.counters.add("ahead_missed")
         self._redo = (layer, flat)
         # the layers launched after this one ran on its wrong output: forgotten (computed in vain)
         self.counters.add("ahead_forgotten", len(self._ahead))
+        if self.pipe.foresight:
+            self._foresee(self._ahead)
         self._ahead.clear()
         raise RunAheadMiss(layer)
 
-    def _notes_out(self, lease) -> None:
-        """A layer that sends no need: its lookahead's hints ride its lease, or go alone."""
+    def _foresee(self, forgotten: list[dict]) -> None:
+        """The layers forgotten after a miss chose their experts on a wrong input, but mostly the
+        right ones (issue 28's store: 96% of them, 85% of the missing ones, were used when computed
+        again). Where they chose a missing expert, the layer does not run ahead when computed
+        again (`_goes_ahead`): it reads its routing back and waits for its experts instead of
+        being found missing at the pass's end and computing the layers after it once more; and
+        its experts go as a lease right behind the next need (`Need.sure`), so the missing ones
+        are read behind the miss's own read."""
+        tier = self.tier
+        for rec in forgotten:
+            if not isinstance(rec["ids"], np.ndarray):  # not read back (launched after the check)
+                continue
+            layer = rec["layer"]
+            experts = sorted(set(rec["ids"].reshape(-1).tolist()))
+            missing = tier.missing(layer, experts)
+            if not missing:
+                continue
+            self._foreseen[layer] = experts
+            self.counters.add("foreseen", len(missing))
+            if self.pipe.leases and self.source.takes_leases and \
+                    len(experts) <= tier.n_slots[tier.group_of[layer]] // 2:
+                self._foreseen_out.append((layer, experts, True))
+
+    def _notes_out(self, leases: list) -> None:
+        """A layer that sends no need: its lookahead's hints ride its first lease, or go alone."""
         hints, self._hints = self._hints, []
-        if lease is not None:
-            self.source.lease(*lease, hints=hints)
-        elif hints:
+        for i, lease in enumerate(leases):
+            self.source.lease(*lease[:2], hints=hints if i == 0 else None, sure=len(lease) > 2)
+        if hints and not leases:
             self.source.hint(hints)
 
     def flush(self, upto: int | None = None, ahead: bool = False) -> None:
@@ -520,12 +551,14 @@ class SlotExperts(ExpertProvider):
             self.source.hint(hints)
         super().flush(upto, ahead)
 
-    def _take_lease(self):
-        """The lookahead's lease waiting to be asked (counted), or None."""
+    def _take_leases(self) -> list:
+        """The leases waiting to be asked: the lookahead's (counted), then the foreseen ones."""
         lease, self._lease = self._lease, None
+        out, self._foreseen_out = self._foreseen_out, []
         if lease is not None:
             self.counters.add("leases")
-        return lease
+            out.insert(0, lease)
+        return out
 
     def _judge(self, layer: int, kept: bool) -> None:
         self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept

@@ -52,9 +52,9 @@ class ExpertSource(Protocol):
         """{group: resident slots}, or None where the process learns them later (attach_pool)."""
 
     def need(self, layer: int, experts: list[int], apply: Callable, prefetch: bool = False,
-             lease: tuple | None = None, hints: list | None = None, uses: list | None = None) -> Granted: ...
+             leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted: ...
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None: ...
+    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None: ...
 
     def poll(self, apply: Callable) -> int: ...
 
@@ -89,7 +89,7 @@ class LocalExpertSource:
             return {groups.pop(): self.router.table.n_slots}
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
-    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, lease=None,
+    def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, leases=(),
              hints: list | None = None, uses: list | None = None) -> Granted:
         from deltafin.workers.router import RouterError
         self._notes(hints, uses)
@@ -108,7 +108,7 @@ class LocalExpertSource:
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None:
+    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:
         raise NotImplementedError("the in-process source takes no leases (takes_leases is False)")
 
     def _notes(self, hints: list | None, uses: list | None) -> None:
@@ -173,10 +173,10 @@ class RouterClient:
         return n
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
-             lease: tuple | None = None, hints: list | None = None, uses: list | None = None) -> Granted:
-        """Sends the need (carrying hints and uses, if given), then `lease` ((layer, experts) of
-        a later layer) if given, so the router reads the lease behind this need's reads; waits
-        for this need's `slots`."""
+             leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted:
+        """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts)
+        or (layer, experts, sure) of later layers), so the router reads them behind this need's
+        reads; waits for this need's `slots`."""
         from deltafin.runtime.sockets import recv, send, wait_readable
         self.req += 1
         req = self.req
@@ -184,8 +184,8 @@ class RouterClient:
                                hints=hints or None, uses=uses or None))
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
-        if lease is not None:
-            self.lease(*lease)
+        for lease in leases:
+            self.lease(*lease[:2], sure=lease[2] if len(lease) > 2 else False)
         while True:
             if self.stash:
                 msg = self.stash.popleft()
@@ -208,13 +208,15 @@ class RouterClient:
                 return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
             # else an older need's answer (one a timeout gave up on): dropped
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None) -> None:
+    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:
         """Asks ahead for a later layer's experts (no wait): `need` with lease, carrying hints
-        if given. Its fills are applied as they arrive, by a need's wait or `poll`."""
+        if given; sure: foreseen (Need.sure). Its fills are applied as they arrive, by a need's
+        wait or `poll`."""
         from deltafin.runtime.sockets import send
         self.req += 1
-        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None))
-        self.messages.add("lease")
+        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None,
+                               sure=sure))
+        self.messages.add("foreseen" if sure else "lease")
         count_folded(self.messages, hints, None)
 
     def used(self, uses: list, ahead: bool = False) -> None:
