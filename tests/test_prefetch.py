@@ -564,7 +564,7 @@ def test_a_foreseen_lease_reads_what_the_predictor_doubts():
     without it reads none of the keys the predictor rates under the threshold. The reads queue
     behind the need that waits, as any lease's."""
     def fresh():
-        r = Router(4, "predictive", n_staging=4, moe_layers=[0, 1], n_experts=16,
+        r = Router(8, "predictive", n_staging=4, moe_layers=[0, 1], n_experts=16,
                    prefetch={"threshold": 0.4, "depth": 1})
         assert r.predictor.q[1, [5, 6]].max() < 0.4  # nothing learnt: the prior
         return r
@@ -580,6 +580,19 @@ def test_a_foreseen_lease_reads_what_the_predictor_doubts():
     assert sorted((m.layer, m.expert, m.prefetch) for m in _sent(after, M.Read)) == [(1, 5, True), (1, 6, True)]
     s = r.stats()
     assert s["foreseen_reads"] == 2 and "lease_unlikely" not in s
+
+
+def test_foreseen_leases_together_pin_at_most_half_the_group():
+    """Several foreseen leases may be held at once (one per forgotten layer): the router pins at
+    most half the group's slots for them, so the next need always finds victims."""
+    r = Router(4, "predictive", n_staging=8, moe_layers=[0, 1, 2, 3], n_experts=16,
+               prefetch={"threshold": 0.4, "depth": 1})
+    for req, layer in enumerate((1, 2, 3)):
+        r.need(10 + req, layer, [2 * layer, 2 * layer + 1], lease=True, sure=True)
+        assert len(r.table.pinned) <= 2
+    assert r.stats()["lease_refused"] >= 4
+    reads = _sent(r.need(20, 0, [8, 9]), M.Read)                 # two misses: victims found
+    assert sorted(m.expert for m in reads) == [8, 9]
 
 
 def test_used_trains_the_predictor_and_release_ends_the_pass():

@@ -34,6 +34,7 @@ DELTAFIN_MODES = {
     "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
+    "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.

@@ -255,6 +255,11 @@ class Router:
         self.counters.add("leases")
         out, pins, waiting = [], [], set()
         for e in dict.fromkeys(experts):
+            if sure and len(table.pinned) >= table.n_slots // 2:
+                # several foreseen leases may be held at once: together they never pin more than
+                # half the group, so a need always finds its victims
+                self.counters.add("lease_refused")
+                continue
             slot = table.hold((layer, e))
             if slot is None:
                 if not sure and not self._lease_pays((layer, e)):
