@@ -83,7 +83,7 @@ class SlotExperts(ExpertProvider):
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
-        self._foreseen: dict[int, list[int]] = {}  # after a miss: later layers' experts chosen on its wrong output
+        self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases, sent behind the next need
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
@@ -425,7 +425,7 @@ class SlotExperts(ExpertProvider):
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
         self._ahead, self._redo = [], None
-        self._foreseen, self._foreseen_out = {}, []
+        self._foreseen, self._foreseen_out = set(), []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
@@ -530,7 +530,7 @@ class SlotExperts(ExpertProvider):
             missing = tier.missing(layer, experts)
             if not missing:
                 continue
-            self._foreseen[layer] = experts
+            self._foreseen.add(layer)
             self.counters.add("foreseen", len(missing))
             if self.pipe.leases and self.source.takes_leases and \
                     len(experts) <= tier.n_slots[tier.group_of[layer]] // 2:
