@@ -202,8 +202,8 @@ def _serve(router: Router, out: list) -> None:
 
 def test_lazy_history_sends_a_need_s_reads_first_and_learns_the_same():
     """lazy_history (the router process): a need's reads go out before the predictor observes the
-    uses and the need before it; anything else that reads the predictor catches up first, so the
-    predictor sees what an eager router's sees, message for message."""
+    uses, hints and the need before it; anything else that reads the predictor catches up first,
+    so the predictor sees what an eager router's sees, message for message."""
     rng = random.Random(3)
     lazy, eager = (Router(6, "predictive", n_staging=4, moe_layers=[0, 1, 2], n_experts=8, prefetch=ALWAYS)
                    for _ in range(2))
@@ -215,6 +215,7 @@ def test_lazy_history_sends_a_need_s_reads_first_and_learns_the_same():
             for r in (lazy, eager):
                 if layer < 2:
                     r.hint([(layer + 1, e) for e in ex])
+                    assert r.behind() == (r is lazy)  # a hint waits its turn too: no catch-up now
                 if t % 3:
                     r.used([[layer, ex]])
                     continue

@@ -129,7 +129,7 @@ class Router:
         # anything that decides reads, or when no message waits; its stats may lag by what is
         # still due); in-process, at once.
         self.lazy_history = False
-        self._unobserved: deque = deque()  # (predictor row, experts) not observed yet
+        self._unobserved: deque = deque()  # (predictor row, experts) not observed yet; (None, hints)
         self.prefetching: set[int] = set()        # staging slots held by prefetch and lease reads
         # the prefetcher's bandwidth gate, fed with this router's reads and needs as they happen
         self.read_gate = self.prefetcher.reads if self.prefetcher is not None else None
@@ -327,17 +327,20 @@ class Router:
 
     def hint(self, keys) -> None:
         """(layer, expert) keys predicted to be needed soon (gate lookahead): to the policy, and to
-        the routing predictor, which keeps them until their layer comes."""
+        the routing predictor, which keeps them until their layer comes. With `lazy_history` the
+        predictor takes them in turn with the uses and needs before them (`catch_up`), so a need
+        that carries hints sends its reads without waiting for the predictor to catch up."""
         keys = list(keys)
-        self.catch_up()
         self.counters.add("hinted", len(keys))
         by_row: dict[int, list[int]] = {}
         for layer, e in keys:
             self.tables[self.group(layer)].hint([(layer, e)])
             if layer in self.layer_row:
                 by_row.setdefault(self.layer_row[layer], []).append(e)
-        for row, experts in by_row.items():
-            self.predictor.hint(row, experts)
+        if by_row:
+            self._unobserved.append((None, by_row))
+            if not self.lazy_history:
+                self.catch_up()
 
     def notes(self, hints: list | None, uses: list | None) -> None:
         """What a need or lease carries (Need.hints, Need.uses), taken before it, in that order:
@@ -420,7 +423,12 @@ class Router:
         up first, so it sees the same sequence either way."""
         n = len(self._unobserved) if most is None else min(most, len(self._unobserved))
         for _ in range(n):
-            self.predictor.observe(*self._unobserved.popleft())
+            row, what = self._unobserved.popleft()
+            if row is None:  # a lookahead's hints: {row: experts}
+                for r, experts in what.items():
+                    self.predictor.hint(r, experts)
+            else:
+                self.predictor.observe(row, what)
 
     def _probability(self, key) -> float:
         row = self.layer_row.get(key[0])
