@@ -279,8 +279,8 @@ def test_wait_readable_spins_then_sleeps_and_still_times_out():
         b.connect("inproc://spin")
         for delay in (0.005, 0.08):  # lands while spinning, then after the spin
             t = threading.Timer(delay, lambda: b.send(b"x"))
+            t0 = time.perf_counter()  # before the timer starts: its delay counts from after t0
             t.start()
-            t0 = time.perf_counter()
             wait_readable(a, 5.0, spin_s=0.03)
             assert delay <= time.perf_counter() - t0 < 2.0
             assert a.recv() == b"x"
