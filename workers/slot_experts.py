@@ -72,7 +72,7 @@ class SlotExperts(ExpertProvider):
         self.cache_config = cache or CacheConfig()
         self.pipe = pipeline or Pipeline.resolve(BenchConfig(), gpu=on_gpu(), standin=False)
         self.hints = False  # gate lookahead for the router's prefetch (on where it prefetches)
-        self._lease = None  # (next layer, its lookahead's experts), sent with this layer's need
+        self._lease = None  # (next layer, its lookahead's experts, False), sent with this layer's need
         self._inflight = None  # the layer in pieces while its need waits (_in_pieces)
         self._look = None  # (next layer, its gate's ids on this layer's input), until sent
         self._hints: list = []  # lookahead hints to send with the layer's need or lease (fold_notes)
@@ -84,7 +84,7 @@ class SlotExperts(ExpertProvider):
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
-        self._foreseen_out: list = []  # (layer, experts, True): their leases, sent behind the next need
+        self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -138,7 +138,7 @@ class SlotExperts(ExpertProvider):
         # of the layer's pool, so a lease never leaves the next need short of slots.
         if self.pipe.leases and self.source.takes_leases and \
                 len(experts) <= self.tier.n_slots[self.tier.group_of[look[0]]] // 2:
-            self._lease = (look[0], experts)
+            self._lease = (look[0], experts, False)
 
 
     def _in_pieces(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
@@ -539,8 +539,8 @@ class SlotExperts(ExpertProvider):
     def _notes_out(self, leases: list) -> None:
         """A layer that sends no need: its lookahead's hints ride its first lease, or go alone."""
         hints, self._hints = self._hints, []
-        for i, lease in enumerate(leases):
-            self.source.lease(*lease[:2], hints=hints if i == 0 else None, sure=len(lease) > 2)
+        for i, (layer, experts, sure) in enumerate(leases):
+            self.source.lease(layer, experts, hints=hints if i == 0 else None, sure=sure)
         if hints and not leases:
             self.source.hint(hints)
 

@@ -174,9 +174,9 @@ class RouterClient:
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
              leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted:
-        """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts)
-        or (layer, experts, sure) of later layers), so the router reads them behind this need's
-        reads; waits for this need's `slots`."""
+        """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts,
+        sure) of later layers), so the router reads them behind this need's reads; waits for
+        this need's `slots`."""
         from deltafin.runtime.sockets import recv, send, wait_readable
         self.req += 1
         req = self.req
@@ -184,8 +184,8 @@ class RouterClient:
                                hints=hints or None, uses=uses or None))
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
-        for lease in leases:
-            self.lease(*lease[:2], sure=lease[2] if len(lease) > 2 else False)
+        for later, its_experts, sure in leases:
+            self.lease(later, its_experts, sure=sure)
         while True:
             if self.stash:
                 msg = self.stash.popleft()
