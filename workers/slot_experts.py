@@ -136,9 +136,14 @@ class SlotExperts(ExpertProvider):
         # The same experts asked as a lease, sent right behind this layer's need (or alone where
         # it has none): the router reads them while this layer waits and computes. At most half
         # of the layer's pool, so a lease never leaves the next need short of slots.
-        if self.pipe.leases and self.source.takes_leases and \
-                len(experts) <= self.tier.n_slots[self.tier.group_of[look[0]]] // 2:
+        if self._leasable(look[0], experts):
             self._lease = (look[0], experts, False)
+
+    def _leasable(self, layer: int, experts: list[int]) -> bool:
+        """Whether a later layer's experts may be asked as a lease: leases on, a source that takes
+        them, and at most half the layer's pool (a lease never leaves a need short of slots)."""
+        return (self.pipe.leases and self.source.takes_leases
+                and len(experts) <= self.tier.n_slots[self.tier.group_of[layer]] // 2)
 
 
     def _in_pieces(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):
@@ -532,8 +537,7 @@ class SlotExperts(ExpertProvider):
                 continue
             self._foreseen.add(layer)
             self.counters.add("foreseen", len(missing))
-            if self.pipe.leases and self.source.takes_leases and \
-                    len(experts) <= tier.n_slots[tier.group_of[layer]] // 2:
+            if self._leasable(layer, experts):
                 self._foreseen_out.append((layer, experts, True))
 
     def _notes_out(self, leases: list) -> None:
