@@ -131,6 +131,43 @@ def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store, monkeyp
     assert totals[True]["ahead_forgotten"] < totals[False]["ahead_forgotten"], totals
 
 
+def _served(store, n_slots: int, early_passes: bool, steps: int = 24):
+    """Greedy tokens through compute's scheduler (`Compute.generate`), each with its logprob and
+    top 4, the pass run ahead at once, in-process; the scheduler's and the provider's counters."""
+    from deltafin.protocol import messages as M
+    from deltafin.tools.inprocess import local_router
+    from deltafin.workers.engine import Compute
+    cfg = Config().to_dict()
+    cfg["bench"].update(run_ahead=True, ahead_launch="pass", early_passes=early_passes)
+    src, staging, loader = local_router(store, cfg, n_slots=n_slots)
+    try:
+        c = Compute(store, cfg, src, staging, store.max_record_bytes)
+        c.preload()
+        done = c.generate(M.Generate(id=1, token_ids=PROMPT, max_tokens=steps, logprobs=4))
+        return done.token_ids, done.logprobs, c.scheduler.stats(), c.experts.counters
+    finally:
+        loader.close()
+
+
+def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch):
+    """bench.early_passes: where experts stream, the next token's pass is launched once this one's
+    routing is checked, before its token is read (the fills the new pass asks for may overwrite
+    slots this one's tail still reads: they settle it first). Every token and logprob (top 4)
+    those of all resident, bit for bit, at 2 and 4 of a layer's 8 experts, with misses found at
+    the pass's end and layers computed again."""
+    from deltafin.workers import slot_experts
+    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
+    ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False)
+    assert ref_stats["early_steps"] > 0  # all resident: launched early anyway
+    for n_slots in (4, 8):
+        got, lp, stats, counters = _served(store, n_slots, early_passes=True)
+        assert got == ref and lp == ref_lp, n_slots
+        assert stats["early_steps"] >= len(ref) - 2, stats  # every step but the first and the last
+        assert counters.get("ahead_missed") > 0 and counters.get("ahead_forgotten") > 0
+        _, _, plain, _ = _served(store, n_slots, early_passes=False)
+        assert plain["early_steps"] == 0, plain
+
+
 def test_every_partial_layer_still_sends_its_lookahead(store):
     """A layer that ran ahead sends its gate lookahead when it is checked, and the layer being
     called then keeps its own: as many hints as reading each layer back sends."""

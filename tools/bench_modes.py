@@ -35,6 +35,7 @@ DELTAFIN_MODES = {
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
+    "deltafin-early-passes": [],  # the default with a streaming pass launched before the last token is read
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
@@ -58,6 +59,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
     "deltafin-no-foresight": {"bench": {"foresight": False}},
+    "deltafin-early-passes": {"bench": {"early_passes": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},

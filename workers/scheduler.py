@@ -327,6 +327,8 @@ class Scheduler:
             self.sample(step, early, ids)
         self.loop["launch"] += time.perf_counter() - t0
         self.counters.add("steps")
+        if early:
+            self.counters.add("early_steps")
         self.counters.add("rows", len(seqs))
         self.max_rows = max(self.max_rows, len(seqs))
         return step
@@ -389,7 +391,8 @@ class Scheduler:
         steps, rows = self.counters.get("steps"), self.counters.get("rows")
         tokens, nbytes = self.counters.get("decode_tokens"), self.counters.get("decode_bytes")
         return {"max_batch": self.max_batch, "active": len(self.active), "prefilling": len(self.filling),
-                "steps": int(steps), "rows": int(rows), "max_rows": self.max_rows,
+                "steps": int(steps), "early_steps": int(self.counters.get("early_steps")),
+                "rows": int(rows), "max_rows": self.max_rows,
                 "mean_size": rows / steps if steps else None,
                 "decode_tokens": int(tokens), "decode_expert_bytes": int(nbytes),
                 "expert_bytes_per_token": nbytes / tokens if tokens else None,

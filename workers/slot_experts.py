@@ -364,7 +364,15 @@ class SlotExperts(ExpertProvider):
             self.flush(ahead=True)
 
     def can_overlap(self) -> bool:
-        return self.tier is not None and self.tier.all_full() and not self.force_sync
+        """Every expert resident: no pass ever stops to wait. Where experts stream, with
+        `early_passes` and the pass run ahead at once, a pass is launched once the last one's
+        routing is checked (at its end: nothing of it can miss any more), before its token is
+        read; a fill for the new pass that writes a slot the last one's tail may still read
+        settles that first (`apply`), as between the layers of one pass."""
+        if self.tier is None or self.force_sync:
+            return False
+        return self.tier.all_full() or (self.pipe.early_passes and self.pipe.run_ahead
+                                        and self.pipe.ahead_launch == "pass")
 
     def _count_or_note(self, layer: int, ids) -> None:
         """A resident layer's ids: where every expert is resident (nothing can be evicted, so the

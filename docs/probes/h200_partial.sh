@@ -25,8 +25,9 @@
 #   bash docs/probes/h200_partial.sh passbench [ROUNDS]  # the same as bench contenders (deltafin, deltafin-ahead-layer) beside mlx-lm at 25% (3)
 #   bash docs/probes/h200_partial.sh final50  # the defaults at 50% (3 rounds) and all resident (1), beside mlx-lm
 #   bash docs/probes/h200_partial.sh close28a # issue 28 in two calls: the GPU exactness tests (~250 s on an H100),
-#   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ no foresight, host pools), 50% and all resident
+#   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
+#   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
@@ -137,12 +138,16 @@ case "${1:-split}" in
       tests/test_greedy_exact.py tests/test_run_ahead.py tests/test_resident.py > "$out/close28a.txt" 2>&1
     tail -6 "$out/close28a.txt" ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
-    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-no-foresight,deltafin-host-pools,mlx-lm
+    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
   foresight)  # bench.foresight on/off at 25%, real supervisors alternating: split, counters, messages
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
+  early)  # bench.early_passes on/off at 25%, real supervisors alternating
+    python3 docs/probes/real_split.py /tmp/store 3 "ep:early_passes = true:0.25,base:early_passes = false:0.25" -v \
+      > "$out/early-0.25.txt" 2>&1
+    grep "^r\|all same" "$out/early-0.25.txt" | cut -c1-400 ;;
   final50)  # the final defaults at 50% (3 rounds) and all resident (1 round) beside mlx-lm
     timeout 330 bash "$0" bench 0.5 3 deltafin,mlx-lm
     timeout 150 bash "$0" bench 1.0 1 deltafin,mlx-lm ;;
