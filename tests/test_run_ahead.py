@@ -29,7 +29,7 @@ def store(tmp_path_factory) -> Store:
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
             depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto",
-            foresight: bool = True):
+            foresight: bool = True, check_each: bool = False):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -40,6 +40,7 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["ahead_launch"] = launch
     cfg["bench"]["device_copies"] = copies
     cfg["bench"]["foresight"] = foresight
+    cfg["bench"]["check_each"] = check_each
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
@@ -166,6 +167,25 @@ def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logpr
         assert counters.get("ahead_missed") > 0 and counters.get("ahead_forgotten") > 0
         _, _, plain, _ = _served(store, n_slots, early_passes=False)
         assert plain["early_steps"] == 0, plain
+
+
+@pytest.mark.parametrize("launch", ["pass", "layer"])
+def test_layers_checked_one_by_one_give_the_all_resident_logits_and_foresee(store, monkeypatch, launch):
+    """bench.check_each: the layers pending are launched apart and each checked once the device
+    has it; after a miss the routing of the layers it forgot is read back once its need is out.
+    Logits equal all resident, bit for bit, at 2 and 4 of a layer's 8 experts, with misses and
+    experts foreseen (against what is resident once the miss's need is served, so not always
+    those of checking them in one drain)."""
+    from deltafin.workers import slot_experts
+    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
+    ref, _ = _decode(store, len(store.records), run_ahead=True)
+    for n_slots in (4, 8):
+        for each in (True, False):
+            got, counters = _decode(store, n_slots, run_ahead=True, launch=launch, launch_first=True,
+                                    depth=8, check_each=each)
+            for s, (a, b) in enumerate(zip(ref, got)):
+                assert np.array_equal(a, b), (each, n_slots, s, float(np.abs(a - b).max()))
+            assert counters.get("ahead_missed") > 0 and counters.get("foreseen") > 0, (each, n_slots)
 
 
 def test_every_partial_layer_still_sends_its_lookahead(store):

@@ -36,6 +36,8 @@ DELTAFIN_MODES = {
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
     "deltafin-early-passes": [],  # the default with a streaming pass launched before the last token is read
+    "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
+    "deltafin-early-each": [],  # the default with both: early passes, layers checked one by one
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
@@ -60,6 +62,8 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
     "deltafin-no-foresight": {"bench": {"foresight": False}},
     "deltafin-early-passes": {"bench": {"early_passes": True}},
+    "deltafin-check-each": {"bench": {"check_each": True}},
+    "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},

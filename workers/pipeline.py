@@ -70,6 +70,7 @@ class Pipeline:
     ahead_launch: str = "pass"  # running ahead: launched and checked once per pass, or "layer" (bench.ahead_launch)
     foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
     early_passes: bool = False  # running ahead a pass at once: the next launched before a token is read
+    check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -86,7 +87,8 @@ class Pipeline:
                        early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
                        fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                        ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
-                       foresight=bench.foresight, early_passes=bench.early_passes)
+                       foresight=bench.foresight, early_passes=bench.early_passes,
+                       check_each=bench.check_each)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
@@ -96,7 +98,8 @@ class Pipeline:
                    host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
                    run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                    ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
-                   device_copies=copies, foresight=bench.foresight, early_passes=bench.early_passes)
+                   device_copies=copies, foresight=bench.foresight, early_passes=bench.early_passes,
+                       check_each=bench.check_each)
 
     def report(self) -> dict:
         return asdict(self)

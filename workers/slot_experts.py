@@ -85,6 +85,7 @@ class SlotExperts(ExpertProvider):
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
+        self._unforeseen: list[dict] = []  # check_each: layers a miss forgot, their routing not read back yet
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -310,7 +311,7 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hits", len(experts) - len(missing))
         leases = self._take_leases()  # the next layer's (and foreseen ones), asked behind this need
         if not missing:
-            self._notes_out(leases)
+            self._notes_out(leases + self._foresee_late() if self._unforeseen else leases)
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         t0, prep0 = time.perf_counter(), self.t_prepare
@@ -320,7 +321,11 @@ class SlotExperts(ExpertProvider):
         else:
             self.flush()
             uses = None
+        if self._unforeseen:  # read back once the need is out: its read overlaps the device's wait
+            leases = (lambda first=leases: first + self._foresee_late())
         granted = self.source.need(layer, experts, self.apply, leases=leases, hints=hints, uses=uses)
+        if self._unforeseen:  # a source that takes no leases: foreseen all the same (`_goes_ahead`)
+            self._foresee_late()
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)
@@ -438,7 +443,7 @@ class SlotExperts(ExpertProvider):
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
         self._ahead, self._redo = [], None
-        self._foreseen, self._foreseen_out = set(), []
+        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
@@ -469,10 +474,19 @@ class SlotExperts(ExpertProvider):
         recs = [rec for rec in self._ahead[:max(0, len(self._ahead) - keep)] if isinstance(rec["ids"], mx.array)]
         if recs and (len(recs) > 1 or also):
             t0 = time.perf_counter()
-            mx.eval(*[rec["ids"] for rec in recs], *also)
+            if self.pipe.check_each:
+                # each launched apart, so each is read back as soon as the device has it: a miss
+                # sends its need while the device still computes the layers after it
+                for rec in recs:
+                    mx.async_eval(rec["ids"])
+                    rec["launched"] = True
+                if also:
+                    mx.async_eval(*also)
+            else:
+                mx.eval(*[rec["ids"] for rec in recs], *also)
+                for rec in recs:
+                    rec["ids"] = self._host(rec["ids"])
             self.t_sync += time.perf_counter() - t0
-            for rec in recs:
-                rec["ids"] = self._host(rec["ids"])
         while len(self._ahead) > keep:
             self._check_ahead(self._ahead.pop(0))
 
@@ -536,8 +550,10 @@ class SlotExperts(ExpertProvider):
         are read behind the miss's own read."""
         tier = self.tier
         for rec in forgotten:
-            if not isinstance(rec["ids"], np.ndarray):  # not read back (launched after the check)
-                continue
+            if not isinstance(rec["ids"], np.ndarray):
+                if rec.get("launched"):  # check_each: read back once the need is out (`_foresee_late`)
+                    self._unforeseen.append(rec)
+                continue  # else launched after the check, not read back
             layer = rec["layer"]
             experts = sorted(set(rec["ids"].reshape(-1).tolist()))
             missing = tier.missing(layer, experts)
@@ -547,6 +563,17 @@ class SlotExperts(ExpertProvider):
             self.counters.add("foreseen", len(missing))
             if self._leasable(layer, experts):
                 self._foreseen_out.append((layer, experts, True))
+
+    def _foresee_late(self) -> list:
+        """check_each: the routing of the layers the last miss forgot, read back now (it waits for
+        the device to compute them, which a need sent before this overlaps with its read), and
+        foreseen; returns their leases."""
+        recs, self._unforeseen = self._unforeseen, []
+        for rec in recs:
+            rec["ids"] = self._host(rec["ids"])
+        self._foresee(recs)
+        out, self._foreseen_out = self._foreseen_out, []
+        return out
 
     def _notes_out(self, leases: list) -> None:
         """A layer that sends no need: its lookahead's hints ride its first lease, or go alone."""

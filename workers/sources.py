@@ -175,8 +175,8 @@ class RouterClient:
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
              leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted:
         """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts,
-        sure) of later layers), so the router reads them behind this need's reads; waits for
-        this need's `slots`."""
+        sure) of later layers; or a callable giving them, called once the need is out), so the
+        router reads them behind this need's reads; waits for this need's `slots`."""
         from deltafin.runtime.sockets import recv, send, wait_readable
         self.req += 1
         req = self.req
@@ -184,7 +184,7 @@ class RouterClient:
                                hints=hints or None, uses=uses or None))
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
-        for later, its_experts, sure in leases:
+        for later, its_experts, sure in (leases() if callable(leases) else leases):
             self.lease(later, its_experts, sure=sure)
         while True:
             if self.stash:

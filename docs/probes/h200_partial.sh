@@ -28,6 +28,7 @@
 #   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
+#   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
@@ -144,6 +145,8 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
+  stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
+    timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating
     python3 docs/probes/real_split.py /tmp/store 3 "ep:early_passes = true:0.25,base:early_passes = false:0.25" -v \
       > "$out/early-0.25.txt" 2>&1
