@@ -28,6 +28,7 @@
 #   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
+#   bash docs/probes/h200_partial.sh one50    # the 25% bench (default, early passes, both) and 50%, in one call
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -145,6 +146,9 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
+  one50)  # one call: 25% (early passes, both, the default) and 50% beside mlx-lm, tokens checked each run
+    timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-early-each,mlx-lm
+    timeout 200 bash "$0" bench 0.5 2 deltafin,mlx-lm ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating
