@@ -203,7 +203,13 @@ def _gate_routing(store: Store, requests: list[tuple[list[int], int]]) -> np.nda
             real.discard(p)
 
         def __call__(self, layer, x, inds):
-            passes_seen[real.pass_no].append((layer, np.array(inds).reshape(-1, inds.shape[-1])))
+            seen = passes_seen[real.pass_no]
+            # a layer computed again (running ahead, it chose a missing expert): what was seen
+            # from its first call on ran on a wrong input
+            again = next((i for i, (at, _) in enumerate(seen) if at == layer), None)
+            if again is not None:
+                del seen[again:]
+            seen.append((layer, np.array(inds).reshape(-1, inds.shape[-1])))
             return real(layer, x, inds)
     compute.experts = Spy()
     for ids, n in requests:
