@@ -739,7 +739,10 @@ def test_greedy_tokens_and_logits_identical_with_prefetch_and_any_policy(tmp_pat
                                               {"max_slots": 32, "staging_slots": 6, **cache}.items())
                         + f"[bench]\nearly_fills = {json.dumps(not name.startswith('late'))}\n"  # on the CPU "auto" is off
                         + f"leases = {json.dumps(not name.startswith('nolease'))}\n"
-                        + f"ahead_reads = {1 if name.startswith('one') else 0}\n")
+                        + f"ahead_reads = {1 if name.startswith('one') else 0}\n"
+                        # each layer reads its routing back (on a GPU it runs ahead by default, and
+                        # a miss's foreseen leases land early without any prefetch)
+                        + "run_ahead = false\n")
         with running_supervisor(out, "4GiB", ["--config", str(path)]) as (ep, _):
             with Client(ep, timeout=120) as c:
                 toks = c.generate(prompt, max_tokens=24).token_ids
