@@ -146,6 +146,9 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
+  short50)  # what little device time allows: 25% (the default, early passes with layers checked one by one), 50%
+    timeout 290 bash "$0" bench 0.25 3 deltafin,deltafin-early-each,mlx-lm
+    timeout 150 bash "$0" bench 0.5 2 deltafin,mlx-lm ;;
   one50)  # one call: 25% (early passes, both, the default) and 50% beside mlx-lm, tokens checked each run
     timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-early-each,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,mlx-lm ;;
