@@ -146,6 +146,8 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
+  mini50)  # one round of tiny50
+    timeout 130 bash "$0" bench 0.25 1 deltafin,deltafin-early-each,mlx-lm ;;
   tiny50)  # the least: 25%, the default beside early passes with layers checked one by one, 2 rounds
     timeout 220 bash "$0" bench 0.25 2 deltafin,deltafin-early-each,mlx-lm ;;
   short50)  # what little device time allows: 25% (the default, early passes with layers checked one by one), 50%
