@@ -80,26 +80,23 @@ class Pipeline:
         backend; early fills also in the stand-in); on the CPU backend they took cycles from
         compute (demo 0.97-0.98x). "auto" run ahead on a GPU, where a read-back per layer
         leaves the device idle while the host builds the next layer."""
-        eager = gpu if bench.eager_layers == "auto" else bench.eager_layers
-        graphs = os.environ.get(CUDA_GRAPHS_ENV, "")  # as use_cuda_graphs left it
+        # taken as they are, whichever pipeline
+        same = dict(eager_layers=gpu if bench.eager_layers == "auto" else bench.eager_layers,
+                    cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""),  # as use_cuda_graphs left it
+                    fold_notes=bench.fold_notes, launch_first=bench.launch_first,
+                    ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
+                    foresight=bench.foresight, early_passes=bench.early_passes, check_each=bench.check_each)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
-                       early_fills=False, leases=False, eager_layers=eager, run_ahead=False,
-                       fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                       ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
-                       foresight=bench.foresight, early_passes=bench.early_passes,
-                       check_each=bench.check_each)
+                       early_fills=False, leases=False, run_ahead=False, **same)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
         host = not bench.device_pools
         copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
-                   host_pools=host, early_fills=early, leases=bench.leases, eager_layers=eager,
-                   run_ahead=ahead, fold_notes=bench.fold_notes, launch_first=bench.launch_first,
-                   ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch, cuda_graphs=graphs,
-                   device_copies=copies, foresight=bench.foresight, early_passes=bench.early_passes,
-                       check_each=bench.check_each)
+                   host_pools=host, early_fills=early, leases=bench.leases, run_ahead=ahead,
+                   device_copies=copies, **same)
 
     def report(self) -> dict:
         return asdict(self)

@@ -311,7 +311,7 @@ class SlotExperts(ExpertProvider):
         self.counters.add("hits", len(experts) - len(missing))
         leases = self._take_leases()  # the next layer's (and foreseen ones), asked behind this need
         if not missing:
-            self._notes_out(leases + self._foresee_late() if self._unforeseen else leases)
+            self._notes_out(leases + self._foresee_late())  # nothing more where no miss forgot layers
             return False
         self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
         t0, prep0 = time.perf_counter(), self.t_prepare
