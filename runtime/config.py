@@ -146,7 +146,7 @@ class BenchConfig:
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
     ahead_launch: str = "pass"  # running ahead: the pass launched and checked at once, or each layer ("layer")
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
-    early_passes: bool = False  # running ahead a pass at once: the next pass launched before this token is read
+    early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)

@@ -105,11 +105,13 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # ... or each launched as built and checked at the next (by default the pass at once)
             (0.25, {"bench": {"run_ahead": True, "ahead_launch": "layer"}}),
             (0.5, {"bench": {"run_ahead": True, "ahead_launch": "layer"}}),
-            # ... and the next pass launched before this one's token is read
+            # ... and the next pass launched before this one's token is read (the default), or
+            # once it is read
             (0.25, {"bench": {"run_ahead": True, "early_passes": True}}),
             (0.5, {"bench": {"run_ahead": True, "early_passes": True}}),
+            (0.25, {"bench": {"run_ahead": True, "early_passes": False}}),
             # ... and the layers pending checked one by one as the device has them
-            (0.25, {"bench": {"run_ahead": True, "check_each": True}}),
+            (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": False}}),
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": True}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
             # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while

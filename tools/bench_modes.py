@@ -36,6 +36,7 @@ DELTAFIN_MODES = {
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
     "deltafin-early-passes": [],  # the default with a streaming pass launched before the last token is read
+    "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
     "deltafin-early-each": [],  # the default with both: early passes, layers checked one by one
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
@@ -62,6 +63,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
     "deltafin-no-foresight": {"bench": {"foresight": False}},
     "deltafin-early-passes": {"bench": {"early_passes": True}},
+    "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},

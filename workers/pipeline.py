@@ -69,7 +69,7 @@ class Pipeline:
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
     ahead_launch: str = "pass"  # running ahead: launched and checked once per pass, or "layer" (bench.ahead_launch)
     foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
-    early_passes: bool = False  # running ahead a pass at once: the next launched before a token is read
+    early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
