@@ -158,8 +158,8 @@ case "${1:-split}" in
     timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-early-each,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,mlx-lm ;;
   stop51)  # early passes (the default now) against the old order at 25% (bench, 3 rounds), then the split per token
-    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-no-early-passes,mlx-lm
-    timeout 240 python3 docs/probes/real_split.py /tmp/store 2 "ep:early_passes = true:0.25,noep:early_passes = false:0.25,layer:ahead_launch = \"layer\":0.25,ep50:early_passes = true:0.5,noep50:early_passes = false:0.5" -v \
+    timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-no-early-passes,mlx-lm
+    timeout 150 python3 docs/probes/real_split.py /tmp/store 1 "ep:early_passes = true:0.25,noep:early_passes = false:0.25,layer:ahead_launch = \"layer\":0.25,ep50:early_passes = true:0.5,noep50:early_passes = false:0.5" -v \
       > "$out/split51.txt" 2>&1
     grep "^r\|all same" "$out/split51.txt" | cut -c1-420 ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
