@@ -148,6 +148,9 @@ class Step:
     logprobs: list | None = None  # per row: workers/logprobs.on_device's arrays, or None
     rows: list | None = None      # per row: its logits [1, vocab], kept until sampled
     inputs: object = None         # the tokens the pass took [B]
+    early: bool = False           # launched on the last pass's tokens before they were read
+    check: object = None          # the pass's deferred check (`settle`), or None
+    keys: list | None = None      # the rows' sampling keys before it was sampled
 
 
 class Scheduler:
@@ -282,6 +285,7 @@ class Scheduler:
         if (not hold and c.experts.can_overlap() and step.seqs == self.active
                 and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
             self.ahead = self.launch(step.seqs, step.tokens, early=True)
+        self.settle(step)
         toks = self.read(step)
         t0, produced = time.perf_counter(), 0
         for seq, tok, lp in zip(step.seqs, toks, step.logprobs):
@@ -311,12 +315,13 @@ class Scheduler:
         if not isinstance(tokens, mx.array):
             tokens = mx.stack([t if isinstance(t, mx.array) else mx.array(t, dtype=mx.uint32)
                                for t in tokens]).reshape(-1)
-        p = c.experts.begin_pass(len(seqs), rows=c.recorder is not None)
+        p = c.experts.begin_pass(len(seqs), rows=c.recorder is not None, defer=True)
         # In the model's dtype (sample_on_device casts where it needs float32), each row sampled
         # on its own [1, vocab] slice: one sequence's tokens are its sampler's output as it is.
         logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
         step = Step(list(seqs), None, p, t0, rows=[logits if len(seqs) == 1 else logits[b:b + 1]
-                                                   for b in range(len(seqs))], inputs=tokens)
+                                                   for b in range(len(seqs))], inputs=tokens,
+                    early=early, check=c.experts.take_check())
         ids = c.experts.seal_pass()
         ids = [] if ids is None else [ids]
         if early and any(s.grammar is not None for s in seqs):
@@ -333,12 +338,42 @@ class Scheduler:
         self.max_rows = max(self.max_rows, len(seqs))
         return step
 
+    def settle(self, step: Step) -> None:
+        """The step's pass checked where the provider left that to now (`bench.speculate`: the
+        next pass was built and launched on its tokens first). Where a layer of it missed, the
+        pass launched on its tokens is taken back before any layer is computed again, and the
+        step is sampled again from the logits computed again, with the keys it was sampled with."""
+        check, step.check = step.check, None
+        if check is None:
+            return
+        logits = check(self.take_back)
+        if logits is None:
+            return
+        for s, key in zip(step.seqs, step.keys):
+            s.key = key
+        step.rows = [logits]  # a pass runs ahead for one row only
+        self.sample(step, step.early)
+
+    def take_back(self) -> None:
+        """The pass launched early is undone: its sequences' caches go back one position in every
+        layer, its pass is dropped (`discard`), and it is launched again once the tokens it took
+        are right."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        self.compute.experts.discard(ahead.pass_no)
+        for seq in ahead.seqs:
+            for layer_cache in seq.cache or ():
+                layer_cache.rewind(1)
+        self.counters.add("taken_back")
+
     def sample(self, step: Step, early: bool, extra: list = ()) -> None:
         """Each row of the step sampled with its sequence's settings (a constrained one among the
         tokens its grammar allows: workers/structured.py), on the device; logprobs are the
         model's own, before any mask. early: the pass's input tokens are not read yet. extra:
         more arrays to evaluate with them."""
         c = self.compute
+        step.keys = [s.key for s in step.seqs]
         toks = [sample_on_device(self.constrained(s, row), s.req, s.next_key(), c.dtype,
                                  s.history(step.inputs[b:b + 1], early))
                 for b, (s, row) in enumerate(zip(step.seqs, step.rows))]
@@ -392,6 +427,7 @@ class Scheduler:
         tokens, nbytes = self.counters.get("decode_tokens"), self.counters.get("decode_bytes")
         return {"max_batch": self.max_batch, "active": len(self.active), "prefilling": len(self.filling),
                 "steps": int(steps), "early_steps": int(self.counters.get("early_steps")),
+                "taken_back": int(self.counters.get("taken_back")),
                 "rows": int(rows), "max_rows": self.max_rows,
                 "mean_size": rows / steps if steps else None,
                 "decode_tokens": int(tokens), "decode_expert_bytes": int(nbytes),

@@ -86,6 +86,7 @@ class SlotExperts(ExpertProvider):
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
         self._unforeseen: list[dict] = []  # check_each: layers a miss forgot, their routing not read back yet
+        self._on_miss = None  # speculate: takes back the pass built on the one checked late, at its miss
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -455,6 +456,43 @@ class SlotExperts(ExpertProvider):
         RunAheadMiss)."""
         self._check_pending()
         self._ahead_on = False
+
+    # what a pass running ahead keeps until its end is checked (`defer_end`)
+    _AHEAD_STATE = ("_ahead_on", "_ahead", "_redo", "_foreseen", "_foreseen_out", "_unforeseen", "current")
+
+    def defers_end(self) -> bool:
+        """`bench.speculate`: a pass running ahead at once that its caller checks later (its
+        `begin_pass(defer=True)`) leaves its end's check to then, so the next pass can be built
+        and launched on its token first (Scheduler.decode)."""
+        return (self.pipe.speculate and self._ahead_on and self.pipe.ahead_launch == "pass"
+                and bool(self.current.get("defer")))
+
+    def defer_end(self, finish) -> None:
+        """The model's check of the current pass (finish(): its output computed again, or None),
+        kept with what the pass left to check, for the caller (`take_check`). Called, it runs
+        with that state put back, and `on_miss` is called before any layer is computed again."""
+        kept = {k: getattr(self, k) for k in self._AHEAD_STATE}
+        self._ahead_on, self._ahead, self._redo = False, [], None  # the next pass starts afresh
+        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
+
+        def check(on_miss=None):
+            live = {k: getattr(self, k) for k in self._AHEAD_STATE}
+            for k, v in kept.items():
+                setattr(self, k, v)
+            self._on_miss = on_miss
+            try:
+                return finish()
+            finally:
+                self._on_miss = None
+                for k, v in live.items():
+                    setattr(self, k, v)
+        self.current["check"] = check
+
+    def missed(self) -> None:
+        """A layer of the pass being checked late missed: the pass built on it goes first."""
+        on_miss, self._on_miss = self._on_miss, None
+        if on_miss is not None:
+            on_miss()
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
