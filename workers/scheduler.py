@@ -150,6 +150,7 @@ class Step:
     inputs: object = None         # the tokens the pass took [B]
     early: bool = False           # launched on the last pass's tokens before they were read
     check: object = None          # the pass's deferred check (`settle`), or None
+    held: list | None = None      # what launches it, held until the pass it took tokens from is checked
     keys: list | None = None      # the rows' sampling keys before it was sampled
 
 
@@ -284,7 +285,9 @@ class Scheduler:
         # Early only where every row is still wanted: a row whose sequence left has no cache.
         if (not hold and c.experts.can_overlap() and step.seqs == self.active
                 and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
-            self.ahead = self.launch(step.seqs, step.tokens, early=True)
+            # where this pass is checked late, the next is built now but launched once it is
+            # (`settle`): computed on a token that changes, it would hold the device in vain
+            self.ahead = self.launch(step.seqs, step.tokens, early=True, hold=step.check is not None)
         self.settle(step)
         toks = self.read(step)
         t0, produced = time.perf_counter(), 0
@@ -307,9 +310,9 @@ class Scheduler:
         self.counters.add("decode_bytes", c.experts.counters.get("bytes") - bytes0)
         self.loop["accept"] += time.perf_counter() - t0
 
-    def launch(self, seqs: list, tokens, early: bool = False) -> Step:
+    def launch(self, seqs: list, tokens, early: bool = False, hold: bool = False) -> Step:
         """A pass over seqs taking `tokens`; early: they are the last pass's sampled tokens, not
-        read yet (not in the sequences' out_ids)."""
+        read yet (not in the sequences' out_ids); hold: built, but launched only by `settle`."""
         c = self.compute
         t0 = time.perf_counter()
         if not isinstance(tokens, mx.array):
@@ -329,7 +332,7 @@ class Scheduler:
             # now and is sampled once its turn comes (`decode`).
             mx.async_eval(logits, *ids)
         else:
-            self.sample(step, early, ids)
+            self.sample(step, early, ids, hold=hold)
         self.loop["launch"] += time.perf_counter() - t0
         self.counters.add("steps")
         if early:
@@ -348,6 +351,9 @@ class Scheduler:
             return
         logits = check(self.take_back)
         if logits is None:
+            if self.ahead is not None and self.ahead.held:
+                held, self.ahead.held = self.ahead.held, None
+                mx.async_eval(*held)
             return
         for s, key in zip(step.seqs, step.keys):
             s.key = key
@@ -367,7 +373,7 @@ class Scheduler:
                 layer_cache.rewind(1)
         self.counters.add("taken_back")
 
-    def sample(self, step: Step, early: bool, extra: list = ()) -> None:
+    def sample(self, step: Step, early: bool, extra: list = (), hold: bool = False) -> None:
         """Each row of the step sampled with its sequence's settings (a constrained one among the
         tokens its grammar allows: workers/structured.py), on the device; logprobs are the
         model's own, before any mask. early: the pass's input tokens are not read yet. extra:
@@ -381,7 +387,11 @@ class Scheduler:
                          else [] for s, row, t in zip(step.seqs, step.rows, toks)]
         step.tokens = toks[0] if len(toks) == 1 else mx.concatenate(toks)
         step.rows = None
-        mx.async_eval(step.tokens, *(a for row in step.logprobs for a in row), *extra)
+        launch = [step.tokens, *(a for row in step.logprobs for a in row), *extra]
+        if hold:
+            step.held = launch
+        else:
+            mx.async_eval(*launch)
 
     @staticmethod
     def constrained(seq: Sequence, row):
