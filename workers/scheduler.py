@@ -343,9 +343,10 @@ class Scheduler:
 
     def settle(self, step: Step) -> None:
         """The step's pass checked where the provider left that to now (`bench.speculate`: the
-        next pass was built and launched on its tokens first). Where a layer of it missed, the
-        pass launched on its tokens is taken back before any layer is computed again, and the
-        step is sampled again from the logits computed again, with the keys it was sampled with."""
+        next pass was built on its tokens first, and held). Where nothing missed, the held pass
+        is launched. Where a layer missed, the held pass is taken back before any layer is
+        computed again, and the step is sampled again from the logits computed again, with the
+        keys it was sampled with."""
         check, step.check = step.check, None
         if check is None:
             return
@@ -361,9 +362,9 @@ class Scheduler:
         self.sample(step, step.early)
 
     def take_back(self) -> None:
-        """The pass launched early is undone: its sequences' caches go back one position in every
-        layer, its pass is dropped (`discard`), and it is launched again once the tokens it took
-        are right."""
+        """The pass built early is undone: its sequences' caches go back one position in every
+        layer and its pass is dropped (`discard`); the next step builds it again on the tokens
+        sampled again."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return
