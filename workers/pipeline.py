@@ -71,7 +71,7 @@ class Pipeline:
     foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
-    speculate: bool = False  # early passes: the next launched before this one is checked (bench.speculate)
+    speculate: bool = False  # early passes: the next built before this one is checked (bench.speculate)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 

@@ -215,10 +215,10 @@ class MoETransformer:
         Before the first layer is computed again the provider is told (`missed`), so a pass built
         on this one's output is taken back first."""
         after_attention, n = {}, len(self.layers)
-        at_ = {"h": h, "i": 0, "again": False}
+        state = {"h": h, "i": 0, "again": False}  # where the layers stand, and whether any was computed again
 
         def run(check: bool):
-            h, i = at_["h"], at_["i"]
+            h, i = state["h"], state["i"]
             while True:
                 try:
                     while i < n:
@@ -227,13 +227,13 @@ class MoETransformer:
                         after_attention[i] = h
                         h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
                         i += 1
-                    at_["h"], at_["i"] = h, i
+                    state["h"], state["i"] = h, i
                     if check:
                         experts.end_ahead()
                     return h
                 except RunAheadMiss as miss:
-                    if not at_["again"]:
-                        at_["again"] = True
+                    if not state["again"]:
+                        state["again"] = True
                         experts.missed()
                     at = miss.layer
                     for j in range(at + 1, min(i, n - 1) + 1):
@@ -248,9 +248,9 @@ class MoETransformer:
         h = run(check=False)
 
         def check():
-            at_["again"] = False  # computed again from here on: the output changes
+            state["again"] = False  # computed again from here on: the output changes
             out = run(check=True)
-            return tail(out) if at_["again"] else None
+            return tail(out) if state["again"] else None
         experts.defer_end(check)
         return h
 
