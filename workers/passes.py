@@ -111,7 +111,7 @@ class ExpertProvider:
         count: uses and hits still to count (ids not read back yet)."""
         self.current["used"].append((layer, ids))
         if report:  # the current pass may be an earlier one, checked late (`defer_end`)
-            self.unreported.append((self.current.get("no", self.pass_no), layer, ids, count))
+            self.unreported.append((self.current["no"], layer, ids, count))
 
     def flush(self, upto: int | None = None, ahead: bool = False) -> None:
         """Tells the router the uses served without asking, in order, up to pass `upto` (all);
