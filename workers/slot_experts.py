@@ -443,13 +443,17 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._ahead, self._redo = [], None
-        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
+        self._fresh_ahead()
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
                               and self.current is not None and self.current["n"] == 1)
         return self._ahead_on
+
+    def _fresh_ahead(self) -> None:
+        """Nothing run ahead, pending, to compute again or foreseen: a pass's start."""
+        self._ahead_on, self._ahead, self._redo = False, [], None
+        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
 
     def end_ahead(self) -> None:
         """The pass's layers that ran ahead and are not checked yet are checked (may raise
@@ -463,7 +467,7 @@ class SlotExperts(ExpertProvider):
     def defers_end(self) -> bool:
         """`bench.speculate`: a pass running ahead at once that its caller checks later (its
         `begin_pass(defer=True)`) leaves its end's check to then, so the next pass can be built
-        and launched on its token first (Scheduler.decode)."""
+        on its token first (Scheduler.decode; launched once the check passes)."""
         return (self.pipe.speculate and self._ahead_on and self.pipe.ahead_launch == "pass"
                 and bool(self.current.get("defer")))
 
@@ -472,8 +476,7 @@ class SlotExperts(ExpertProvider):
         kept with what the pass left to check, for the caller (`take_check`). Called, it runs
         with that state put back, and `on_miss` is called before any layer is computed again."""
         kept = {k: getattr(self, k) for k in self._AHEAD_STATE}
-        self._ahead_on, self._ahead, self._redo = False, [], None  # the next pass starts afresh
-        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
+        self._fresh_ahead()  # until the next pass begins
 
         def check(on_miss=None):
             live = {k: getattr(self, k) for k in self._AHEAD_STATE}
