@@ -148,7 +148,6 @@ class BenchConfig:
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
-    speculate: bool = False  # early passes: the next built before this one is checked, taken back on a miss
     spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
     # MLX CUDA graphs in compute: "auto" off where the plan leaves experts out of the resident tier

@@ -203,7 +203,7 @@ def _gate_routing(store: Store, requests: list[tuple[list[int], int]]) -> np.nda
             real.discard(p)
 
         def __call__(self, layer, x, inds):
-            seen = passes_seen[real.current["no"]]  # a pass checked late is an earlier one
+            seen = passes_seen[real.pass_no]
             # a layer computed again (running ahead, it chose a missing expert): what was seen
             # from its first call on ran on a wrong input
             again = next((i for i, (at, _) in enumerate(seen) if at == layer), None)

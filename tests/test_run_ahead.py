@@ -132,15 +132,15 @@ def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store, monkeyp
     assert totals[True]["ahead_forgotten"] < totals[False]["ahead_forgotten"], totals
 
 
-def _served(store, n_slots: int, early_passes: bool, steps: int = 24, speculate: bool = False,
-            temperature: float = 0.0):
-    """Greedy tokens through compute's scheduler (`Compute.generate`), each with its logprob and
-    top 4, the pass run ahead at once, in-process; the scheduler's and the provider's counters."""
+def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperature: float = 0.0):
+    """Tokens through compute's scheduler (`Compute.generate`; greedy, or sampled with seed 7),
+    each with its logprob and top 4, the pass run ahead at once, in-process; the scheduler's and
+    the provider's counters."""
     from deltafin.protocol import messages as M
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
     cfg = Config().to_dict()
-    cfg["bench"].update(run_ahead=True, ahead_launch="pass", early_passes=early_passes, speculate=speculate)
+    cfg["bench"].update(run_ahead=True, ahead_launch="pass", early_passes=early_passes)
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
@@ -152,43 +152,24 @@ def _served(store, n_slots: int, early_passes: bool, steps: int = 24, speculate:
         loader.close()
 
 
-def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch, temperature):
     """bench.early_passes: where experts stream, the next token's pass is launched once this one's
     routing is checked, before its token is read (the fills the new pass asks for may overwrite
     slots this one's tail still reads: they settle it first). Every token and logprob (top 4)
-    those of all resident, bit for bit, at 2 and 4 of a layer's 8 experts, with misses found at
-    the pass's end and layers computed again."""
+    those of all resident, bit for bit, at 2 and 4 of a layer's 8 experts, greedy and sampled
+    (seeded), with misses found at the pass's end and layers computed again."""
     from deltafin.workers import slot_experts
     monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
-    ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False)
+    ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False, temperature=temperature)
     assert ref_stats["early_steps"] > 0  # all resident: launched early anyway
     for n_slots in (4, 8):
-        got, lp, stats, counters = _served(store, n_slots, early_passes=True)
+        got, lp, stats, counters = _served(store, n_slots, early_passes=True, temperature=temperature)
         assert got == ref and lp == ref_lp, n_slots
         assert stats["early_steps"] >= len(ref) - 2, stats  # every step but the first and the last
         assert counters.get("ahead_missed") > 0 and counters.get("ahead_forgotten") > 0
         _, _, plain, _ = _served(store, n_slots, early_passes=False)
         assert plain["early_steps"] == 0, plain
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_pass_launched_before_the_last_one_is_checked_is_taken_back_at_a_miss(store, monkeypatch, temperature):
-    """bench.speculate: the next token's pass is built and launched on this one's token before
-    this one's routing is checked; where this one missed, the next is taken back (caches rewound,
-    pass dropped) before a layer is computed again, and this one is sampled again with its own
-    keys. Every token and logprob (top 4) those of all resident, bit for bit, greedy and sampled
-    (seeded), at 2 and 4 of a layer's 8 experts, with passes taken back."""
-    from deltafin.workers import slot_experts
-    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
-    ref, ref_lp, _, _ = _served(store, len(store.records), early_passes=False, temperature=temperature)
-    for n_slots in (4, 8):
-        got, lp, stats, counters = _served(store, n_slots, early_passes=True, speculate=True,
-                                           temperature=temperature)
-        assert got == ref and lp == ref_lp, (n_slots, got, ref)
-        assert stats["early_steps"] >= len(ref) - 2, stats
-        assert stats["taken_back"] > 0 and counters.get("ahead_missed") > 0, (stats, counters)
-        _, _, plain, _ = _served(store, n_slots, early_passes=True, temperature=temperature)
-        assert plain["taken_back"] == 0, plain
 
 
 @pytest.mark.parametrize("launch", ["pass", "layer"])

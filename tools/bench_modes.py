@@ -39,7 +39,6 @@ DELTAFIN_MODES = {
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
     "deltafin-early-each": [],  # the default with both: early passes, layers checked one by one
-    "deltafin-speculate": [],  # the default with the next pass launched before this one is checked
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
@@ -67,7 +66,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
-    "deltafin-speculate": {"bench": {"speculate": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},
     "deltafin-cuda-graphs": {"bench": {"cuda_graphs": True}},

@@ -42,27 +42,12 @@ class ExpertProvider:
         self.unreported: list = []  # (pass, layer, ids) used without a need, not yet told the router
 
     # -- passes -----------------------------------------------------------------------------------
-    def begin_pass(self, n_tokens: int, rows: bool = True, defer: bool = False) -> int:
-        """rows: the pass's routing may be asked for at commit (a trace is recorded). defer: the
-        caller checks the pass later (`take_check`), so a provider may leave its end's check to
-        then (SlotExperts with `bench.speculate`)."""
+    def begin_pass(self, n_tokens: int, rows: bool = True) -> int:
+        """rows: the pass's routing may be asked for at commit (a trace is recorded)."""
         self.pass_no += 1
-        self.current = self.passes[self.pass_no] = {"no": self.pass_no, "n": n_tokens, "used": [],
-                                                    "rows": rows, "defer": defer and not rows,
+        self.current = self.passes[self.pass_no] = {"n": n_tokens, "used": [], "rows": rows,
                                                     "undo": self.routing.begin_pass(n_tokens)}
         return self.pass_no
-
-    def defers_end(self) -> bool:
-        """Whether the model may leave the current pass's end to a later check (`defer_end`)."""
-        return False
-
-    def missed(self) -> None:
-        """The model computes part of a pass again (a layer ran ahead on a missing expert)."""
-
-    def take_check(self):
-        """The current pass's deferred check (`defer_end`), or None: called, it checks the pass
-        and returns its output computed again, or None where nothing was."""
-        return self.current.pop("check", None) if self.current is not None else None
 
     def seal_pass(self):
         """The current pass's gate ids (those still on the device), stacked into one device array
@@ -110,8 +95,8 @@ class ExpertProvider:
         """Records a layer's ids in the current pass; report: still to tell the router (`used`);
         count: uses and hits still to count (ids not read back yet)."""
         self.current["used"].append((layer, ids))
-        if report:  # the current pass may be an earlier one, checked late (`defer_end`)
-            self.unreported.append((self.current["no"], layer, ids, count))
+        if report:
+            self.unreported.append((self.pass_no, layer, ids, count))
 
     def flush(self, upto: int | None = None, ahead: bool = False) -> None:
         """Tells the router the uses served without asking, in order, up to pass `upto` (all);

@@ -148,10 +148,6 @@ class Step:
     logprobs: list | None = None  # per row: workers/logprobs.on_device's arrays, or None
     rows: list | None = None      # per row: its logits [1, vocab], kept until sampled
     inputs: object = None         # the tokens the pass took [B]
-    early: bool = False           # launched on the last pass's tokens before they were read
-    check: object = None          # the pass's deferred check (`settle`), or None
-    held: list | None = None      # what launches it, held until the pass it took tokens from is checked
-    keys: list | None = None      # the rows' sampling keys before it was sampled
 
 
 class Scheduler:
@@ -285,10 +281,7 @@ class Scheduler:
         # Early only where every row is still wanted: a row whose sequence left has no cache.
         if (not hold and c.experts.can_overlap() and step.seqs == self.active
                 and all(len(s.out_ids) + 1 < s.req.max_tokens for s in step.seqs)):
-            # where this pass is checked late, the next is built now but launched once it is
-            # (`settle`): computed on a token that changes, it would hold the device in vain
-            self.ahead = self.launch(step.seqs, step.tokens, early=True, hold=step.check is not None)
-        self.settle(step)
+            self.ahead = self.launch(step.seqs, step.tokens, early=True)
         toks = self.read(step)
         t0, produced = time.perf_counter(), 0
         for seq, tok, lp in zip(step.seqs, toks, step.logprobs):
@@ -310,21 +303,20 @@ class Scheduler:
         self.counters.add("decode_bytes", c.experts.counters.get("bytes") - bytes0)
         self.loop["accept"] += time.perf_counter() - t0
 
-    def launch(self, seqs: list, tokens, early: bool = False, hold: bool = False) -> Step:
+    def launch(self, seqs: list, tokens, early: bool = False) -> Step:
         """A pass over seqs taking `tokens`; early: they are the last pass's sampled tokens, not
-        read yet (not in the sequences' out_ids); hold: built, but launched only by `settle`."""
+        read yet (not in the sequences' out_ids)."""
         c = self.compute
         t0 = time.perf_counter()
         if not isinstance(tokens, mx.array):
             tokens = mx.stack([t if isinstance(t, mx.array) else mx.array(t, dtype=mx.uint32)
                                for t in tokens]).reshape(-1)
-        p = c.experts.begin_pass(len(seqs), rows=c.recorder is not None, defer=True)
+        p = c.experts.begin_pass(len(seqs), rows=c.recorder is not None)
         # In the model's dtype (sample_on_device casts where it needs float32), each row sampled
         # on its own [1, vocab] slice: one sequence's tokens are its sampler's output as it is.
         logits = c.model.forward_batch(tokens, [s.cache for s in seqs], c.experts, float32=False)
         step = Step(list(seqs), None, p, t0, rows=[logits if len(seqs) == 1 else logits[b:b + 1]
-                                                   for b in range(len(seqs))], inputs=tokens,
-                    early=early, check=c.experts.take_check())
+                                                   for b in range(len(seqs))], inputs=tokens)
         ids = c.experts.seal_pass()
         ids = [] if ids is None else [ids]
         if early and any(s.grammar is not None for s in seqs):
@@ -332,7 +324,7 @@ class Scheduler:
             # now and is sampled once its turn comes (`decode`).
             mx.async_eval(logits, *ids)
         else:
-            self.sample(step, early, ids, hold=hold)
+            self.sample(step, early, ids)
         self.loop["launch"] += time.perf_counter() - t0
         self.counters.add("steps")
         if early:
@@ -341,46 +333,12 @@ class Scheduler:
         self.max_rows = max(self.max_rows, len(seqs))
         return step
 
-    def settle(self, step: Step) -> None:
-        """The step's pass checked where the provider left that to now (`bench.speculate`: the
-        next pass was built on its tokens first, and held). Where nothing missed, the held pass
-        is launched. Where a layer missed, the held pass is taken back before any layer is
-        computed again, and the step is sampled again from the logits computed again, with the
-        keys it was sampled with."""
-        check, step.check = step.check, None
-        if check is None:
-            return
-        logits = check(self.take_back)
-        if logits is None:
-            if self.ahead is not None and self.ahead.held:
-                held, self.ahead.held = self.ahead.held, None
-                mx.async_eval(*held)
-            return
-        for s, key in zip(step.seqs, step.keys):
-            s.key = key
-        step.rows = [logits]  # a pass runs ahead for one row only
-        self.sample(step, step.early)
-
-    def take_back(self) -> None:
-        """The pass built early is undone: its sequences' caches go back one position in every
-        layer and its pass is dropped (`discard`); the next step builds it again on the tokens
-        sampled again."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None:
-            return
-        self.compute.experts.discard(ahead.pass_no)
-        for seq in ahead.seqs:
-            for layer_cache in seq.cache or ():
-                layer_cache.rewind(1)
-        self.counters.add("taken_back")
-
-    def sample(self, step: Step, early: bool, extra: list = (), hold: bool = False) -> None:
+    def sample(self, step: Step, early: bool, extra: list = ()) -> None:
         """Each row of the step sampled with its sequence's settings (a constrained one among the
         tokens its grammar allows: workers/structured.py), on the device; logprobs are the
         model's own, before any mask. early: the pass's input tokens are not read yet. extra:
         more arrays to evaluate with them."""
         c = self.compute
-        step.keys = [s.key for s in step.seqs]
         toks = [sample_on_device(self.constrained(s, row), s.req, s.next_key(), c.dtype,
                                  s.history(step.inputs[b:b + 1], early))
                 for b, (s, row) in enumerate(zip(step.seqs, step.rows))]
@@ -388,11 +346,7 @@ class Scheduler:
                          else [] for s, row, t in zip(step.seqs, step.rows, toks)]
         step.tokens = toks[0] if len(toks) == 1 else mx.concatenate(toks)
         step.rows = None
-        launch = [step.tokens, *(a for row in step.logprobs for a in row), *extra]
-        if hold:
-            step.held = launch
-        else:
-            mx.async_eval(*launch)
+        mx.async_eval(step.tokens, *(a for row in step.logprobs for a in row), *extra)
 
     @staticmethod
     def constrained(seq: Sequence, row):
@@ -438,7 +392,6 @@ class Scheduler:
         tokens, nbytes = self.counters.get("decode_tokens"), self.counters.get("decode_bytes")
         return {"max_batch": self.max_batch, "active": len(self.active), "prefilling": len(self.filling),
                 "steps": int(steps), "early_steps": int(self.counters.get("early_steps")),
-                "taken_back": int(self.counters.get("taken_back")),
                 "rows": int(rows), "max_rows": self.max_rows,
                 "mean_size": rows / steps if steps else None,
                 "decode_tokens": int(tokens), "decode_expert_bytes": int(nbytes),

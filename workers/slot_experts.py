@@ -86,7 +86,6 @@ class SlotExperts(ExpertProvider):
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
         self._unforeseen: list[dict] = []  # check_each: layers a miss forgot, their routing not read back yet
-        self._on_miss = None  # speculate: takes back the pass built on the one checked late, at its miss
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -443,59 +442,19 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._fresh_ahead()
+        self._ahead, self._redo = [], None
+        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
                               and self.current is not None and self.current["n"] == 1)
         return self._ahead_on
 
-    def _fresh_ahead(self) -> None:
-        """Nothing run ahead, pending, to compute again or foreseen: a pass's start."""
-        self._ahead_on, self._ahead, self._redo = False, [], None
-        self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
-
     def end_ahead(self) -> None:
         """The pass's layers that ran ahead and are not checked yet are checked (may raise
         RunAheadMiss)."""
         self._check_pending()
         self._ahead_on = False
-
-    # what a pass running ahead keeps until its end is checked (`defer_end`)
-    _AHEAD_STATE = ("_ahead_on", "_ahead", "_redo", "_foreseen", "_foreseen_out", "_unforeseen", "current")
-
-    def defers_end(self) -> bool:
-        """`bench.speculate`: a pass running ahead at once that its caller checks later (its
-        `begin_pass(defer=True)`) leaves its end's check to then, so the next pass can be built
-        on its token first (Scheduler.decode; launched once the check passes)."""
-        return (self.pipe.speculate and self._ahead_on and self.pipe.ahead_launch == "pass"
-                and bool(self.current.get("defer")))
-
-    def defer_end(self, finish) -> None:
-        """The model's check of the current pass (finish(): its output computed again, or None),
-        kept with what the pass left to check, for the caller (`take_check`). Called, it runs
-        with that state put back, and `on_miss` is called before any layer is computed again."""
-        kept = {k: getattr(self, k) for k in self._AHEAD_STATE}
-        self._fresh_ahead()  # until the next pass begins
-
-        def check(on_miss=None):
-            live = {k: getattr(self, k) for k in self._AHEAD_STATE}
-            for k, v in kept.items():
-                setattr(self, k, v)
-            self._on_miss = on_miss
-            try:
-                return finish()
-            finally:
-                self._on_miss = None
-                for k, v in live.items():
-                    setattr(self, k, v)
-        self.current["check"] = check
-
-    def missed(self) -> None:
-        """A layer of the pass being checked late missed: the pass built on it goes first."""
-        on_miss, self._on_miss = self._on_miss, None
-        if on_miss is not None:
-            on_miss()
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one

@@ -31,7 +31,6 @@
 #   bash docs/probes/h200_partial.sh one50    # the 25% bench (default, early passes, both) and 50%, in one call
 #   bash docs/probes/h200_partial.sh stop51   # early passes (default) against the old order at 25%, then real supervisors' split
 #   bash docs/probes/h200_partial.sh mini51   # its split per token alone, 25%, one round
-#   bash docs/probes/h200_partial.sh spec     # bench.speculate against early passes at 25% and 50%, then real supervisors' split
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -168,12 +167,6 @@ case "${1:-split}" in
     timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "ep:early_passes = true:0.25,noep:early_passes = false:0.25,layer:ahead_launch = \"layer\":0.25" -v \
       > "$out/split51.txt" 2>&1
     grep "^r\|all same" "$out/split51.txt" | cut -c1-420 ;;
-  spec)  # bench.speculate against the default (early passes) at 25% and 50% beside mlx-lm, then the split
-    timeout 240 bash "$0" bench 0.25 3 deltafin,deltafin-speculate,mlx-lm
-    timeout 160 bash "$0" bench 0.5 2 deltafin,deltafin-speculate,mlx-lm
-    timeout 150 python3 docs/probes/real_split.py /tmp/store 1 "ep:speculate = false:0.25,spec:speculate = true:0.25,ep50:speculate = false:0.5,spec50:speculate = true:0.5" -v \
-      > "$out/split-spec.txt" 2>&1
-    grep "^r\|all same" "$out/split-spec.txt" | cut -c1-420 ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating

@@ -173,13 +173,11 @@ class MoETransformer:
         h = self.embed.lookup(tokens[None] if tokens.ndim == 1 else tokens.reshape(1, -1))
         mask = "causal" if h.shape[1] > 1 else None
         n = h.shape[1]
-
-        def tail(h):
-            logits = self.head(rms_norm(h, self.final_norm, self.eps)).squeeze(0)
-            return logits.astype(mx.float32) if float32 else logits
-        return tail(self.run_layers(h, lambda i, attn, x: attn(x, mask, None if cache is None else cache[i]),
-                                    experts, rewind=None if cache is None else (lambda i: cache[i].rewind(n)),
-                                    tail=tail))
+        h = self.run_layers(h, lambda i, attn, x: attn(x, mask, None if cache is None else cache[i]), experts,
+                            rewind=None if cache is None else (lambda i: cache[i].rewind(n)))
+        h = rms_norm(h, self.final_norm, self.eps)
+        logits = self.head(h).squeeze(0)
+        return logits.astype(mx.float32) if float32 else logits
 
     @cached_property
     def rewinds(self) -> bool:
@@ -187,72 +185,46 @@ class MoETransformer:
         plain key/value cache, where going back is lowering its offset."""
         return all(type(make_cache(kind)) is KVCache for kind in self.layer_kinds)
 
-    def run_layers(self, h, attend, experts, rewind=None, tail=None):
+    def run_layers(self, h, attend, experts, rewind=None):
         """h [B, L, D] through every layer, before the final norm; attend(i, attn, x) runs layer
         i's attention on x with its cache (one sequence's, or the batch's rows); rewind(i) takes
         layer i's cache back by this pass's positions (None: it cannot be). Where the provider
-        runs ahead (`begin_ahead`), see `_run_ahead`; tail(h): the pass's output from h, where
-        the provider may check the pass later."""
+        runs ahead (`begin_ahead`), see `_run_ahead`."""
         if rewind is not None and getattr(experts, "begin_ahead", None) and experts.begin_ahead(self.rewinds):
-            return self._run_ahead(h, attend, experts, rewind, tail)
+            return self._run_ahead(h, attend, experts, rewind)
         for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
             h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
             h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
         return h
 
-    def _run_ahead(self, h, attend, experts, rewind, tail=None):
+    def _run_ahead(self, h, attend, experts, rewind):
         """The layers with the provider computing a partially resident MoE layer on the experts
         resident when it is built and checking its routing one such layer later (`end_ahead`
         checks the last), so the device never waits for the host between them. A layer found to
         have used a missing expert (RunAheadMiss) is computed again from its attention's output,
         the provider then knowing its routing; the attention of the layers after it, which ran on
         the wrong input, is taken back (rewind) and runs again. A layer's result depends only on
-        its input, so what is kept is what the plain loop computes, bit for bit.
-
-        Where the provider defers the pass's end (`defers_end`, given `tail`), the layers are
-        built and h returned unchecked; the check runs when the provider is asked for it
-        (`take_check`), giving tail(h) of the pass computed again, or None where nothing missed.
-        Before the first layer is computed again the provider is told (`missed`), so a pass built
-        on this one's output is taken back first."""
-        after_attention, n = {}, len(self.layers)
-        state = {"h": h, "i": 0, "again": False}  # where the layers stand, and whether any was computed again
-
-        def run(check: bool):
-            h, i = state["h"], state["i"]
-            while True:
-                try:
-                    while i < n:
-                        in_norm, attn, post_norm, mlp = self.layers[i]
-                        h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
-                        after_attention[i] = h
-                        h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
-                        i += 1
-                    state["h"], state["i"] = h, i
-                    if check:
-                        experts.end_ahead()
-                    return h
-                except RunAheadMiss as miss:
-                    if not state["again"]:
-                        state["again"] = True
-                        experts.missed()
-                    at = miss.layer
-                    for j in range(at + 1, min(i, n - 1) + 1):
-                        rewind(j)
-                    _, _, post_norm, mlp = self.layers[at]
-                    h = after_attention[at]
+        its input, so what is kept is what the plain loop computes, bit for bit."""
+        after_attention = {}
+        i, n = 0, len(self.layers)
+        while True:
+            try:
+                while i < n:
+                    in_norm, attn, post_norm, mlp = self.layers[i]
+                    h = h + attend(i, attn, rms_norm(h, in_norm, self.eps))
+                    after_attention[i] = h
                     h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
-                    i = at + 1
-
-        if tail is None or not experts.defers_end():
-            return run(check=True)
-        h = run(check=False)
-
-        def check():
-            state["again"] = False  # computed again from here on: the output changes
-            out = run(check=True)
-            return tail(out) if state["again"] else None
-        experts.defer_end(check)
-        return h
+                    i += 1
+                experts.end_ahead()
+                return h
+            except RunAheadMiss as miss:
+                at = miss.layer
+                for j in range(at + 1, min(i, n - 1) + 1):
+                    rewind(j)
+                _, _, post_norm, mlp = self.layers[at]
+                h = after_attention[at]
+                h = h + mlp(rms_norm(h, post_norm, self.eps), experts)
+                i = at + 1
 
     def forward_batch(self, tokens, caches: list, experts=None, float32: bool = True):
         """One decode step of B sequences: tokens int [B] (one per sequence), caches[b] that

@@ -80,9 +80,9 @@ class KimiK3(KimiLinear):
         norm = self.w[f"{prefix}.routed_expert_norm.weight"]
         return down, lambda y: up(rms_norm(y, norm, self.eps))
 
-    def run_layers(self, h, attend, experts, rewind=None, tail=None):
+    def run_layers(self, h, attend, experts, rewind=None):
         if self.block_size is None:
-            return super().run_layers(h, attend, experts, rewind, tail)
+            return super().run_layers(h, attend, experts, rewind)
         blocks = ResidualBlocks(self.eps)
         for i, (in_norm, attn, post_norm, mlp) in enumerate(self.layers):
             w_attn, w_mlp = self.res_w[i]
