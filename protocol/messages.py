@@ -326,11 +326,13 @@ class WorkerReady:
 @message("attach_pool")
 class AttachPool:
     """The staging segment (`n_slots` slots of `slot_bytes`, where the loader reads records) and the
-    resident tier: expert slots per record-layout group, MLX memory that compute owns."""
+    resident tier: expert slots per record-layout group, MLX memory that compute owns. spin_ms:
+    how long each worker polls without sleeping after a message (bench.spin_ms as resolved)."""
     segment: str
     n_slots: int
     slot_bytes: int
     resident: dict = field(default_factory=dict)
+    spin_ms: float = 0.0
 
 
 @message("pool_attached")

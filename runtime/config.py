@@ -148,7 +148,9 @@ class BenchConfig:
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
-    spin_ms: float = 0.0  # workers poll without sleeping this long after a message (and compute in a need)
+    # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
+    # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
+    spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})
     ahead_reads: int = 0  # staging slots lease and prefetch reads may hold at once (0: half the ring)
     # MLX CUDA graphs in compute: "auto" off where the plan leaves experts out of the resident tier
     cuda_graphs: bool | str = field(default="auto", metadata={"types": (bool, str)})
@@ -213,7 +215,7 @@ class Config:
                 want = type(getattr(target, key))
                 types = known[key].metadata.get("types", (want,))  # a key of several types
                 # a TOML boolean is a Python int: only a key that takes booleans takes one
-                if want is float and isinstance(value, int) and not isinstance(value, bool):
+                if float in types and isinstance(value, int) and not isinstance(value, bool):
                     value = float(value)
                 if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                     raise ConfigError(f"{where}: {section}.{key} must be "
@@ -256,8 +258,9 @@ class Config:
             raise ConfigError("cache.staging_slots must be >= 0 (0: automatic)")
         if self.bench.standin_moe_ms < 0 or self.bench.standin_dense_ms < 0:
             raise ConfigError("bench.standin_moe_ms and bench.standin_dense_ms must be >= 0")
-        if self.bench.spin_ms < 0:
-            raise ConfigError("bench.spin_ms must be >= 0 (0: sleep in poll)")
+        spin = self.bench.spin_ms
+        if spin != "auto" and (isinstance(spin, str) or spin < 0):
+            raise ConfigError("bench.spin_ms must be >= 0 (0: sleep in poll) or \"auto\"")
         if self.bench.ahead_reads < 0:
             raise ConfigError("bench.ahead_reads must be >= 0 (0: half the staging ring)")
         if self.bench.ahead_launch not in ("layer", "pass"):

@@ -193,6 +193,7 @@ def test_a_temperature_below_the_floor_is_greedy():
     ("[distributed]\ntimeout_s = inf\n", "distributed.timeout_s must be a finite number"),
     ("[bench]\nahead_depth = 0\n", "bench.ahead_depth must be >= 1"),
     ("[bench]\nspin_ms = -1.0\n", "bench.spin_ms must be >= 0"),
+    ("[bench]\nspin_ms = \"fast\"\n", "bench.spin_ms must be >= 0"),
     ("[bench]\nahead_reads = -1\n", "bench.ahead_reads must be >= 0"),
 ])
 def test_config_values_of_the_wrong_kind_are_refused(tmp_path, text, why):

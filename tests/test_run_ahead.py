@@ -245,6 +245,22 @@ def test_compute_runs_mlx_cuda_graphs_as_configured(setting, gpu, streams, envir
     assert cuda_graphs_env(BenchConfig(cuda_graphs=setting), gpu, streams, environ) == expected
 
 
+@pytest.mark.parametrize("toml,gpu,expected", [
+    ("", True, 2.0),                  # "auto": a GPU's host has cores to spare
+    ("", False, 0.0),                 # ... a CPU's cores compute
+    ("spin_ms = 1", False, 1.0),      # a number as given (a TOML integer too)
+    ("spin_ms = 0.0", True, 0.0),
+])
+def test_workers_spin_as_configured(tmp_path, toml, gpu, expected):
+    """bench.spin_ms: how long the workers poll without sleeping after a message, as the
+    supervisor resolves it for the workers (AttachPool)."""
+    from deltafin.runtime.config import load_config
+    from deltafin.workers.pipeline import resolved_spin_ms
+    path = tmp_path / "c.toml"
+    path.write_text("[bench]\n" + toml + "\n")
+    assert resolved_spin_ms(load_config(path).bench, gpu) == expected
+
+
 def test_cuda_graphs_setting_is_checked():
     from deltafin.runtime.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="bench.cuda_graphs"):

@@ -47,6 +47,7 @@ def test_generation_on_every_architecture(tiny_stores, arch):
             assert res["backend"] == ("gpu" if gpu else "cpu") and res["dtype"]
             assert res["pipeline"]["early_fills"] is gpu and res["pipeline"]["eager_layers"] is gpu
             assert res["pipeline"]["hits_first"] is (not gpu) and isinstance(res["prefetch"], bool)
+            assert res["spin_ms"] == (2.0 if gpu else 0.0)  # workers spin after a message on a GPU only
 
 
 @pytest.mark.parametrize("arch", ARCHS)

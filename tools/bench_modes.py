@@ -31,7 +31,8 @@ DELTAFIN_MODES = {
     "deltafin-one-ahead": [],  # the default with one lease or prefetch read in flight at most
     "deltafin-no-cuda-graphs": [],  # the default with MLX CUDA launching compute's kernels one by one
     "deltafin-cuda-graphs": [],  # ... and with them in CUDA graphs (MLX's default) though experts stream
-    "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message
+    "deltafin-spin": [],  # the default with the workers polling 2 ms without sleeping after each message (a GPU's default)
+    "deltafin-no-spin": [],  # the default with the workers sleeping in poll (a CPU's default)
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
@@ -59,6 +60,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-unfolded": {"bench": {"fold_notes": False}},
     "deltafin-launch-first": {"bench": {"launch_first": True}},
     "deltafin-spin": {"bench": {"spin_ms": 2.0}},
+    "deltafin-no-spin": {"bench": {"spin_ms": 0.0}},
     "deltafin-ahead-deep": {"bench": {"launch_first": True, "ahead_depth": 8}},
     "deltafin-ahead-layer": {"bench": {"ahead_launch": "layer"}},
     "deltafin-no-foresight": {"bench": {"foresight": False}},

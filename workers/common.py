@@ -125,6 +125,7 @@ class WorkerProcess:
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.pool: Segment | None = None
+        self.spin_s = 0.0  # bench.spin_ms as the supervisor resolved it (AttachPool)
         self.running = True
         self.state_lock = threading.RLock()
         self._seq = itertools.count(1)
@@ -156,8 +157,9 @@ class WorkerProcess:
             if endpoint:
                 self.publisher = SnapshotPublisher(self.ctx, endpoint, self.snapshot)
                 self.publisher.start()
-            spin_s, last = self.config.bench.spin_ms / 1e3, 0.0  # bench.spin_ms
+            last = 0.0
             while self.running:
+                spin_s = self.spin_s  # bench.spin_ms, resolved at attach
                 hot = spin_s > 0 and time.perf_counter() - last < spin_s
                 events = dict(self.poller.poll(0 if self.busy() or hot else 200))
                 if events and spin_s > 0:
@@ -209,6 +211,7 @@ class WorkerProcess:
         elif isinstance(msg, M.AttachPool):
             with self.state_lock:
                 self.pool = Segment.attach(msg.segment, msg.n_slots * msg.slot_bytes)
+                self.spin_s = msg.spin_ms / 1e3
                 self.on_pool(msg)
             send(self.control, M.PoolAttached(role=self.role))
         elif isinstance(msg, M.WorkerStats):

@@ -42,8 +42,7 @@ class ComputeProcess(WorkerProcess):
         mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
         self.store = Store(self.run["store"])
         self.data = self.connect_data_plane()
-        self.source = RouterClient(self.data, self.cfg.compute.expert_timeout_s, self.parent_alive,
-                                   spin_s=self.cfg.bench.spin_ms / 1e3)
+        self.source = RouterClient(self.data, self.cfg.compute.expert_timeout_s, self.parent_alive)
         # [distributed]: join the group first; the provider then computes this rank's share
         from deltafin.workers.distributed import Lockstep
         self.dist = Lockstep.from_config(self.config, self.store)
@@ -71,6 +70,7 @@ class ComputeProcess(WorkerProcess):
     def on_pool(self, msg):
         # the resident tier is allocated now, inside the budget the supervisor just split
         self.compute.experts.attach(self.pool.buf, msg.slot_bytes, msg.resident)
+        self.source.spin_s = self.spin_s  # a need's wait spins as the worker's poll does
         self.preloading = bool(self.cfg.cache.preload)
 
     def busy(self):

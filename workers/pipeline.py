@@ -30,6 +30,19 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+AUTO_SPIN_MS = 2.0
+
+
+def resolved_spin_ms(bench: BenchConfig, gpu: bool) -> float:
+    """bench.spin_ms as the workers run it: "auto" spins AUTO_SPIN_MS where compute runs on a GPU,
+    whose host has cores to spare (H100, issue 28's store, 16 cores: 1.02x at 25%, 1.10x at 50%;
+    docs/BENCHMARKS.md), and not on a CPU, where the spinning workers take the cores compute
+    computes on (2 cores: the router's need 1.2-1.3 against 0.5-0.6 ms)."""
+    if bench.spin_ms == "auto":
+        return AUTO_SPIN_MS if gpu else 0.0
+    return float(bench.spin_ms)
+
+
 def cuda_graphs_env(bench: BenchConfig, gpu: bool, streams: bool, environ=os.environ) -> str | None:
     """"0" where compute's process should run MLX CUDA without CUDA graphs, else None (the
     environment left as it is; MLX's default is graphs on). Off where bench.cuda_graphs is false,

@@ -51,6 +51,7 @@ from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
 from deltafin.workers.http_auth import API_KEY_ENV
+from deltafin.workers.pipeline import resolved_spin_ms
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.stats_waits import STATS_SYNC_S, StatsWaits
 from deltafin.workers.router_process import prefetch_setting
@@ -182,7 +183,8 @@ class Supervisor:
                                            gpu=bool(self.ready_info.get("compute", {}).get("gpu")))
         self.resolved = self._resolve_auto()
         attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
-                              slot_bytes=self.plan.slot_bytes, resident=self.resident)
+                              slot_bytes=self.plan.slot_bytes, resident=self.resident,
+                              spin_ms=self.resolved["spin_ms"])
         for role in ROLES:
             self._to_worker(role, attach)
         self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
@@ -195,7 +197,8 @@ class Supervisor:
         prefetch = prefetch_setting(self.config.cache, sum(self.resident.values()), n_keys)
         return {"backend": "gpu" if compute.get("gpu") else "cpu", "dtype": compute.get("dtype"),
                 "whole_layers": any(g.endswith(tiers.WHOLE) for g in self.resident),
-                "prefetch": prefetch is not False, "pipeline": compute.get("pipeline")}
+                "prefetch": prefetch is not False, "pipeline": compute.get("pipeline"),
+                "spin_ms": resolved_spin_ms(self.config.bench, bool(compute.get("gpu")))}
 
     def _size_pool(self) -> None:
         """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,

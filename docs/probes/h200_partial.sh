@@ -31,6 +31,7 @@
 #   bash docs/probes/h200_partial.sh one50    # the 25% bench (default, early passes, both) and 50%, in one call
 #   bash docs/probes/h200_partial.sh stop51   # early passes (default) against the old order at 25%, then real supervisors' split
 #   bash docs/probes/h200_partial.sh mini51   # its split per token alone, 25%, one round
+#   bash docs/probes/h200_partial.sh stop52   # on an H200: close28a, then the 25% bench; elsewhere the open settings spin_ms and leases at 25%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -167,6 +168,13 @@ case "${1:-split}" in
     timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "ep:early_passes = true:0.25,noep:early_passes = false:0.25,layer:ahead_launch = \"layer\":0.25" -v \
       > "$out/split51.txt" 2>&1
     grep "^r\|all same" "$out/split51.txt" | cut -c1-420 ;;
+  stop52)  # issue 28 on an H200 (exactness, then 25% beside mlx-lm); on another GPU bench.spin_ms and compute.leases at 25%
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      bash "$0" close28a
+      timeout 200 bash "$0" bench 0.25 3 deltafin,mlx-lm
+    else
+      timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-spin,deltafin-no-leases,mlx-lm
+    fi ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating
