@@ -153,7 +153,8 @@ def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperatur
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch, temperature):
+def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch,
+                                                                                    temperature):
     """bench.early_passes: where experts stream, the next token's pass is launched once this one's
     routing is checked, before its token is read (the fills the new pass asks for may overwrite
     slots this one's tail still reads: they settle it first). Every token and logprob (top 4)
@@ -161,7 +162,8 @@ def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logpr
     (seeded), with misses found at the pass's end and layers computed again."""
     from deltafin.workers import slot_experts
     monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
-    ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False, temperature=temperature)
+    ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False,
+                                        temperature=temperature)
     assert ref_stats["early_steps"] > 0  # all resident: launched early anyway
     for n_slots in (4, 8):
         got, lp, stats, counters = _served(store, n_slots, early_passes=True, temperature=temperature)

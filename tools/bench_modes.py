@@ -36,10 +36,10 @@ DELTAFIN_MODES = {
     "deltafin-ahead-deep": [],  # the default with up to 8 layers run ahead left unchecked (launched first)
     "deltafin-ahead-layer": [],  # the default with each layer run ahead launched as built, checked at the next
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
-    "deltafin-early-passes": [],  # the default with a streaming pass launched before the last token is read
+    "deltafin-early-passes": [],  # a streaming pass launched before the last token is read (the default since stop 51; kept for earlier commands)
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
-    "deltafin-early-each": [],  # the default with both: early passes, layers checked one by one
+    "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.

@@ -143,7 +143,7 @@ case "${1:-split}" in
       tests/test_greedy_exact.py tests/test_run_ahead.py tests/test_resident.py > "$out/close28a.txt" 2>&1
     tail -6 "$out/close28a.txt" ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
-    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-no-foresight,mlx-lm
+    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
   foresight)  # bench.foresight on/off at 25%, real supervisors alternating: split, counters, messages
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \

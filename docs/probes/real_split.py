@@ -44,8 +44,8 @@ def main() -> None:
             first.setdefault(name, done.token_ids)
             split = {k: round(v, 4) for k, v in done.stats.items() if k.endswith(("tok_s", "_s"))}
             pipe = {k: v for k, v in comp.get("pipeline", {}).items() if k != "resolved"}
-            batch = comp.get("batch") or {}
-            pipe.update({k: batch[k] for k in ("early_steps",) if k in batch})
+            if "early_steps" in (comp.get("batch") or {}):
+                pipe["early_steps"] = comp["batch"]["early_steps"]
             dec = done.stats.get("decode") or {}
             n = max(1, dec.get("tokens") or 1)  # the decode phase alone, ms per token
             per_tok = {k[:-2]: round(v * 1e3 / n, 3) for k, v in dec.items()
