@@ -148,7 +148,6 @@ class BenchConfig:
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
-    eager_ahead: bool = False  # running ahead a pass at once: each layer launched as built, checked at the pass's end
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
     # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
     spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})

@@ -113,9 +113,6 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # ... and the layers pending checked one by one as the device has them
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": False}}),
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": True}}),
-            # ... or each layer of the pass launched as it is built
-            (0.25, {"bench": {"run_ahead": True, "eager_ahead": True}}),
-            (0.5, {"bench": {"run_ahead": True, "eager_ahead": True}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
             # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while
             # streaming (by default only all resident) and one by one all resident

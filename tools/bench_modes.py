@@ -39,7 +39,6 @@ DELTAFIN_MODES = {
     "deltafin-early-passes": [],  # a streaming pass launched before the last token is read (the default since stop 51; kept for earlier commands)
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
-    "deltafin-ahead-eager": [],  # the default with each layer run ahead launched as built (checked at the pass's end still)
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
@@ -68,7 +67,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-early-passes": {"bench": {"early_passes": True}},
     "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
-    "deltafin-ahead-eager": {"bench": {"eager_ahead": True}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

@@ -495,9 +495,7 @@ class SlotExperts(ExpertProvider):
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
         Launched at once (its ids with it), so the device computes it while the host checks the
         one that ran ahead before it and builds the next layer; with `ahead_launch` "pass" left to
-        the pass's end, launched and checked with the rest of the pass (with `eager_ahead`
-        launched at once still, so the device computes it while the host builds the next ones,
-        and checked at the pass's end). Where every chosen
+        the pass's end, launched and checked with the rest of the pass. Where every chosen
         expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
         same rows, the same kernel."""
         self.take_fills(layer, [])
@@ -505,7 +503,7 @@ class SlotExperts(ExpertProvider):
         table, where = tier.ahead_table(layer)
         y = switch_glu(x, table[ids], tier.weights(layer), tier.quant(layer))
         look, self._look = self._look, None
-        if self.pipe.ahead_launch != "pass" or self.pipe.eager_ahead:  # else launched with the pass's end
+        if self.pipe.ahead_launch != "pass":  # else launched with the pass's end
             mx.async_eval(y, *(() if look is None else (look[1],)))
         self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
