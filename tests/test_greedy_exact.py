@@ -87,7 +87,7 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
     twice, running ahead on and off (launched before or after the check, checked one or eight
     layers later, or launched and checked with the pass, or each layer as built, the next pass
     launched before the token is read or not, checked one by one or in one drain), hints and uses folded
-    into needs or not, reads ahead capped at one, CUDA graphs on and off: every run's greedy tokens equal mlx-lm's and each other's,
+    into needs or not, reads ahead capped at one or yielding to demand reads, CUDA graphs on and off: every run's greedy tokens equal mlx-lm's and each other's,
     whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
     (workers/pipeline.py: one call per layer there); on the CPU it runs the pieces path."""
@@ -114,6 +114,8 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": False}}),
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": True}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
+            # prefetch and lease reads in pieces, held back while a demand read is in flight
+            (0.25, {"bench": {"ahead_piece_bytes": 16384}}),
             # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while
             # streaming (by default only all resident) and one by one all resident
             (0.25, {"bench": {"ahead_reads": 1}}), (0.25, {"bench": {"cuda_graphs": True}}),

@@ -132,6 +132,45 @@ def test_demand_chunks_go_before_prefetch_chunks(store):
     loader.close()
 
 
+def test_ahead_reads_yield_the_disk_to_a_demand_read_in_flight(store):
+    """bench.ahead_piece_bytes: a prefetch or lease read goes in pieces of that size (a demand read
+    whole), and while a demand chunk is being read no prefetch piece is handed out; once it is
+    done they go out again, and a thread waiting for one gets it. Records land whole and verified
+    either way."""
+    layer = store.moe_layers[0]
+    pool = _pool(store, 2)
+    loader = Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=0, ahead_piece_bytes=4096)
+    pre = loader.job(M.Read(slot=0, generation=1, layer=layer, expert=0, prefetch=True))
+    dem = loader.job(M.Read(slot=1, generation=1, layer=layer, expert=1))
+    assert len(pre.chunks) > 3 and len(dem.chunks) == 1
+    q = ReadQueue(yield_ahead=True)
+    q.put(pre)
+    first = q.get(timeout=0.1)
+    assert first == (pre, 0)  # nothing on demand: ahead pieces go out
+    q.put(dem)
+    got = q.get(timeout=0.1)
+    assert got == (dem, 0)
+    assert q.get(timeout=0.05) is None  # the demand read has the disk: no ahead piece starts
+    waiter = []
+    t = threading.Thread(target=lambda: waiter.append(q.get(timeout=5.0)))
+    t.start()
+    answer = loader.read_chunk(*got)
+    q.done(dem)  # read: the waiting thread takes the next ahead piece at once
+    t.join(timeout=2.0)
+    assert waiter == [(pre, 1)]
+    assert isinstance(answer, M.Loaded)
+    assert bytes(pool[store.max_record_bytes:store.max_record_bytes + answer.nbytes]) == _expected(store, layer, 1)
+    answers = [loader.read_chunk(pre, i) for i in range(len(pre.chunks))]
+    assert isinstance(answers[-1], M.Loaded) and bytes(pool[:answers[-1].nbytes]) == _expected(store, layer, 0)
+    plain = ReadQueue()  # without yield_ahead a demand read in flight holds nothing back
+    plain.put(loader.job(M.Read(slot=1, generation=2, layer=layer, expert=1)))
+    plain.put(loader.job(M.Read(slot=0, generation=2, layer=layer, expert=0, prefetch=True)))
+    assert not plain.get(timeout=0.1)[0].order.prefetch and plain.get(timeout=0.1)[0].order.prefetch
+    q.close()
+    plain.close()
+    loader.close()
+
+
 def test_whole_record_reads_without_chunking(store):
     layer = store.moe_layers[0]
     pool = _pool(store, 1)

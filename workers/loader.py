@@ -10,6 +10,10 @@ development machine (docs/benchmarks-history.md, Speed II second pass): its ~1 G
 the same bandwidth at queue depth 1 as at 8; 1 MiB chunks halve a record's read time but slow
 compute's copies out of staging more, so whole records (chunk_bytes 0) are the default.
 
+With `ahead_piece_bytes` > 0 (bench.ahead_piece_bytes; "auto": on a GPU) prefetch and lease reads yield the disk to
+demand reads: they are read in pieces of that size, and `ReadQueue` starts no piece of one while a
+demand read is in flight, so a miss's read shares the disk only with the pieces already started.
+
 `Loader.read` is the whole job for one order in the calling thread (plain, testable in-process);
 the process wrapper keeps `threads` reads in flight (preadv and the CRC release the GIL) and
 announces each filled slot to the router with the order's generation.
@@ -99,12 +103,13 @@ class ReadJob:
 
 class Loader:
     """Reads orders into the staging pool. `chunk_bytes`: the piece of a record one read takes
-    (0: the whole record in one read, the behaviour before chunking)."""
+    (0: the whole record in one read, the behaviour before chunking); `ahead_piece_bytes`: the
+    piece a prefetch or lease read takes instead (0: as a demand read)."""
 
     def __init__(self, store: Store, pool_buf: memoryview, slot_bytes: int, verify: bool = True,
-                 chunk_bytes: int = 0):
+                 chunk_bytes: int = 0, ahead_piece_bytes: int = 0):
         self.store, self.pool, self.slot_bytes, self.verify = store, pool_buf, slot_bytes, verify
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes, self.ahead_piece_bytes = chunk_bytes, ahead_piece_bytes
         self._files: dict[str, DirectFile] = {}
         self._lock = threading.Lock()
         self.counters = Counter()
@@ -132,7 +137,8 @@ class Loader:
             f = self._file(rec.file)
         except (StoreError, OSError, KeyError) as e:
             return self._failed(order, f"loader: {e}")
-        return ReadJob(order, rec, self.pool[start:start + self.slot_bytes], f, self.chunk_bytes, self.verify)
+        piece = self.ahead_piece_bytes if order.prefetch and self.ahead_piece_bytes else self.chunk_bytes
+        return ReadJob(order, rec, self.pool[start:start + self.slot_bytes], f, piece, self.verify)
 
     def read_chunk(self, job: ReadJob, i: int) -> M.Loaded | M.LoadFailed | None:
         """Reads one chunk; the answer to send if that completed the job, else None."""
@@ -192,7 +198,7 @@ class Loader:
         wall = (time.perf_counter() - self._first) if self._first is not None else 0.0
         return {**c, "read": self.read_latency.summary(), "queue_wait": self.queue_latency.summary(),
                 "demand_read": self.demand_latency.summary(),
-                "chunk_bytes": self.chunk_bytes,
+                "chunk_bytes": self.chunk_bytes, "ahead_piece_bytes": self.ahead_piece_bytes,
                 "direct_io": all(f.direct for f in self._files.values()) if self._files else None,
                 # bytes over the time some read was in flight: the disk's rate while it was used
                 "ssd_gbps": metrics.ssd_gbps(c.get("bytes", 0), self.busy_s),
@@ -208,13 +214,16 @@ class Loader:
 class ReadQueue:
     """Reads (chunks; one per record when not chunked) waiting for a reader thread: all demand
     chunks before any prefetch chunk, in arrival order within each class (a record's chunks stay
-    together, so it finishes as soon as it can)."""
+    together, so it finishes as soon as it can). yield_ahead: no prefetch chunk is handed out while
+    a demand chunk is being read (each taken chunk is given back with `done`)."""
 
-    def __init__(self):
+    def __init__(self, yield_ahead: bool = False):
         self._demand: deque = deque()
         self._prefetch: deque = deque()
         self._cv = threading.Condition()
         self._closed = False
+        self.yield_ahead = yield_ahead
+        self._demand_reading = 0  # demand chunks handed out and not yet done
 
     def put(self, job: ReadJob) -> None:
         with self._cv:
@@ -225,12 +234,28 @@ class ReadQueue:
     def get(self, timeout: float) -> tuple[ReadJob, int] | None:
         """The next chunk; None when closed or nothing came within timeout."""
         with self._cv:
-            if not self._closed and not self._demand and not self._prefetch:
+            if not self._closed and not self._ready():
                 self._cv.wait(timeout)
-            if self._closed:
+            if self._closed or not self._ready():
                 return None
-            q = self._demand or self._prefetch
-            return q.popleft() if q else None
+            if self._demand:
+                self._demand_reading += 1
+                return self._demand.popleft()
+            return self._prefetch.popleft()
+
+    def _ready(self) -> bool:
+        """A chunk may be handed out now (the condition's lock held)."""
+        return bool(self._demand) or bool(self._prefetch) and not (self.yield_ahead and self._demand_reading)
+
+    def done(self, job: ReadJob) -> None:
+        """A chunk `get` handed out was read: once no demand chunk is being read, prefetch chunks
+        go out again."""
+        if job.order.prefetch:
+            return
+        with self._cv:
+            self._demand_reading -= 1
+            if not self._demand_reading:
+                self._cv.notify_all()
 
     @property
     def closed(self) -> bool:
@@ -260,7 +285,7 @@ class LoaderProcess(WorkerProcess):
         self.done_pull = make_socket(self.ctx, zmq.PULL)
         self.done_pull.bind("inproc://loader-done")
         self.poller.register(self.done_pull, zmq.POLLIN)
-        self.orders = ReadQueue()
+        self.orders = ReadQueue()  # yields to demand reads once AttachPool says so
         self.loader: Loader | None = None
         self.threads: list[threading.Thread] = []
         self.handlers = {self.data: self.on_order, self.done_pull: self.on_done}
@@ -268,7 +293,9 @@ class LoaderProcess(WorkerProcess):
     def on_pool(self, msg):
         cfg = self.config.loader
         self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg.verify_checksums,
-                             chunk_bytes=int(self.config.bench.chunk_bytes))
+                             chunk_bytes=int(self.config.bench.chunk_bytes),
+                             ahead_piece_bytes=msg.ahead_piece_bytes)  # bench.ahead_piece_bytes, resolved
+        self.orders.yield_ahead = msg.ahead_piece_bytes > 0
         for _ in range(cfg.threads):
             t = threading.Thread(target=self.read_loop, daemon=True)
             t.start()
@@ -282,7 +309,10 @@ class LoaderProcess(WorkerProcess):
                 got = self.orders.get(timeout=1.0)
                 if got is None:
                     continue
-                answer = self.loader.read_chunk(*got)
+                try:
+                    answer = self.loader.read_chunk(*got)
+                finally:
+                    self.orders.done(got[0])
                 if answer is not None:
                     push.send(M.encode(answer))
         finally:
