@@ -327,15 +327,12 @@ class WorkerReady:
 class AttachPool:
     """The staging segment (`n_slots` slots of `slot_bytes`, where the loader reads records) and the
     resident tier: expert slots per record-layout group, MLX memory that compute owns. spin_ms:
-    how long each worker polls without sleeping after a message (bench.spin_ms as resolved).
-    ahead_piece_bytes: the loader's piece of a prefetch or lease read, none started while a demand
-    read is in flight (bench.ahead_piece_bytes as resolved; 0: read as demand reads are)."""
+    how long each worker polls without sleeping after a message (bench.spin_ms as resolved)."""
     segment: str
     n_slots: int
     slot_bytes: int
     resident: dict = field(default_factory=dict)
     spin_ms: float = 0.0
-    ahead_piece_bytes: int = 0
 
 
 @message("pool_attached")

@@ -140,9 +140,7 @@ class BenchConfig:
     # GPU; false: in host memory, written with numpy, deltafin-host-pools)
     device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
-    # prefetch and lease reads in pieces of this many bytes, none started while a demand read is in
-    # flight (0: read as demand reads are); "auto": on a GPU AUTO_AHEAD_PIECE (workers/pipeline.py), on a CPU 0
-    ahead_piece_bytes: int | str = field(default="auto", metadata={"types": (int, str)})
+    ahead_piece_bytes: int = 0  # prefetch and lease reads in pieces, none started while a demand read is in flight (deltafin-yield)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked
@@ -274,9 +272,8 @@ class Config:
             raise ConfigError("loader.threads must be within 1..64")
         if self.bench.chunk_bytes < 0:
             raise ConfigError("bench.chunk_bytes must be >= 0 (0: each record in one read)")
-        piece = self.bench.ahead_piece_bytes
-        if piece != "auto" and (isinstance(piece, str) or piece < 0):
-            raise ConfigError("bench.ahead_piece_bytes must be >= 0 (0: ahead reads as demand reads are) or \"auto\"")
+        if self.bench.ahead_piece_bytes < 0:
+            raise ConfigError("bench.ahead_piece_bytes must be >= 0 (0: ahead reads as demand reads are)")
         if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:
             raise ConfigError("runtime.restart_max must be >= 0 and runtime.restart_window_s > 0")
         from deltafin.protocol.messages import MAX_MESSAGE_BYTES

@@ -263,22 +263,6 @@ def test_workers_spin_as_configured(tmp_path, toml, gpu, expected):
     assert resolved_spin_ms(load_config(path).bench, gpu) == expected
 
 
-@pytest.mark.parametrize("toml,gpu,expected", [
-    ("", True, 256 << 10),            # "auto": a GPU's demand reads wait for the disk, not compute
-    ("", False, 0),                   # ... a CPU's for compute
-    ("ahead_piece_bytes = 65536", False, 65536),
-    ("ahead_piece_bytes = 0", True, 0),
-])
-def test_ahead_reads_yield_as_configured(tmp_path, toml, gpu, expected):
-    """bench.ahead_piece_bytes: the loader's piece of a prefetch or lease read, none started
-    while a demand read is in flight, as the supervisor resolves it for the loader (AttachPool)."""
-    from deltafin.runtime.config import load_config
-    from deltafin.workers.pipeline import resolved_ahead_piece
-    path = tmp_path / "c.toml"
-    path.write_text("[bench]\n" + toml + "\n")
-    assert resolved_ahead_piece(load_config(path).bench, gpu) == expected
-
-
 def test_cuda_graphs_setting_is_checked():
     from deltafin.runtime.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="bench.cuda_graphs"):

@@ -15,8 +15,7 @@ DELTAFIN_MODES = {
     "deltafin-lfuda": ["--policy", "lfuda"],
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
-    "deltafin-yield": [],  # prefetch and lease reads in 256 KiB pieces, none started while a demand read is in flight (a GPU's default)
-    "deltafin-no-yield": [],  # prefetch and lease reads whole, beside demand reads (a CPU's default)
+    "deltafin-yield": [],  # the default with prefetch and lease reads in 256 KiB pieces, none started while a demand read is in flight
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
@@ -49,7 +48,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-sync-lru": {"bench": {"pipeline": "sync"}},
     "deltafin-chunked": {"bench": {"chunk_bytes": 1 << 20}},
     "deltafin-yield": {"bench": {"ahead_piece_bytes": 256 << 10}},
-    "deltafin-no-yield": {"bench": {"ahead_piece_bytes": 0}},
     "deltafin-prefetch-0.7": {"cache": {"prefetch_threshold": 0.7}},
     "deltafin-no-stream-misses": {"bench": {"stream_misses": False}},
     "deltafin-no-leases": {"bench": {"leases": False}},

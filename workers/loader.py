@@ -10,7 +10,7 @@ development machine (docs/benchmarks-history.md, Speed II second pass): its ~1 G
 the same bandwidth at queue depth 1 as at 8; 1 MiB chunks halve a record's read time but slow
 compute's copies out of staging more, so whole records (chunk_bytes 0) are the default.
 
-With `ahead_piece_bytes` > 0 (bench.ahead_piece_bytes; "auto": on a GPU) prefetch and lease reads yield the disk to
+With `ahead_piece_bytes` > 0 (bench.ahead_piece_bytes) prefetch and lease reads yield the disk to
 demand reads: they are read in pieces of that size, and `ReadQueue` starts no piece of one while a
 demand read is in flight, so a miss's read shares the disk only with the pieces already started.
 
@@ -285,7 +285,7 @@ class LoaderProcess(WorkerProcess):
         self.done_pull = make_socket(self.ctx, zmq.PULL)
         self.done_pull.bind("inproc://loader-done")
         self.poller.register(self.done_pull, zmq.POLLIN)
-        self.orders = ReadQueue()  # yields to demand reads once AttachPool says so
+        self.orders = ReadQueue(yield_ahead=self.config.bench.ahead_piece_bytes > 0)
         self.loader: Loader | None = None
         self.threads: list[threading.Thread] = []
         self.handlers = {self.data: self.on_order, self.done_pull: self.on_done}
@@ -294,8 +294,7 @@ class LoaderProcess(WorkerProcess):
         cfg = self.config.loader
         self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg.verify_checksums,
                              chunk_bytes=int(self.config.bench.chunk_bytes),
-                             ahead_piece_bytes=msg.ahead_piece_bytes)  # bench.ahead_piece_bytes, resolved
-        self.orders.yield_ahead = msg.ahead_piece_bytes > 0
+                             ahead_piece_bytes=int(self.config.bench.ahead_piece_bytes))
         for _ in range(cfg.threads):
             t = threading.Thread(target=self.read_loop, daemon=True)
             t.start()

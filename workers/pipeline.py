@@ -43,20 +43,6 @@ def resolved_spin_ms(bench: BenchConfig, gpu: bool) -> float:
     return float(bench.spin_ms)
 
 
-AUTO_AHEAD_PIECE = 256 << 10
-
-
-def resolved_ahead_piece(bench: BenchConfig, gpu: bool) -> int:
-    """bench.ahead_piece_bytes as the loader runs it: "auto" reads prefetch and lease reads in
-    AUTO_AHEAD_PIECE pieces, none started while a demand read is in flight, where compute runs on a
-    GPU (H100s, issue 28's store: a demand read's p50 1.2 against 2.8-3.0 ms; 1.02x at 25%, 1.15x
-    at 50%; docs/BENCHMARKS.md), and not on a CPU (the dsv2-lite stand-in 0.95x, real processes
-    no change: there compute, not the disk, keeps a miss waiting)."""
-    if bench.ahead_piece_bytes == "auto":
-        return AUTO_AHEAD_PIECE if gpu else 0
-    return int(bench.ahead_piece_bytes)
-
-
 def cuda_graphs_env(bench: BenchConfig, gpu: bool, streams: bool, environ=os.environ) -> str | None:
     """"0" where compute's process should run MLX CUDA without CUDA graphs, else None (the
     environment left as it is; MLX's default is graphs on). Off where bench.cuda_graphs is false,

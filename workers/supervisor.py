@@ -51,7 +51,7 @@ from deltafin.runtime.tokenizer import Tokenizer, TokenizerError
 from deltafin.workers.endpoint import ClientEndpoint
 from deltafin.workers.frontend_process import BODY_COPIES, FrontendProcess
 from deltafin.workers.http_auth import API_KEY_ENV
-from deltafin.workers.pipeline import resolved_ahead_piece, resolved_spin_ms
+from deltafin.workers.pipeline import resolved_spin_ms
 from deltafin.workers.requests import RequestManager
 from deltafin.workers.stats_waits import STATS_SYNC_S, StatsWaits
 from deltafin.workers.router_process import prefetch_setting
@@ -184,8 +184,7 @@ class Supervisor:
         self.resolved = self._resolve_auto()
         attach = M.AttachPool(segment=self.segment.name, n_slots=self.plan.staging_slots,
                               slot_bytes=self.plan.slot_bytes, resident=self.resident,
-                              spin_ms=self.resolved["spin_ms"],
-                              ahead_piece_bytes=self.resolved["ahead_piece_bytes"])
+                              spin_ms=self.resolved["spin_ms"])
         for role in ROLES:
             self._to_worker(role, attach)
         self._await(lambda m: isinstance(m, M.PoolAttached), "pool attached", self.config.runtime.control_timeout_s)
@@ -199,8 +198,7 @@ class Supervisor:
         return {"backend": "gpu" if compute.get("gpu") else "cpu", "dtype": compute.get("dtype"),
                 "whole_layers": any(g.endswith(tiers.WHOLE) for g in self.resident),
                 "prefetch": prefetch is not False, "pipeline": compute.get("pipeline"),
-                "spin_ms": resolved_spin_ms(self.config.bench, bool(compute.get("gpu"))),
-                "ahead_piece_bytes": resolved_ahead_piece(self.config.bench, bool(compute.get("gpu")))}
+                "spin_ms": resolved_spin_ms(self.config.bench, bool(compute.get("gpu")))}
 
     def _size_pool(self) -> None:
         """The two expert tiers from the measured tree (runtime/budget.py): the staging ring,

@@ -33,7 +33,7 @@
 #   bash docs/probes/h200_partial.sh mini51   # its split per token alone, 25%, one round
 #   bash docs/probes/h200_partial.sh stop52   # on an H200: close28a, then the 25% bench; elsewhere the open settings spin_ms and leases at 25%
 #   bash docs/probes/h200_partial.sh stop53   # any GPU: close28a with the defaults (spin_ms "auto"), then 25% (3 rounds) and 50% (2) beside mlx-lm
-#   bash docs/probes/h200_partial.sh stop53b  # the same with ahead reads yielding (the GPU's default since stop 53) beside deltafin-no-yield at 25%
+#   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -182,10 +182,10 @@ case "${1:-split}" in
     bash "$0" close28a
     timeout 200 bash "$0" bench 0.25 3 deltafin,mlx-lm
     timeout 150 bash "$0" bench 0.5 2 deltafin,mlx-lm ;;
-  stop53b)  # the defaults (ahead reads yield to demand reads on a GPU) beside deltafin-no-yield: exactness, then 25% beside mlx-lm
+  stop53b)  # ahead reads yielding to demand reads (bench.ahead_piece_bytes, deltafin-yield) beside the defaults: exactness, 25%
     nvidia-smi --query-gpu=name --format=csv,noheader
     bash "$0" close28a
-    timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-no-yield,mlx-lm ;;
+    timeout 200 bash "$0" bench 0.25 3 deltafin-yield,deltafin,mlx-lm ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating
