@@ -190,7 +190,7 @@ case "${1:-split}" in
   peers)  # mlx-vlm 0.7.10 (carry .devwheels/c: its wheel and Pillow's) beside deltafin and mlx-lm at 25% and 50%
     [ -d /tmp/site/mlx_vlm ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/c/*.whl
     python3 -c "import mlx_vlm.utils, mlx_vlm.moe_offload, mlx_vlm.generate.ar; print('mlx-vlm imports')" 2>&1 | tail -3
-    timeout 260 bash "$0" bench 0.25 2 deltafin,mlx-vlm,mlx-lm
+    timeout 400 bash "$0" bench 0.25 2 deltafin,mlx-vlm,mlx-lm  # the first run writes both checkpoints (260 s was short)
     timeout 200 bash "$0" bench 0.5 2 deltafin,mlx-vlm ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
