@@ -34,7 +34,7 @@
 #   bash docs/probes/h200_partial.sh stop52   # on an H200: close28a, then the 25% bench; elsewhere the open settings spin_ms and leases at 25%
 #   bash docs/probes/h200_partial.sh stop53   # any GPU: close28a with the defaults (spin_ms "auto"), then 25% (3 rounds) and 50% (2) beside mlx-lm
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
-#   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm, 25% and 50%
+#   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
@@ -187,11 +187,14 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     bash "$0" close28a
     timeout 200 bash "$0" bench 0.25 3 deltafin-yield,deltafin,mlx-lm ;;
-  peers)  # mlx-vlm 0.7.10 (carry .devwheels/c: its wheel and Pillow's) beside deltafin and mlx-lm at 25% and 50%
+  peers)  # mlx-vlm 0.7.10 beside deltafin and mlx-lm at 25%; then `peers50` in the next call. Prepared here:
+    # pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+    # manylinux_2_28_x86_64 -d .devwheels/c mlx-vlm==0.7.10 pillow  (carry .devwheels/b and .devwheels/c)
     [ -d /tmp/site/mlx_vlm ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devwheels/c/*.whl
     python3 -c "import mlx_vlm.utils, mlx_vlm.moe_offload, mlx_vlm.generate.ar; print('mlx-vlm imports')" 2>&1 | tail -3
-    timeout 400 bash "$0" bench 0.25 2 deltafin,mlx-vlm,mlx-lm  # the first run writes both checkpoints (260 s was short)
-    timeout 200 bash "$0" bench 0.5 2 deltafin,mlx-vlm ;;
+    timeout 500 bash "$0" bench 0.25 2 deltafin,mlx-vlm,mlx-lm ;;  # the first run writes both checkpoints (260 s was short)
+  peers50)  # the same at 50%, after peers on the same machine
+    timeout 300 bash "$0" bench 0.5 2 deltafin,mlx-vlm,mlx-lm ;;
   stop50)  # bench.early_passes and bench.check_each, apart and together, at 25% beside mlx-lm (3 rounds)
     timeout 560 bash "$0" bench 0.25 3 deltafin,deltafin-early-passes,deltafin-check-each,deltafin-early-each,mlx-lm ;;
   early)  # bench.early_passes on/off at 25%, real supervisors alternating
