@@ -140,7 +140,7 @@ class BenchConfig:
     # GPU; false: in host memory, written with numpy, deltafin-host-pools)
     device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
     chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
-    ahead_piece_bytes: int = 0  # prefetch and lease reads in pieces, none started while a demand read is in flight (deltafin-yield)
+    ahead_piece_bytes: int = 0  # ahead reads in pieces, none started while a demand read is in flight (deltafin-yield)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
     launch_first: bool = False  # a layer running ahead is launched before the one before it is checked

@@ -87,8 +87,8 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
     twice, running ahead on and off (launched before or after the check, checked one or eight
     layers later, or launched and checked with the pass, or each layer as built, the next pass
     launched before the token is read or not, checked one by one or in one drain), hints and uses folded
-    into needs or not, reads ahead capped at one or yielding to demand reads, CUDA graphs on and off: every run's greedy tokens equal mlx-lm's and each other's,
-    whatever lands when. On a GPU
+    into needs or not, reads ahead capped at one or yielding to demand reads, CUDA graphs on and off:
+    every run's greedy tokens equal mlx-lm's and each other's, whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
     (workers/pipeline.py: one call per layer there); on the CPU it runs the pieces path."""
     runs = [(1.0, {}), (0.5, {}), (0.25, {}), (0.25, {}), (0.25, {"cache": {"prefetch": False}}),

@@ -15,7 +15,7 @@ DELTAFIN_MODES = {
     "deltafin-lfuda": ["--policy", "lfuda"],
     "deltafin-no-prefetch": ["--prefetch", "off"],  # the default policy (predictive), no prefetch
     "deltafin-chunked": [],  # the default with each record read as 1 MiB chunks by all threads
-    "deltafin-yield": [],  # the default with prefetch and lease reads in 256 KiB pieces, none started while a demand read is in flight
+    "deltafin-yield": [],  # the default, prefetch and lease reads in 256 KiB pieces yielding to demand reads
     "deltafin-prefetch-0.7": [],  # the default, prefetch only from probability 0.7 (fewer bytes)
     "deltafin-no-stream-misses": [],  # the default with a layer's misses computed once all have landed
     "deltafin-no-leases": [],  # the default with gate lookahead as a hint only, not asked as a lease
