@@ -239,18 +239,18 @@ class ReadQueue:
             if self._closed or not self._ready():
                 return None
             if self._demand:
-                self._demand_reading += 1
+                self._demand_reading += self.yield_ahead  # counted only where ahead chunks wait for it
                 return self._demand.popleft()
             return self._prefetch.popleft()
 
     def _ready(self) -> bool:
         """A chunk may be handed out now (the condition's lock held)."""
-        return bool(self._demand) or bool(self._prefetch) and not (self.yield_ahead and self._demand_reading)
+        return bool(self._demand) or (bool(self._prefetch) and not self._demand_reading)
 
     def done(self, job: ReadJob) -> None:
         """A chunk `get` handed out was read: once no demand chunk is being read, prefetch chunks
         go out again."""
-        if job.order.prefetch:
+        if job.order.prefetch or not self.yield_ahead:
             return
         with self._cv:
             self._demand_reading -= 1
@@ -285,7 +285,7 @@ class LoaderProcess(WorkerProcess):
         self.done_pull = make_socket(self.ctx, zmq.PULL)
         self.done_pull.bind("inproc://loader-done")
         self.poller.register(self.done_pull, zmq.POLLIN)
-        self.orders = ReadQueue(yield_ahead=self.config.bench.ahead_piece_bytes > 0)
+        self.orders = ReadQueue()
         self.loader: Loader | None = None
         self.threads: list[threading.Thread] = []
         self.handlers = {self.data: self.on_order, self.done_pull: self.on_done}
@@ -294,7 +294,8 @@ class LoaderProcess(WorkerProcess):
         cfg = self.config.loader
         self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg.verify_checksums,
                              chunk_bytes=int(self.config.bench.chunk_bytes),
-                             ahead_piece_bytes=int(self.config.bench.ahead_piece_bytes))
+                             ahead_piece_bytes=self.config.bench.ahead_piece_bytes)
+        self.orders.yield_ahead = self.loader.ahead_piece_bytes > 0  # before any read is queued
         for _ in range(cfg.threads):
             t = threading.Thread(target=self.read_loop, daemon=True)
             t.start()
