@@ -9,7 +9,8 @@ alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same w
 (no gate lookahead, hints or leases); `partial-lf` launch first (`bench.launch_first`);
 `partial-d8` launch first, 8 layers unchecked; `partial-dev` streaming pools in device memory
 (`bench.device_pools`); `partial-layer` each layer run ahead launched as built and checked at the next
-(`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the default). Each variant runs once per round, in turn, after one warm-up
+(`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the default);
+`partial-gpu` the GPU's pass structure on any backend (run ahead, early fills). Each variant runs once per round, in turn, after one warm-up
 generation; prints ms per decode token per round and the median, the tokens' agreement with the
 first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
 TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
@@ -117,7 +118,8 @@ def main() -> None:
              "partial-lf": (slots, "auto", False, {"launch_first": True}),
              "partial-d8": (slots, "auto", False, {"launch_first": True, "ahead_depth": 8}),
              "partial-dev": (slots, "auto", False, {"device_pools": True}),
-             "partial-layer": (slots, "auto", False, {"ahead_launch": "layer"})}
+             "partial-layer": (slots, "auto", False, {"ahead_launch": "layer"}),
+             "partial-gpu": (slots, "auto", False, {"run_ahead": True, "early_fills": True})}
     timing = Timing() if os.environ.get("TIMING") or os.environ.get("NODES") else None
     if os.environ.get("NODES"):
         timing.count_nodes()
