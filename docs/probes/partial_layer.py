@@ -10,7 +10,9 @@ alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same w
 `partial-d8` launch first, 8 layers unchecked; `partial-dev` streaming pools in device memory
 (`bench.device_pools`); `partial-layer` each layer run ahead launched as built and checked at the next
 (`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the default);
-`partial-gpu` the GPU's pass structure on any backend (run ahead, early fills). Each variant runs once per round, in turn, after one warm-up
+`partial-gpu` the GPU's pass structure on any backend (run ahead, early fills); `resident-launch1`
+every expert resident with each MoE layer launched as built, `resident-launch2` with one launch
+mid-pass (the same kernels in more launches: what a launch costs the host). Each variant runs once per round, in turn, after one warm-up
 generation; prints ms per decode token per round and the median, the tokens' agreement with the
 first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
 TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
@@ -100,6 +102,23 @@ def make(store: Store, slots: int, prefetch: str, force_sync: bool, bench: dict 
     return comp
 
 
+def launch_after(comp: Compute, store: Store, name: str) -> None:
+    """`resident-launch1`: every expert resident, each MoE layer's output launched (mx.async_eval)
+    as soon as it is built; `resident-launch2`: only the middle layer's. The same kernels as
+    `resident`, in more launches: what a launch of its own costs the host on this backend."""
+    import mlx.core as mx
+    moe = list(store.moe_layers)
+    at = set(moe) if name == "resident-launch1" else {moe[len(moe) // 2 - 1]}
+    plain = comp.experts._all_resident
+
+    def launched(layer, x, inds, ids):
+        y = plain(layer, x, inds, ids)
+        if layer in at:
+            mx.async_eval(y)
+        return y
+    comp.experts._all_resident = launched
+
+
 def generate(comp: Compute, n: int, prompt=PROMPT):
     t0 = time.perf_counter()
     done = comp.generate(M.Generate(id=1, token_ids=list(prompt), max_tokens=n, stream=False))
@@ -119,11 +138,15 @@ def main() -> None:
              "partial-d8": (slots, "auto", False, {"launch_first": True, "ahead_depth": 8}),
              "partial-dev": (slots, "auto", False, {"device_pools": True}),
              "partial-layer": (slots, "auto", False, {"ahead_launch": "layer"}),
-             "partial-gpu": (slots, "auto", False, {"run_ahead": True, "early_fills": True})}
+             "partial-gpu": (slots, "auto", False, {"run_ahead": True, "early_fills": True}),
+             "resident-launch1": (all_slots, "auto", False), "resident-launch2": (all_slots, "auto", False)}
     timing = Timing() if os.environ.get("TIMING") or os.environ.get("NODES") else None
     if os.environ.get("NODES"):
         timing.count_nodes()
     comps = {name: make(store, *specs[name]) for name in names}
+    for name, comp in comps.items():
+        if name.startswith("resident-launch"):
+            launch_after(comp, store, name)
     for comp in comps.values():
         generate(comp, 4)  # warm-up: kernels, buffers
     if timing:
