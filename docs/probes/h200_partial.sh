@@ -194,11 +194,6 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-split,deltafin-split2,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-split,mlx-lm ;;
-  splitcost)  # where a split launch's time goes in one process (TIMING): the defaults against ahead_split 4, at 50% and 25%
-    for slots in 128 64; do
-      TIMING=1 python3 docs/probes/partial_layer.py /tmp/store $slots 64 2 partial,partial-split > "$out/splitcost-$slots.txt" 2>&1
-      echo "slots $slots"; grep "host ms\|median" "$out/splitcost-$slots.txt"
-    done ;;
   launches)  # what a launch of its own costs the host: all resident, one launch per token against one per MoE layer and two
     TIMING=1 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 resident,resident-launch1,resident-launch2 \
       > "$out/launches.txt" 2>&1

@@ -12,8 +12,7 @@ alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same w
 (`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the default);
 `partial-gpu` the GPU's pass structure on any backend (run ahead, early fills); `resident-launch1`
 every expert resident with each MoE layer launched as built, `resident-launch2` with one launch
-mid-pass (the same kernels in more launches: what a launch costs the host); `partial-split` the
-defaults with `bench.ahead_split` 4. Each variant runs once per round, in turn, after one warm-up
+mid-pass (the same kernels in more launches: what a launch costs the host). Each variant runs once per round, in turn, after one warm-up
 generation; prints ms per decode token per round and the median, the tokens' agreement with the
 first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
 TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
@@ -140,7 +139,6 @@ def main() -> None:
              "partial-dev": (slots, "auto", False, {"device_pools": True}),
              "partial-layer": (slots, "auto", False, {"ahead_launch": "layer"}),
              "partial-gpu": (slots, "auto", False, {"run_ahead": True, "early_fills": True}),
-             "partial-split": (slots, "auto", False, {"ahead_split": 4}),
              "resident-launch1": (all_slots, "auto", False), "resident-launch2": (all_slots, "auto", False)}
     timing = Timing() if os.environ.get("TIMING") or os.environ.get("NODES") else None
     if os.environ.get("NODES"):
