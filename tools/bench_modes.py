@@ -40,7 +40,6 @@ DELTAFIN_MODES = {
     "deltafin-early-passes": [],  # a streaming pass launched before the last token is read (the default since stop 51; kept for earlier commands)
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-split": [],  # the default with a pass run ahead launched in two (after 4 layers built, bench.ahead_split)
-    "deltafin-split2": [],  # ... launched every 2 layers built
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
@@ -72,7 +71,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
     "deltafin-split": {"bench": {"ahead_split": 4}},
-    "deltafin-split2": {"bench": {"ahead_split": 2}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

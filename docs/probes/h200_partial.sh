@@ -34,7 +34,6 @@
 #   bash docs/probes/h200_partial.sh stop52   # on an H200: close28a, then the 25% bench; elsewhere the open settings spin_ms and leases at 25%
 #   bash docs/probes/h200_partial.sh stop53   # any GPU: close28a with the defaults (spin_ms "auto"), then 25% (3 rounds) and 50% (2) beside mlx-lm
 #   bash docs/probes/h200_partial.sh stop54   # CUDA graphs on while streaming (deltafin-cuda-graphs) beside the defaults at 25% (3) and 50% (2)
-#   bash docs/probes/h200_partial.sh split54  # a pass run ahead launched in parts (deltafin-split: 4 layers, deltafin-split2: 2) beside the defaults, 25% and 50%
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -190,10 +189,6 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-cuda-graphs,mlx-lm ;;
-  split54)  # bench.ahead_split 4 and 2 beside the defaults at 25% (3 rounds), 4 at 50% (2): every run's tokens against mlx-lm's
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 330 bash "$0" bench 0.25 3 deltafin,deltafin-split,deltafin-split2,mlx-lm
-    timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-split,mlx-lm ;;
   launches)  # what a launch of its own costs the host: all resident, one launch per token against one per MoE layer and two
     TIMING=1 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 resident,resident-launch1,resident-launch2 \
       > "$out/launches.txt" 2>&1
