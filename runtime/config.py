@@ -149,7 +149,6 @@ class BenchConfig:
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
-    ahead_split: int = 0  # running ahead a pass at once: launched after this many layers built unlaunched (0: at its end)
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
     # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
     spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})
@@ -273,8 +272,6 @@ class Config:
             raise ConfigError("loader.threads must be within 1..64")
         if self.bench.chunk_bytes < 0:
             raise ConfigError("bench.chunk_bytes must be >= 0 (0: each record in one read)")
-        if self.bench.ahead_split < 0:
-            raise ConfigError("bench.ahead_split must be >= 0 (0: a pass run ahead launched at its end)")
         if self.bench.ahead_piece_bytes < 0:
             raise ConfigError("bench.ahead_piece_bytes must be >= 0 (0: ahead reads as demand reads are)")
         if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:

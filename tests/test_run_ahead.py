@@ -29,7 +29,7 @@ def store(tmp_path_factory) -> Store:
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
             depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto",
-            foresight: bool = True, check_each: bool = False, split: int = 0):
+            foresight: bool = True, check_each: bool = False):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -41,7 +41,6 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["device_copies"] = copies
     cfg["bench"]["foresight"] = foresight
     cfg["bench"]["check_each"] = check_each
-    cfg["bench"]["ahead_split"] = split
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
@@ -56,20 +55,18 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
         loader.close()
 
 
-@pytest.mark.parametrize("launch_first,depth,launch,split", [
-    (False, 1, "layer", 0), (True, 1, "layer", 0), (False, 2, "layer", 0), (True, 4, "layer", 0),
-    (False, 1, "pass", 0), (False, 1, "pass", 1), (False, 1, "pass", 2)])
-def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, launch_first, depth, launch, split):
+@pytest.mark.parametrize("launch_first,depth,launch", [(False, 1, "layer"), (True, 1, "layer"), (False, 2, "layer"),
+                                                      (True, 4, "layer"), (False, 1, "pass")])
+def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, launch_first, depth, launch):
     """launch_first: a layer is launched before the layers that ran ahead before it are checked
     (a miss then forgets the layers launched on its output), or after (the default); depth: how
     many stay unchecked after a layer's step (4: every layer of this model, checked at the pass's
-    end); launch "pass": nothing launched per layer, every layer checked at the pass's end (split:
-    what is built launched every this many layers run ahead, checked at the end still)."""
+    end); launch "pass": nothing launched per layer, every layer checked at the pass's end."""
     ref, _ = _decode(store, len(store.records), run_ahead=True)  # all resident: nothing runs ahead
     kept = missed = forgotten = 0
     for n_slots in (4, 8, 16):  # 2, 4 and 8 of a layer's 8 experts (one group of 4 layers)
         got, counters = _decode(store, n_slots, run_ahead=True, launch_first=launch_first, depth=depth,
-                                launch=launch, split=split)
+                                launch=launch)
         for s, (a, b) in enumerate(zip(ref, got)):
             assert np.array_equal(a, b), (n_slots, s, float(np.abs(a - b).max()))
         ran, miss = counters.get("ran_ahead"), counters.get("ahead_missed")
@@ -77,7 +74,6 @@ def test_a_layer_kept_or_computed_again_gives_the_all_resident_logits(store, lau
         kept += ran - miss
         missed += miss
         forgotten += counters.get("ahead_forgotten")
-        assert (counters.get("split_launches") > 0) == bool(split)
     # both ways were taken: layers kept as computed ahead and layers computed again after a rewind
     assert kept > 0 and missed > 0, (kept, missed)
     # checked before the next is launched, no layer ever runs on a missed one's output

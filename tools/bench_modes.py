@@ -39,7 +39,6 @@ DELTAFIN_MODES = {
     "deltafin-no-foresight": [],  # the default with a run-ahead miss foretelling nothing of the layers after it
     "deltafin-early-passes": [],  # a streaming pass launched before the last token is read (the default since stop 51; kept for earlier commands)
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
-    "deltafin-split": [],  # the default with a pass run ahead launched in two (after 4 layers built, bench.ahead_split)
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
@@ -70,7 +69,6 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-early-passes": {"bench": {"early_passes": True}},
     "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
-    "deltafin-split": {"bench": {"ahead_split": 4}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

@@ -84,7 +84,6 @@ class Pipeline:
     foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
-    ahead_split: int = 0  # running ahead a pass at once: launched every this many layers built (bench.ahead_split)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -99,8 +98,7 @@ class Pipeline:
                     cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""),  # as use_cuda_graphs left it
                     fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                     ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
-                    foresight=bench.foresight, early_passes=bench.early_passes, check_each=bench.check_each,
-                    ahead_split=bench.ahead_split)
+                    foresight=bench.foresight, early_passes=bench.early_passes, check_each=bench.check_each)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, run_ahead=False, **same)

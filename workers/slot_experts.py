@@ -86,7 +86,6 @@ class SlotExperts(ExpertProvider):
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
         self._unforeseen: list[dict] = []  # check_each: layers a miss forgot, their routing not read back yet
-        self._unlaunched = 0  # layers run ahead since the pass's last launch or read-back (ahead_split)
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -443,7 +442,7 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._ahead, self._redo, self._unlaunched = [], None, 0
+        self._ahead, self._redo = [], None
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
@@ -496,10 +495,9 @@ class SlotExperts(ExpertProvider):
         routing back: the device table sends a missing expert's rows to slot 0 (`ahead_table`).
         Launched at once (its ids with it), so the device computes it while the host checks the
         one that ran ahead before it and builds the next layer; with `ahead_launch` "pass" left to
-        the pass's end, launched and checked with the rest of the pass (with `ahead_split` N, what
-        is built is launched once N layers have run ahead unlaunched, and checked at the end
-        still). Where every chosen expert was resident this is the call `_one_need` makes, bit for
-        bit: the same slots, the same rows, the same kernel."""
+        the pass's end, launched and checked with the rest of the pass. Where every chosen
+        expert was resident this is the call `_one_need` makes, bit for bit: the same slots, the
+        same rows, the same kernel."""
         self.take_fills(layer, [])
         tier = self.tier
         table, where = tier.ahead_table(layer)
@@ -507,12 +505,6 @@ class SlotExperts(ExpertProvider):
         look, self._look = self._look, None
         if self.pipe.ahead_launch != "pass":  # else launched with the pass's end
             mx.async_eval(y, *(() if look is None else (look[1],)))
-        elif self.pipe.ahead_split:  # or in parts: the device computes these while the rest is built
-            self._unlaunched += 1
-            if self._unlaunched >= self.pipe.ahead_split:
-                mx.async_eval(y)
-                self._unlaunched = 0
-                self.counters.add("split_launches")
         self._ahead.append({"layer": layer, "ids": ids, "where": where, "look": look})
         self.counters.add("ran_ahead")
         return self._reads_pools(y, layer)
@@ -674,7 +666,6 @@ class SlotExperts(ExpertProvider):
         self._hint_with(ids)  # before the need: the router prefetches after answering it
         flat = self._host(ids).reshape(-1, ids.shape[-1])
         self._done_below(layer)
-        self._unlaunched = 0  # everything built before these ids was evaluated with them
         return flat
 
     def _hint_with(self, ids) -> None:
