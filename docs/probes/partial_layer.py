@@ -19,7 +19,7 @@ TIMING=1 the host's time inside MLX's evaluations is split per decode token: `as
 and launching kernels), `eval` (launch and wait) and the routing's read-backs (`_host`: the wait for
 the device), beside the rest of the host's time. With NODES=1 (instead: it slows the host) each
 variant's graphs launched per decode token are counted by primitive (`mx.export_to_dot` of what
-each `async_eval` launches: on a GPU the fused kernels show as one node each).
+each `async_eval` and `eval` launches: on a GPU the fused kernels show as one node each).
 """
 from __future__ import annotations
 
@@ -64,20 +64,24 @@ class Timing:
         return timed
 
     def count_nodes(self) -> None:
-        """Counts the primitives of the graphs each async_eval launches (export_to_dot)."""
+        """Counts the primitives of the graphs each async_eval and eval launches (export_to_dot)."""
         import io
         import re
         import mlx.core as mx
         self.nodes: dict = {}
-        launch = mx.async_eval
 
-        def counted(*arrays, **kw):
-            dot = io.StringIO()
-            mx.export_to_dot(dot, *[a for a in arrays if isinstance(a, mx.array)])
-            for label in re.findall(r'label ="(\w+)", shape=rectangle', dot.getvalue()):
-                self.nodes[label] = self.nodes.get(label, 0) + 1
-            return launch(*arrays, **kw)
-        mx.async_eval = counted
+        def counting(launch):
+            def counted(*arrays, **kw):
+                flat = [a for a in arrays if isinstance(a, mx.array)]
+                flat += [a for x in arrays if isinstance(x, (list, tuple)) for a in x if isinstance(a, mx.array)]
+                dot = io.StringIO()
+                if flat:
+                    mx.export_to_dot(dot, *flat)
+                for label in re.findall(r'label ="(\w+)", shape=rectangle', dot.getvalue()):
+                    self.nodes[label] = self.nodes.get(label, 0) + 1
+                return launch(*arrays, **kw)
+            return counted
+        mx.async_eval, mx.eval = counting(mx.async_eval), counting(mx.eval)
 
     def take_nodes(self) -> dict:
         nodes, self.nodes = self.nodes, {}
