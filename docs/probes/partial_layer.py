@@ -5,21 +5,22 @@ the router and loader wired in-process (tools/inprocess.py), greedy decode, alte
 
 Variants (comma-separated, default all): `resident` every expert resident (no read-back); `sync`
 every expert resident but each MoE layer's routing read back (force_sync: the cost of the syncs
-alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same without prefetch
-(no gate lookahead, hints or leases); `partial-lf` launch first (`bench.launch_first`);
-`partial-d8` launch first, 8 layers unchecked; `partial-dev` streaming pools in device memory
-(`bench.device_pools`); `partial-layer` each layer run ahead launched as built and checked at the next
-(`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the default);
-`partial-gpu` the GPU's pass structure on any backend (run ahead, early fills); `resident-launch1`
-every expert resident with each MoE layer launched as built, `resident-launch2` with one launch
-mid-pass (the same kernels in more launches: what a launch costs the host). Each variant runs once per round, in turn, after one warm-up
-generation; prints ms per decode token per round and the median, the tokens' agreement with the
-first variant's, and with PROFILE=NAME the top of a cProfile of variant NAME's last run. With
-TIMING=1 the host's time inside MLX's evaluations is split per decode token: `async_eval` (building
-and launching kernels), `eval` (launch and wait) and the routing's read-backs (`_host`: the wait for
-the device), beside the rest of the host's time. With NODES=1 (instead: it slows the host) each
-variant's graphs launched per decode token are counted by primitive (`mx.export_to_dot` of what
-each `async_eval` and `eval` launches: on a GPU the fused kernels show as one node each).
+alone); `partial` SLOTS slots, the runtime's defaults; `partial-nopf` the same without prefetch (no
+gate lookahead, hints or leases); `partial-lf` launch first (`bench.launch_first`); `partial-d8`
+launch first, 8 layers unchecked; `partial-dev` streaming pools in device memory
+(`bench.device_pools`); `partial-layer` each layer run ahead launched as built and checked at the
+next (`bench.ahead_launch = "layer"`; `partial` launches and checks them once per pass, the
+default); `partial-gpu` the GPU's pass structure on any backend (run ahead, early fills);
+`resident-launch1` every expert resident with each MoE layer launched as built, `resident-launch2`
+with one launch mid-pass (the same kernels in more launches: what a launch costs the host). Each
+variant runs once per round, in turn, after one warm-up generation; prints ms per decode token per
+round and the median, the tokens' agreement with the first variant's, and with PROFILE=NAME the top
+of a cProfile of variant NAME's last run. With TIMING=1 the host's time inside MLX's evaluations is
+split per decode token: `async_eval` (building and launching kernels), `eval` (launch and wait) and
+the routing's read-backs (`_host`: the wait for the device), beside the rest of the host's time.
+With NODES=1 (instead: it slows the host) each variant's graphs launched per decode token are
+counted by primitive (`mx.export_to_dot` of what each `async_eval` and `eval` launches: on a GPU the
+fused kernels show as one node each).
 """
 from __future__ import annotations
 
