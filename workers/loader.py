@@ -239,7 +239,8 @@ class ReadQueue:
             if self._closed or not self._ready():
                 return None
             if self._demand:
-                self._demand_reading += self.yield_ahead  # counted only where ahead chunks wait for it
+                if self.yield_ahead:  # counted only where ahead chunks wait for it
+                    self._demand_reading += 1
                 return self._demand.popleft()
             return self._prefetch.popleft()
 

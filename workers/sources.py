@@ -139,9 +139,9 @@ class RouterClient:
 
     takes_leases = True
 
-    def __init__(self, sock, timeout_s: float, alive, spin_s: float = 0.0):
+    def __init__(self, sock, timeout_s: float, alive):
         self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
-        self.spin_s = spin_s  # polled without sleeping first, in a need's wait (bench.spin_ms)
+        self.spin_s = 0.0  # polled without sleeping first, in a need's wait (bench.spin_ms, set at attach)
         self.messages = Counter()
         self.stash: deque = deque()  # messages `poll` read that only a need handles
 
