@@ -34,6 +34,7 @@
 #   bash docs/probes/h200_partial.sh stop52   # on an H200: close28a, then the 25% bench; elsewhere the open settings spin_ms and leases at 25%
 #   bash docs/probes/h200_partial.sh stop53   # any GPU: close28a with the defaults (spin_ms "auto"), then 25% (3 rounds) and 50% (2) beside mlx-lm
 #   bash docs/probes/h200_partial.sh stop54   # CUDA graphs on while streaming (deltafin-cuda-graphs) beside the defaults at 25% (3) and 50% (2)
+#   bash docs/probes/h200_partial.sh nodisk   # the store on tmpfs beside it on disk at 25% (bench x2 alternating), then the split per token from tmpfs
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -189,6 +190,20 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-cuda-graphs,mlx-lm ;;
+  nodisk)  # the disk taken out: the store copied to tmpfs (its reads memory copies) beside it on disk, 25%, benches alternating; then the split per token from tmpfs
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
+    for r in 1 2; do
+      for s in /tmp/store /dev/shm/store; do
+        f="$out/nodisk-$r-$(echo "$s" | cut -d/ -f2).txt"
+        timeout 150 python3 -m deltafin.tools.bench --store "$s" --trace none --regimes real --memory-budget 4GiB \
+          --cache-frac 0.25 --dtype auto --contenders deltafin --rounds 2 --prompt-tokens 9 --max-tokens 64 > "$f" 2>&1
+        echo "$s round $r"; grep "disk:\|tok/s$\|^bound\|^deltafin " "$f"
+      done
+    done
+    timeout 120 python3 docs/probes/real_split.py /dev/shm/store 2 "mem:run_ahead = true:0.25" -v > "$out/nodisk-split.txt" 2>&1
+    grep "^r\|all same" "$out/nodisk-split.txt" | cut -c1-400
+    rm -rf /dev/shm/store ;;
   launches)  # what a launch of its own costs the host: all resident, one launch per token against one per MoE layer and two
     TIMING=1 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 resident,resident-launch1,resident-launch2 \
       > "$out/launches.txt" 2>&1
