@@ -548,7 +548,8 @@ def _prepare(a, preset: dict, out: Path) -> tuple[dict, dict]:
     log(f"probing direct reads of {format_size(store.max_record_bytes)} records at queue depth {qd}")
     disk = probe_disk(store.path, store.max_record_bytes, qd, seconds=5.0 if a.probe_disk else 2.0)
     gbps = disk["gbps"]
-    log(f"disk: {gbps:.2f} GB/s direct reads ({disk.get('page_cache')})")
+    how = "direct reads" if disk.get("direct_io", True) else "buffered reads: the filesystem refuses O_DIRECT"
+    log(f"disk: {gbps:.2f} GB/s {how} ({disk.get('page_cache')})")
 
     history = None if a.history == "none" else Path(a.history) if a.history else (
         trace_path.with_name(trace_path.name.replace("-test", "-train")) if trace_path and "-test" in trace_path.name else None)
