@@ -352,6 +352,17 @@ def test_openai_streams_equal_their_final_text_for_random_stops(tiny_stores):
             assert streamed == plain.choices[0].message.content, (prompt, stop)
 
 
+def test_prefill_progress_is_one_line_on_a_terminal_and_a_line_per_step_in_a_log():
+    from deltafin.tools.run import progress_line
+    p0 = [{"done": 0, "total": 41, "tok_s": None}]
+    p1 = [{"done": 32, "total": 41, "cached": 8, "tok_s": 7.5}]
+    assert progress_line(p0, None, tty=True).startswith("\rprefill 0/41 tokens")
+    assert progress_line(p0, [0], tty=True).startswith("\r")  # redrawn in place
+    assert progress_line(p0, None, tty=False) == "prefill 0/41 tokens, –\n"
+    assert progress_line(p0, [0], tty=False) is None  # nothing moved: no repeat in a log
+    assert progress_line(p1, [0], tty=False) == "prefill 32/41 tokens (8 cached), 7.5 tok/s\n"
+
+
 # -- monitor and replay ---------------------------------------------------------------------------
 def test_replay_defaults_to_the_runtimes_policy_and_shows_progress(tmp_path, capsys):
     import json

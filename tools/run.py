@@ -115,31 +115,49 @@ def format_split(gen_stats: dict) -> str:
             + (f"; time to first token {ttft:.3f} s" if ttft is not None else ""))
 
 
+def progress_line(progress: list, last: list | None, tty: bool) -> str | None:
+    """What PrefillProgress writes for an update: on a terminal the line again after a carriage
+    return; elsewhere (a log, a pipe) a line of its own, only where the tokens done moved since
+    the last update (`last`), so a log holds one line per step and no run of repeats."""
+    from deltafin.tools.monitor import prefill_text
+    if tty:
+        return f"\rprefill {prefill_text(progress)}   "
+    if last == [p["done"] for p in progress]:
+        return None
+    return f"prefill {prefill_text(progress)}\n"
+
+
 class PrefillProgress:
-    """While a prompt is prefilled: its progress (tokens done / total, rate) on `out`, one
-    carriage-returned line, from the metrics stream of the runtime serving `endpoint` (a client
-    endpoint: telemetry.metrics_endpoint finds the stream). `stop()` ends it (the first piece
-    arrived) and ends the line where one was written."""
+    """While a prompt is prefilled: its progress (tokens done / total, rate) on `out` (on a
+    terminal one carriage-returned line, elsewhere a line per step: `progress_line`), from the
+    metrics stream of the runtime serving `endpoint` (a client endpoint: telemetry.metrics_endpoint
+    finds the stream). `stop()` ends it (the first piece arrived) and ends the line where one was
+    written."""
 
     def __init__(self, endpoint: str, out=sys.stderr, interval: float = 0.2):
         self.endpoint, self.out, self.interval = endpoint, out, interval
         self.shown = 0
+        self.last: list | None = None  # the prompts' tokens done at the last update
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefill-progress", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         from deltafin.runtime.telemetry import metrics_endpoint
-        from deltafin.tools.monitor import Feed, prefill_text
+        from deltafin.tools.monitor import Feed
         feed = Feed(metrics_endpoint(self.endpoint))
+        tty = bool(getattr(self.out, "isatty", lambda: False)())
         try:
             while not self._stop.wait(self.interval):
                 snaps = feed.poll()
                 progress = snaps[-1].get("prefill") if snaps else None
                 if progress and not self._stop.is_set():
-                    self.out.write(f"\rprefill {prefill_text(progress)}   ")
-                    self.out.flush()
-                    self.shown += 1
+                    line = progress_line(progress, self.last, tty)
+                    self.last = [p["done"] for p in progress]
+                    if line:
+                        self.out.write(line)
+                        self.out.flush()
+                        self.shown += tty
         finally:
             feed.close()
 
