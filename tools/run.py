@@ -137,7 +137,6 @@ class PrefillProgress:
     def __init__(self, endpoint: str, out=sys.stderr, interval: float = 0.2):
         self.endpoint, self.out, self.interval = endpoint, out, interval
         self.shown = 0
-        self.last: list | None = None  # the prompts' tokens done at the last update
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefill-progress", daemon=True)
         self._thread.start()
@@ -147,17 +146,19 @@ class PrefillProgress:
         from deltafin.tools.monitor import Feed
         feed = Feed(metrics_endpoint(self.endpoint))
         tty = bool(getattr(self.out, "isatty", lambda: False)())
+        last = None  # the prompts' tokens done at the last update
         try:
             while not self._stop.wait(self.interval):
                 snaps = feed.poll()
                 progress = snaps[-1].get("prefill") if snaps else None
                 if progress and not self._stop.is_set():
-                    line = progress_line(progress, self.last, tty)
-                    self.last = [p["done"] for p in progress]
+                    line = progress_line(progress, last, tty)
+                    last = [p["done"] for p in progress]
                     if line:
                         self.out.write(line)
                         self.out.flush()
-                        self.shown += tty
+                        if tty:  # a carriage-returned line, ended by stop()
+                            self.shown += 1
         finally:
             feed.close()
 

@@ -195,7 +195,7 @@ case "${1:-split}" in
     rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
     for r in 1 2; do
       for s in /tmp/store /dev/shm/store; do
-        f="$out/nodisk-$r-$(echo "$s" | cut -d/ -f2).txt"
+        f="$out/nodisk-$r-$([ "$s" = /tmp/store ] && echo disk || echo tmpfs).txt"
         timeout 150 python3 -m deltafin.tools.bench --store "$s" --trace none --regimes real --memory-budget 4GiB \
           --cache-frac 0.25 --dtype auto --contenders deltafin --rounds 2 --prompt-tokens 9 --max-tokens 64 > "$f" 2>&1
         echo "$s round $r"; grep "disk:\|tok/s$\|^bound\|^deltafin " "$f"
