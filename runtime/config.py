@@ -5,6 +5,7 @@ Loaded and validated once, then passed explicitly; workers receive it as a plain
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +17,12 @@ import psutil
 from deltafin.runtime.cache import policy_names
 from deltafin.runtime.dtypes import FLOAT_DTYPES
 from deltafin.runtime.lossy import MODES as LOSSY_MODES
+
+
+def cache_dir() -> Path:
+    """Where deltafin keeps what it makes once (converted stores, the demo's, benchmark stores,
+    compiled kernels): $DELTAFIN_CACHE, else ~/.cache/deltafin."""
+    return Path(os.environ.get("DELTAFIN_CACHE") or Path.home() / ".cache" / "deltafin")
 
 
 class ConfigError(ValueError):
@@ -66,6 +73,7 @@ class RuntimeConfig:
     max_request_bytes: str = "16MiB"
     keys_dir: str = ""
     fork_server: bool = True
+    kernel_cache: str = ""  # runtime/kernelcache.py: "" the user's cache directory, "mlx" MLX's /tmp default
 
     @property
     def request_bytes(self) -> int:

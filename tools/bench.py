@@ -380,7 +380,7 @@ FULL = {"prompt_tokens": 16, "max_tokens": {"standin": 64, "real": 12}, "bound_t
 def resolve_store(a) -> Path:
     if a.store:
         return Path(a.store)
-    from deltafin.tools.demo_model import cache_dir
+    from deltafin.runtime.config import cache_dir
     from deltafin.tools.synth import bench as synth_bench
     name = a.preset + (f"-L{a.layers}" if a.layers else "")
     path = cache_dir() / "bench" / name

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from deltafin.runtime.cli import Help
-from deltafin.runtime.config import format_size
+from deltafin.runtime.config import cache_dir, format_size
 from deltafin.runtime.store import Store, StoreError
-from deltafin.tools.demo_model import build_demo_store, cache_dir
+from deltafin.tools.demo_model import build_demo_store
 from deltafin.tools.moefy import SHIPPED, SHIPPED_SHA256
 from deltafin.tools.run import run_once
 

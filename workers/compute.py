@@ -14,6 +14,7 @@ request at a time in step with rank 0 (workers/distributed.py).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.config import as_config
+from deltafin.runtime.kernelcache import ENV as KERNEL_CACHE_ENV
 from deltafin.runtime.sockets import send
 from deltafin.runtime.store import Store
 from deltafin.workers.common import WorkerProcess
@@ -222,7 +224,8 @@ class ComputeProcess(WorkerProcess):
             self.queue.finish(item)
 
     def stats(self):
-        out = {**self.compute.stats(), "queue": self.queue.stats()}
+        # where MLX CUDA keeps the kernels it compiles (runtime/kernelcache.py); None: MLX's default
+        out = {**self.compute.stats(), "queue": self.queue.stats(), "kernel_cache": os.environ.get(KERNEL_CACHE_ENV)}
         if self.dist is not None:
             e = self.compute.experts
             out["distributed"] = {**self.dist.info(), "exchanges": e.exchanges,

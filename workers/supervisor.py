@@ -39,6 +39,7 @@ from deltafin.runtime.benchmode import check_bench_config
 from deltafin.runtime.budget import BudgetError, BudgetPlan, fit_context, plan_budget
 from deltafin.runtime.config import ConfigError, format_size
 from deltafin.runtime.forkserver import ForkServer
+from deltafin.runtime.kernelcache import use_kernel_cache
 from deltafin.runtime.procmem import COW_RESERVE_SHARE, cow_shared, tree_memory, tree_total
 from deltafin.runtime.security import (CurveServer, KeyDir, SecurityError, check_endpoint,
                                        default_keys_dir, ipc_path, is_abstract, needs_curve)
@@ -578,6 +579,9 @@ def main(argv=None) -> int:
     try:
         check_http(a)
         config = run_config(a)
+        _, warning = use_kernel_cache(config.runtime.kernel_cache)  # before any worker is started
+        if warning:
+            log(warning)
         if config.runtime.fork_server:  # now, while this process has no thread and no socket
             forkserver = ForkServer.start(PRELOAD)
         rank = launch_rank() if config.distributed.enabled else None
