@@ -483,6 +483,19 @@ def test_a_lease_is_held_while_an_earlier_need_waits_and_released_at_its_layer()
     assert (1, 3) not in r.table.where and s["lease_wasted"] == 1 and s["lease_precision"] == 0.5
 
 
+def test_a_need_counts_the_experts_it_finds_read_ahead_but_not_in_yet():
+    """`misses_in_flight`: the experts a need waits for whose read a lease (or prefetch) had
+    started; a miss read on demand and a hit are not counted."""
+    r = Router(4, "lru", n_staging=8, moe_layers=[0, 1], n_experts=8)
+    reads = _sent(r.need(1, 1, [2, 3], lease=True), M.Read)     # no need waits: read at once
+    assert [(m.expert, m.prefetch) for m in reads] == [(2, True), (3, True)]
+    r.loaded(_loaded(reads[0]))                                  # 2 is in, 3 still loading
+    out = r.need(2, 1, [2, 3, 4])
+    assert [m.expert for m in _sent(out, M.Read)] == [4]         # 4 read on demand
+    s = r.stats()
+    assert s["misses_in_flight"] == 1 and (s["uses"], s["hits"]) == (3, 1)
+
+
 @pytest.mark.parametrize("cap", [None, 1])
 def test_reads_ahead_hold_at_most_their_cap_of_staging_slots(cap):
     """A lease's reads take at most `ahead_cap` staging slots at once (half the ring unless

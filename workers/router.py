@@ -210,6 +210,8 @@ class Router:
                 hits += 1
             else:
                 waiting.add(slot)
+                if not new and not prefetch:  # read ahead (a prefetch or lease), not in yet
+                    self.counters.add("misses_in_flight")
             slots.append([e, slot, gen])
         for slot, gen, e in fresh:  # the reads go out once every expert has its slot
             out += self._read(g, slot, gen, layer, e)

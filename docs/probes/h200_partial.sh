@@ -35,6 +35,7 @@
 #   bash docs/probes/h200_partial.sh stop53   # any GPU: close28a with the defaults (spin_ms "auto"), then 25% (3 rounds) and 50% (2) beside mlx-lm
 #   bash docs/probes/h200_partial.sh stop54   # CUDA graphs on while streaming (deltafin-cuda-graphs) beside the defaults at 25% (3) and 50% (2)
 #   bash docs/probes/h200_partial.sh nodisk   # the store on tmpfs beside it on disk at 25% (bench x2 alternating), then the split per token from tmpfs
+#   bash docs/probes/h200_partial.sh misses   # 25%: the misses a need found read ahead but not in yet (the rest never read ahead), disk then tmpfs
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -203,6 +204,16 @@ case "${1:-split}" in
     done
     timeout 120 python3 docs/probes/real_split.py /dev/shm/store 2 "mem:run_ahead = true:0.25" -v > "$out/nodisk-split.txt" 2>&1
     grep "^r\|all same" "$out/nodisk-split.txt" | cut -c1-400
+    rm -rf /dev/shm/store ;;
+  misses)  # where a 25% token's misses come from (the router's misses_in_flight: experts a need found read
+           # ahead but not in yet; the rest of the misses were never read ahead), from disk, then from tmpfs
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
+    for s in /tmp/store /dev/shm/store; do
+      f="$out/misses-$([ "$s" = /tmp/store ] && echo disk || echo tmpfs).txt"
+      timeout 150 python3 docs/probes/real_split.py "$s" 2 "x:run_ahead = true:0.25" -v > "$f" 2>&1
+      echo "$s"; grep -o "^r[0-9] x same=[A-Za-z]*\|decode_tok_s\": [0-9.]*\|'ahead_missed': [0-9]*, 'ahead_forgotten': [0-9]*\|\"hits\": [0-9]*, \"uses\": [0-9]*, \"misses_in_flight\": [0-9]*\|\"lease_reads\": [0-9]*, \"lease_used\": [0-9]*" "$f" | paste -sd' '
+    done
     rm -rf /dev/shm/store ;;
   launches)  # what a launch of its own costs the host: all resident, one launch per token against one per MoE layer and two
     TIMING=1 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 resident,resident-launch1,resident-launch2 \

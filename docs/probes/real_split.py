@@ -54,7 +54,7 @@ def main() -> None:
                   f"decode_ms_per_token={json.dumps(per_tok)} pipeline={pipe}", flush=True)
             if verbose:  # where a need's time goes outside compute: the router's stall, the loader's reads
                 rt, ld = workers.get("router", {}), workers.get("loader", {})
-                keep = ("hits", "uses", "prefetch_reads", "lease_reads", "lease_used", "stall", "handled")
+                keep = ("hits", "uses", "misses_in_flight", "prefetch_reads", "lease_reads", "lease_used", "stall", "handled")
                 print("   router", json.dumps({k: rt.get(k) for k in keep}), flush=True)
                 lat = {k: {m: v for m, v in (ld.get(k) or {}).items() if m != "hist"}
                        for k in ("read", "demand_read", "queue_wait")}
