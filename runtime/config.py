@@ -155,6 +155,7 @@ class BenchConfig:
     ahead_depth: int = 1  # layers that ran ahead left unchecked after a layer's step (1: one)
     ahead_launch: str = "pass"  # running ahead: the pass launched and checked at once, or each layer ("layer")
     foresight: bool = True  # running ahead: after a miss, the later layers' ids foretell their misses
+    ahead_waste: float = 1.0  # running ahead a pass at once: a layer whose miss share x layers after it reaches this reads back
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
@@ -274,6 +275,8 @@ class Config:
             raise ConfigError("bench.ahead_reads must be >= 0 (0: half the staging ring)")
         if self.bench.ahead_launch not in ("layer", "pass"):
             raise ConfigError(f"bench.ahead_launch must be \"layer\" or \"pass\", not {self.bench.ahead_launch!r}")
+        if not self.bench.ahead_waste > 0:
+            raise ConfigError("bench.ahead_waste must be > 0 (layers computed in vain a read-back is worth)")
         if self.bench.ahead_depth < 1:
             raise ConfigError("bench.ahead_depth must be >= 1 (layers that ran ahead left unchecked)")
         if not 1 <= self.loader.threads <= 64:

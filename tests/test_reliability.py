@@ -192,6 +192,7 @@ def test_a_temperature_below_the_floor_is_greedy():
     ("[runtime]\nrestart_window_s = nan\n", "runtime.restart_window_s must be a finite number"),
     ("[distributed]\ntimeout_s = inf\n", "distributed.timeout_s must be a finite number"),
     ("[bench]\nahead_depth = 0\n", "bench.ahead_depth must be >= 1"),
+    ("[bench]\nahead_waste = 0\n", "bench.ahead_waste must be > 0"),
     ("[bench]\nspin_ms = -1.0\n", "bench.spin_ms must be >= 0"),
     ("[bench]\nspin_ms = \"fast\"\n", "bench.spin_ms must be >= 0"),
     ("[bench]\nahead_reads = -1\n", "bench.ahead_reads must be >= 0"),

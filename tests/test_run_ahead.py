@@ -15,6 +15,7 @@ from deltafin.runtime.store import Store
 from conftest import greedy_alone  # noqa: E402
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+EVERY = 1e9  # bench.ahead_waste that runs every partial layer ahead
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def store(tmp_path_factory) -> Store:
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
             depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto",
-            foresight: bool = True, check_each: bool = False):
+            foresight: bool = True, check_each: bool = False, waste: float = 1.0):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -41,6 +42,7 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["device_copies"] = copies
     cfg["bench"]["foresight"] = foresight
     cfg["bench"]["check_each"] = check_each
+    cfg["bench"]["ahead_waste"] = waste
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
@@ -96,33 +98,30 @@ def test_driver_copies_in_one_process_give_the_all_resident_logits(store):
                 assert np.array_equal(a, b), (launch, n_slots, s, float(np.abs(a - b).max()))
 
 
-def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store, monkeypatch):
+def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store):
     """ahead_launch "pass": a miss found at the pass's end forgets every layer built after it, so a
-    layer whose miss share times the layers after it reaches AHEAD_PASS_WASTE reads back instead:
+    layer whose miss share times the layers after it reaches bench.ahead_waste reads back instead:
     fewer layers computed in vain than running every layer ahead, the same logits."""
-    from deltafin.workers import slot_experts
     ruled, counted = _decode(store, 8, run_ahead=True, launch="pass")
-    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
-    blind, blind_counted = _decode(store, 8, run_ahead=True, launch="pass")
+    blind, blind_counted = _decode(store, 8, run_ahead=True, launch="pass", waste=EVERY)
     assert all(np.array_equal(a, b) for a, b in zip(ruled, blind))
     assert counted.get("ahead_forgotten") < blind_counted.get("ahead_forgotten"), \
         (counted.get("ahead_forgotten"), blind_counted.get("ahead_forgotten"))
     assert counted.get("ran_ahead") < blind_counted.get("ran_ahead")
 
 
-def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store, monkeypatch):
+def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store):
     """bench.foresight: the layers a miss forgets chose their experts on a wrong input, mostly the
     right ones; where they chose a missing expert they read their routing back when computed
     again instead of running ahead into a second miss. Fewer misses found at the pass's end and
     fewer layers computed in vain than without it, the all-resident logits either way."""
-    from deltafin.workers import slot_experts
-    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
     ref, _ = _decode(store, len(store.records), run_ahead=True)
     totals = {}
     for foresight in (True, False):
         seen = totals[foresight] = {"foreseen": 0, "ahead_missed": 0, "ahead_forgotten": 0}
         for n_slots in (4, 8):
-            got, counters = _decode(store, n_slots, run_ahead=True, launch="pass", foresight=foresight)
+            got, counters = _decode(store, n_slots, run_ahead=True, launch="pass", foresight=foresight,
+                                    waste=EVERY)
             for s, (a, b) in enumerate(zip(ref, got)):
                 assert np.array_equal(a, b), (foresight, n_slots, s, float(np.abs(a - b).max()))
             for k in seen:
@@ -132,7 +131,8 @@ def test_a_miss_foretells_the_misses_of_the_layers_built_after_it(store, monkeyp
     assert totals[True]["ahead_forgotten"] < totals[False]["ahead_forgotten"], totals
 
 
-def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperature: float = 0.0):
+def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperature: float = 0.0,
+            waste: float = EVERY):
     """Tokens through compute's scheduler (`Compute.generate`; greedy, or sampled with seed 7),
     each with its logprob and top 4, the pass run ahead at once, in-process; the scheduler's and
     the provider's counters."""
@@ -140,7 +140,7 @@ def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperatur
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
     cfg = Config().to_dict()
-    cfg["bench"].update(run_ahead=True, ahead_launch="pass", early_passes=early_passes)
+    cfg["bench"].update(run_ahead=True, ahead_launch="pass", early_passes=early_passes, ahead_waste=waste)
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
@@ -153,15 +153,13 @@ def _served(store, n_slots: int, early_passes: bool, steps: int = 24, temperatur
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, monkeypatch,
-                                                                                    temperature):
+def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logprobs(store, temperature):
     """bench.early_passes: where experts stream, the next token's pass is launched once this one's
     routing is checked, before its token is read (the fills the new pass asks for may overwrite
     slots this one's tail still reads: they settle it first). Every token and logprob (top 4)
     those of all resident, bit for bit, at 2 and 4 of a layer's 8 experts, greedy and sampled
-    (seeded), with misses found at the pass's end and layers computed again."""
-    from deltafin.workers import slot_experts
-    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
+    (seeded), with misses found at the pass's end and layers computed again (every layer run
+    ahead)."""
     ref, ref_lp, ref_stats, _ = _served(store, len(store.records), early_passes=False,
                                         temperature=temperature)
     assert ref_stats["early_steps"] > 0  # all resident: launched early anyway
@@ -175,19 +173,17 @@ def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logpr
 
 
 @pytest.mark.parametrize("launch", ["pass", "layer"])
-def test_layers_checked_one_by_one_give_the_all_resident_logits_and_foresee(store, monkeypatch, launch):
+def test_layers_checked_one_by_one_give_the_all_resident_logits_and_foresee(store, launch):
     """bench.check_each: the layers pending are launched apart and each checked once the device
     has it; after a miss the routing of the layers it forgot is read back once its need is out.
     Logits equal all resident, bit for bit, at 2 and 4 of a layer's 8 experts, with misses and
     experts foreseen (against what is resident once the miss's need is served, so not always
     those of checking them in one drain)."""
-    from deltafin.workers import slot_experts
-    monkeypatch.setattr(slot_experts, "AHEAD_PASS_WASTE", float("inf"))  # every layer runs ahead
     ref, _ = _decode(store, len(store.records), run_ahead=True)
     for n_slots in (4, 8):
         for each in (True, False):
             got, counters = _decode(store, n_slots, run_ahead=True, launch=launch, launch_first=True,
-                                    depth=8, check_each=each)
+                                    depth=8, check_each=each, waste=EVERY)
             for s, (a, b) in enumerate(zip(ref, got)):
                 assert np.array_equal(a, b), (each, n_slots, s, float(np.abs(a - b).max()))
             assert counters.get("ahead_missed") > 0 and counters.get("foreseen") > 0, (each, n_slots)

@@ -82,6 +82,7 @@ class Pipeline:
     ahead_depth: int = 1  # running ahead: layers left unchecked after a layer's step
     ahead_launch: str = "pass"  # running ahead: launched and checked once per pass, or "layer" (bench.ahead_launch)
     foresight: bool = True  # running ahead: a miss's later layers foretell theirs (bench.foresight)
+    ahead_waste: float = 1.0  # running ahead a pass at once: the read-back threshold (bench.ahead_waste)
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
@@ -98,7 +99,7 @@ class Pipeline:
                     cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""),  # as use_cuda_graphs left it
                     fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                     ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
-                    foresight=bench.foresight, early_passes=bench.early_passes, check_each=bench.check_each)
+                    foresight=bench.foresight, ahead_waste=float(bench.ahead_waste), early_passes=bench.early_passes, check_each=bench.check_each)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, run_ahead=False, **same)

@@ -49,10 +49,9 @@ from deltafin.workers.sources import ExpertSource, ExpertUnavailable
 AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
 # Where a pass's layers are launched and checked together (bench.ahead_launch = "pass"), a miss is
 # found at the pass's end and every MoE layer built after it is computed in vain: a layer runs
-# ahead while its decayed miss share times the layers after it stays under this, a read-back
-# costing about one layer computed again (the pass's first layer, whose experts no lookahead
-# foretold, misses most and so reads back).
-AHEAD_PASS_WASTE = 1.0
+# ahead while its decayed miss share times the layers after it stays under `bench.ahead_waste`
+# (default 1: a read-back costing about one layer computed again; the pass's first layer, whose
+# experts no lookahead foretold, misses most and so reads back).
 
 
 class SlotExperts(ExpertProvider):
@@ -464,7 +463,7 @@ class SlotExperts(ExpertProvider):
         odds = self._odds.get(layer, 1.0)
         if self.pipe.ahead_launch == "pass":
             after = len(self.store.moe_layers) - 1 - self.store.moe_layers.index(layer)
-            return (1.0 - odds) * after < AHEAD_PASS_WASTE
+            return (1.0 - odds) * after < self.pipe.ahead_waste
         return odds >= AHEAD_ODDS
 
     def _check_pending(self, keep: int = 0, also: tuple = ()) -> None:

@@ -36,6 +36,7 @@
 #   bash docs/probes/h200_partial.sh stop54   # CUDA graphs on while streaming (deltafin-cuda-graphs) beside the defaults at 25% (3) and 50% (2)
 #   bash docs/probes/h200_partial.sh nodisk   # the store on tmpfs beside it on disk at 25% (bench x2 alternating), then the split per token from tmpfs
 #   bash docs/probes/h200_partial.sh misses   # 25%: the misses a need found read ahead but not in yet (the rest never read ahead), disk then tmpfs
+#   bash docs/probes/h200_partial.sh waste [ROUNDS] # bench.ahead_waste 1, 0.5, 0.25, 0.1 alternating at 25% (real supervisors)
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -215,6 +216,12 @@ case "${1:-split}" in
       echo "$s"; grep -o "^r[0-9] x same=[A-Za-z]*\|decode_tok_s\": [0-9.]*\|'ahead_missed': [0-9]*, 'ahead_forgotten': [0-9]*\|\"hits\": [0-9]*, \"uses\": [0-9]*, \"misses_in_flight\": [0-9]*\|\"lease_reads\": [0-9]*, \"lease_used\": [0-9]*" "$f" | paste -sd' '
     done
     rm -rf /dev/shm/store ;;
+  waste)  # bench.ahead_waste swept at 25%, real supervisors alternating: a read-back mid-pass against the layers a miss forgets
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 560 python3 docs/probes/real_split.py /tmp/store ${2:-3} \
+      "w1:ahead_waste = 1.0:0.25,w05:ahead_waste = 0.5:0.25,w025:ahead_waste = 0.25:0.25,w01:ahead_waste = 0.1:0.25" -v > "$out/waste.txt" 2>&1
+    grep "^r" "$out/waste.txt" | grep -o "^r[0-9] [a-z0-9]* same=[A-Za-z]*\|decode_tok_s\": [0-9.]*\|\"total\": [0-9.]*\|'gate_syncs': [0-9]*, 'ran_ahead': [0-9]*, 'ahead_missed': [0-9]*, 'ahead_forgotten': [0-9]*" | paste -d' ' - - - -
+    grep "all same" "$out/waste.txt" ;;
   launches)  # what a launch of its own costs the host: all resident, one launch per token against one per MoE layer and two
     TIMING=1 python3 docs/probes/partial_layer.py /tmp/store 64 64 3 resident,resident-launch1,resident-launch2 \
       > "$out/launches.txt" 2>&1
