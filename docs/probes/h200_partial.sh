@@ -37,6 +37,7 @@
 #   bash docs/probes/h200_partial.sh nodisk   # the store on tmpfs beside it on disk at 25% (bench x2 alternating), then the split per token from tmpfs
 #   bash docs/probes/h200_partial.sh misses   # 25%: the misses a need found read ahead but not in yet (the rest never read ahead), disk then tmpfs
 #   bash docs/probes/h200_partial.sh waste [ROUNDS] # bench.ahead_waste 1, 0.5, 0.25, 0.1 alternating at 25% (real supervisors)
+#   bash docs/probes/h200_partial.sh profile2 # a warm-up supervisor, then every worker under cProfile at 25% (the .prof files under $OUT)
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -98,6 +99,12 @@ case "${1:-split}" in
       done
     done
     grep -h "^r" "$out"/profile-split-*.txt | cut -c1-400 ;;
+  profile2)  # one warm-up supervisor (compiles the kernels), then every worker under cProfile at 25%; the .prof files to $OUT
+    python3 docs/probes/real_split.py /tmp/store 1 "warm:run_ahead = true:0.25" > "$out/profile2-warm.txt" 2>&1
+    rm -rf /tmp/prof2
+    DELTAFIN_PROFILE_DIR=/tmp/prof2 python3 docs/probes/real_split.py /tmp/store 1 "x:run_ahead = true:0.25" -v > "$out/profile2-split.txt" 2>&1
+    cp /tmp/prof2/*.prof "$out/"
+    grep "^r" "$out/profile2-warm.txt" "$out/profile2-split.txt" | cut -c1-400 ;;
   inproc)
     PROFILE=partial python3 docs/probes/partial_layer.py /tmp/store 64 64 3 > "$out/inproc.txt" 2>&1
     grep "median\|differ" "$out/inproc.txt" ;;
