@@ -9,13 +9,14 @@ user's (`runtime.kernel_cache`), unless the variable is set already.
 
 The binaries are built for the GPU that compiled them (sm_90a on an H100) under names that do not
 say which, so the directory is keyed by host as well as by MLX version: a home directory shared
-by machines with different GPUs never hands one of them another's kernels. Metal and the CPU
-backend do not read the variable.
+by machines with different GPUs never hands one of them another's kernels. Only on Linux, where
+MLX CUDA runs: Metal and the CPU backend do not read the variable.
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -37,15 +38,16 @@ def default_dir() -> Path:
     return cache_dir() / "kernels" / (socket.gethostname() or "localhost") / f"mlx-{mlx_version()}"
 
 
-def use_kernel_cache(setting: str, environ=os.environ) -> tuple[str | None, str | None]:
+def use_kernel_cache(setting: str, environ=os.environ,
+                     platform: str = sys.platform) -> tuple[str | None, str | None]:
     """Sets `MLX_PTX_CACHE_DIR` in environ (the processes started after inherit it) from
     runtime.kernel_cache: "" the default directory, "mlx" MLX's own, else that directory. Returns
     (the directory in the variable, None where MLX chooses; a warning or None). A variable set
     already is the user's and stays; a directory that cannot be made or written leaves MLX's
-    default, with a warning."""
+    default, with a warning. Elsewhere than on Linux nothing is set (no MLX CUDA there)."""
     if environ.get(ENV):
         return environ[ENV], None
-    if setting == MLX_OWN:
+    if setting == MLX_OWN or not platform.startswith("linux"):
         return None, None
     path = Path(setting).expanduser() if setting else default_dir()
     try:

@@ -29,6 +29,8 @@ def test_a_set_variable_mlx_and_a_given_directory(tmp_path):
     assert env == {ENV: "/somewhere/of/mine"} and not (tmp_path / "x").exists()
     env = {}
     assert use_kernel_cache("mlx", env) == (None, None) and env == {}
+    assert use_kernel_cache(str(tmp_path / "y"), env, platform="darwin") == (None, None)  # no MLX CUDA
+    assert env == {} and not (tmp_path / "y").exists()
     given = tmp_path / "kernels"
     assert use_kernel_cache(str(given), env) == (str(given), None) and env[ENV] == str(given)
 
