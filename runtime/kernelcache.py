@@ -49,7 +49,7 @@ def use_kernel_cache(setting: str, environ=os.environ,
         return environ[ENV], None
     if setting == MLX_OWN or not platform.startswith("linux"):
         return None, None
-    path = Path(setting).expanduser() if setting else default_dir()
+    path = (Path(setting).expanduser() if setting else default_dir()).absolute()  # workers may change directory
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:

@@ -23,7 +23,7 @@ def test_the_default_is_the_users_cache_keyed_by_host_and_mlx_version(tmp_path, 
     assert mlx_version()[0].isdigit()
 
 
-def test_a_set_variable_mlx_and_a_given_directory(tmp_path):
+def test_a_set_variable_mlx_and_a_given_directory(tmp_path, monkeypatch):
     env = {ENV: "/somewhere/of/mine"}
     assert use_kernel_cache(str(tmp_path / "x"), env) == ("/somewhere/of/mine", None)
     assert env == {ENV: "/somewhere/of/mine"} and not (tmp_path / "x").exists()
@@ -33,6 +33,9 @@ def test_a_set_variable_mlx_and_a_given_directory(tmp_path):
     assert env == {} and not (tmp_path / "y").exists()
     given = tmp_path / "kernels"
     assert use_kernel_cache(str(given), env) == (str(given), None) and env[ENV] == str(given)
+    env = {}
+    monkeypatch.chdir(tmp_path)
+    assert use_kernel_cache("rel/k", env) == (str(tmp_path / "rel" / "k"), None)  # made absolute
 
 
 def test_a_directory_that_cannot_be_made_leaves_mlx_its_default_with_a_warning(tmp_path):
