@@ -99,7 +99,8 @@ class Pipeline:
                     cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV, ""),  # as use_cuda_graphs left it
                     fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                     ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
-                    foresight=bench.foresight, ahead_waste=float(bench.ahead_waste), early_passes=bench.early_passes, check_each=bench.check_each)
+                    foresight=bench.foresight, ahead_waste=float(bench.ahead_waste),
+                    early_passes=bench.early_passes, check_each=bench.check_each)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, run_ahead=False, **same)

@@ -47,11 +47,6 @@ from deltafin.workers.sources import ExpertSource, ExpertUnavailable
 # stays at this: a kept layer saves the device's wait for the host, a missed one computes again
 # and learns its misses one layer later (about as much), so it pays above one in two.
 AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
-# Where a pass's layers are launched and checked together (bench.ahead_launch = "pass"), a miss is
-# found at the pass's end and every MoE layer built after it is computed in vain: a layer runs
-# ahead while its decayed miss share times the layers after it stays under `bench.ahead_waste`
-# (default 1: a read-back costing about one layer computed again; the pass's first layer, whose
-# experts no lookahead foretold, misses most and so reads back).
 
 
 class SlotExperts(ExpertProvider):
@@ -457,7 +452,12 @@ class SlotExperts(ExpertProvider):
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
-        whose miss is foreseen (`_foresee`)."""
+        whose miss is foreseen (`_foresee`). Where a pass's layers are launched and checked
+        together (ahead_launch "pass"), a miss found at the pass's end makes every MoE layer
+        built after it computed in vain: the layer runs ahead while its decayed miss share times
+        the layers after it stays under `bench.ahead_waste` (1: a read-back worth about one layer
+        computed again, measured on an H100; the pass's first layer, whose experts no lookahead
+        foretold, misses most and so reads back)."""
         if layer in self._foreseen:
             return False
         odds = self._odds.get(layer, 1.0)
