@@ -86,7 +86,8 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
     """bfloat16: 25%, 50% and 100% of the experts resident, prefetch and leases on and off, and 25%
     twice, running ahead on and off (launched before or after the check, checked one or eight
     layers later, or launched and checked with the pass, or each layer as built, the next pass
-    launched before the token is read or not, checked one by one or in one drain), hints and uses folded
+    launched before the token is read or not, checked one by one or in one drain, the runner-ups
+    leased for the next token or not), hints and uses folded
     into needs or not, reads ahead capped at one or yielding to demand reads, CUDA graphs on and off:
     every run's greedy tokens equal mlx-lm's and each other's, whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
@@ -113,6 +114,9 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # ... and the layers pending checked one by one as the device has them
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": False}}),
             (0.25, {"bench": {"run_ahead": True, "check_each": True, "early_passes": True}}),
+            # ... and each partial layer's runner-up leased for the next token
+            (0.25, {"bench": {"run_ahead": True, "next_leases": True}}),
+            (0.5, {"bench": {"run_ahead": True, "next_leases": True}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
             # prefetch and lease reads in pieces, held back while a demand read is in flight
             (0.25, {"bench": {"ahead_piece_bytes": 16384}}),

@@ -284,3 +284,29 @@ def test_device_copies_setting_is_checked():
     from deltafin.runtime.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="bench.device_copies"):
         load_config(None, overrides={"bench.device_copies": "maybe"})
+
+
+def test_next_token_leases_are_read_used_and_change_no_token(store, tmp_path):
+    """bench.next_leases, real processes (leases need the router's process): at a pass's end each
+    partial layer's runner-up, where missing, is leased for the next token. At 8 of the 32
+    experts (2 of a layer's 8) some are read (the router's sure reads), some used by the passes
+    after, and every token equals that of all resident and of the same budget without them."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+
+    def run(n_slots: int, on: bool):
+        cfg = tmp_path / f"nl-{on}.toml"
+        cfg.write_text(f"[bench]\nrun_ahead = true\nnext_leases = {str(on).lower()}\n")
+        with running_supervisor(store.path, "4GiB", ["--config", str(cfg), "--max-slots", str(n_slots)]) as (ep, _):
+            with Client(ep, timeout=120) as c:
+                tokens = c.generate(PROMPT, max_tokens=32).token_ids
+                workers = c.stats()["workers"]
+        return tokens, workers["compute"]["pipeline"], workers["router"]
+
+    ref, _, _ = run(len(store.records), True)
+    plain, _, _ = run(8, False)
+    got, pipeline, router = run(8, True)
+    assert got == ref == plain
+    assert pipeline["resolved"]["next_leases"] is True
+    assert pipeline["next_leases"] > 0 and pipeline["next_used"] > 0, pipeline
+    assert router["foreseen_reads"] > 0, router

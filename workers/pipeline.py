@@ -85,6 +85,7 @@ class Pipeline:
     ahead_waste: float = 1.0  # running ahead a pass at once: the read-back threshold (bench.ahead_waste)
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
+    next_leases: bool = False  # running ahead: each partial layer's runner-up leased for the next token (bench.next_leases)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -100,7 +101,8 @@ class Pipeline:
                     fold_notes=bench.fold_notes, launch_first=bench.launch_first,
                     ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
                     foresight=bench.foresight, ahead_waste=float(bench.ahead_waste),
-                    early_passes=bench.early_passes, check_each=bench.check_each)
+                    early_passes=bench.early_passes, check_each=bench.check_each,
+                    next_leases=bench.next_leases)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, run_ahead=False, **same)

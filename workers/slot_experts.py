@@ -47,6 +47,12 @@ from deltafin.workers.sources import ExpertSource, ExpertUnavailable
 # stays at this: a kept layer saves the device's wait for the host, a missed one computes again
 # and learns its misses one layer later (about as much), so it pays above one in two.
 AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
+# The next token's leases (bench.next_leases) go out while the decayed share of those read that one of
+# the next NEXT_WINDOW passes used stays at NEXT_ODDS (every NEXT_PROBE-th pass anyway, to keep
+# measuring it). A read used saves a need's wait; a wasted one costs disk time and a victim. On
+# issue 28's store at 25%, this CPU, real supervisors: a quarter of them used within 4 passes, the
+# misses 15% fewer for 30% more reads (docs/BENCHMARKS.md, stop 57).
+NEXT_ODDS, NEXT_DECAY, NEXT_PROBE, NEXT_WINDOW = 0.2, 0.95, 8, 4
 
 
 class SlotExperts(ExpertProvider):
@@ -80,6 +86,9 @@ class SlotExperts(ExpertProvider):
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
         self._unforeseen: list[dict] = []  # check_each: layers a miss forgot, their routing not read back yet
+        self._logits: dict[int, mx.array] = {}  # next_leases: this pass's gate logits per partial layer
+        self._next_sent: list[list] = []  # next_leases: [passes left, layer, expert] leased, not yet used
+        self._next_odds, self._next_probe = 1.0, 0  # next_leases: decayed share used, passes held back
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -436,7 +445,7 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._ahead, self._redo = [], None
+        self._ahead, self._redo, self._logits = [], None, {}
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
@@ -446,9 +455,53 @@ class SlotExperts(ExpertProvider):
 
     def end_ahead(self) -> None:
         """The pass's layers that ran ahead and are not checked yet are checked (may raise
-        RunAheadMiss)."""
-        self._check_pending()
+        RunAheadMiss); with next_leases, their gate logits read back in the same drain and the next
+        token's leases sent (`_lease_next`)."""
+        layers = sorted(self._logits)
+        scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
+        self._check_pending(also=() if scores is None else (scores,))
         self._ahead_on = False
+        if scores is not None:
+            self._lease_next(layers, self._host(scores))
+
+    def _lease_next(self, layers: list[int], scores: np.ndarray) -> None:
+        """bench.next_leases: consecutive tokens share most of a layer's experts, and of the experts
+        a token takes up that the one before did not, the one before's runner-up (its gate's best
+        expert outside its top-k) is often one (issue 28's store: 29% of them; LRU at 25% of the
+        experts: a quarter fewer misses, docs/probes/next_token.py). So at a pass's end each partial
+        layer's runner-up, where missing, is asked as a lease (sure: the router reads it into the
+        policy's victim), read while the next pass is built; while the next NEXT_WINDOW passes use
+        too few of them (NEXT_ODDS), only every NEXT_PROBE-th pass asks."""
+        chosen: dict[int, set] = {}
+        for layer, ids in self.current["used"]:
+            if isinstance(ids, np.ndarray):
+                chosen.setdefault(layer, set()).update(ids.reshape(-1).tolist())
+        waiting = []  # the guesses of the last passes, judged by this pass's uses
+        for guess in self._next_sent:
+            used = guess[2] in chosen.get(guess[1], ())
+            guess[0] -= 1
+            if used or not guess[0]:
+                self.counters.add("next_used", used)
+                self._next_odds = NEXT_DECAY * self._next_odds + (1 - NEXT_DECAY) * used
+            else:
+                waiting.append(guess)
+        self._next_sent = waiting
+        if self._next_odds < NEXT_ODDS:
+            self._next_probe += 1
+            if self._next_probe % NEXT_PROBE:
+                return
+        leases = []
+        for layer, row in zip(layers, scores):
+            mine = chosen.get(layer)
+            if not mine:
+                continue
+            runner_up = next(e for e in np.argsort(-row, kind="stable").tolist() if e not in mine)
+            if self.tier.missing(layer, [runner_up]) and self._leasable(layer, [runner_up]):
+                leases.append((layer, [runner_up], True))
+                self._next_sent.append([NEXT_WINDOW, layer, runner_up])
+        if leases:
+            self.counters.add("next_leases", len(leases))
+            self._notes_out(leases)
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
@@ -601,14 +654,19 @@ class SlotExperts(ExpertProvider):
     def _judge(self, layer: int, kept: bool) -> None:
         self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept
 
-    def reroutes(self, layer: int) -> bool:
-        """Whether the model should hand this layer's gate logits over (`gate_logits`): a lossy
-        mode is on, the gate routes, and the layer's experts are not all resident."""
-        return (self.lossy.mode == "cache_aware" and self.routing.mode == "gate"
-                and not self.tier.full(layer))
+    def wants_logits(self, layer: int) -> bool:
+        """Whether the model should hand this layer's gate logits over (`gate_logits`): the gate
+        routes, the layer's experts are not all resident, and a lossy mode reroutes it or, in a
+        pass run ahead, its runner-up is leased for the next token (`_lease_next`)."""
+        if self.routing.mode != "gate" or self.tier.full(layer):
+            return False
+        return self.lossy.mode == "cache_aware" or (self._ahead_on and self.pipe.next_leases)
 
     def gate_logits(self, layer: int, logits) -> None:
-        self._gate = (layer, logits)
+        if self._ahead_on:  # never with a lossy mode (`begin_ahead`)
+            self._logits[layer] = logits
+        else:
+            self._gate = (layer, logits)
 
     def _reroute(self, layer: int, flat: np.ndarray) -> np.ndarray:
         """The layer's ids after the lossy mode's rerouting (runtime/lossy.py) against what is

@@ -68,8 +68,8 @@ class SparseMoE:
     def __call__(self, x, experts):
         logits = self.gate(x)
         inds, scores = self.route(logits)
-        if getattr(experts, "reroutes", None) and experts.reroutes(self.layer):
-            experts.gate_logits(self.layer, logits)  # a lossy mode decides on them (runtime/lossy.py)
+        if getattr(experts, "wants_logits", None) and experts.wants_logits(self.layer):
+            experts.gate_logits(self.layer, logits)  # a lossy mode reroutes, or next leases (slot_experts.py)
         if self.next is not None and getattr(experts, "wants_lookahead", None) and experts.wants_lookahead(self.layer):
             # Gate lookahead: the next MoE layer's gate on this layer's input guesses its experts
             # early, so the router can read them while this layer and the next attention run.
