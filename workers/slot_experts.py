@@ -495,8 +495,8 @@ class SlotExperts(ExpertProvider):
             mine = chosen.get(layer)
             if not mine:
                 continue
-            runner_up = next(e for e in np.argsort(-row, kind="stable").tolist() if e not in mine)
-            if self.tier.missing(layer, [runner_up]) and self._leasable(layer, [runner_up]):
+            runner_up = next((e for e in np.argsort(-row, kind="stable").tolist() if e not in mine), None)
+            if runner_up is not None and self.tier.missing(layer, [runner_up]) and self._leasable(layer, [runner_up]):
                 leases.append((layer, [runner_up], True))
                 self._next_sent.append([NEXT_WINDOW, layer, runner_up])
         if leases:
