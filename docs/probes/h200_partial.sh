@@ -199,10 +199,10 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-cuda-graphs,mlx-lm ;;
-  nextlease)  # stop 57: bench.next_leases (each partial layer's runner-up leased for the next token) at 25%
+  nextlease)  # [ROUNDS]: stop 57: bench.next_leases (each partial layer's runner-up leased for the next token) at 25%, 2 rounds unless given
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-next-leases
-    timeout 150 python3 docs/probes/real_split.py /tmp/store 1 "base:run_ahead = true:0.25,nl:run_ahead = true;next_leases = true:0.25" -v > "$out/nl-split.txt" 2>&1
+    timeout 230 bash "$0" bench 0.25 "${2:-2}" deltafin,deltafin-next-leases
+    timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "base:run_ahead = true:0.25,nl:run_ahead = true;next_leases = true:0.25" -v > "$out/nl-split.txt" 2>&1
     grep "^r0\|all same" "$out/nl-split.txt" | cut -c1-300; grep -o 'next_leases.: [0-9]*, .next_used.: [0-9]*\|"hits": [0-9]*, "uses": [0-9]*\|"lease_reads": [0-9]*, "lease_used": [0-9]*' "$out/nl-split.txt" ;;
   nodisk)  # the disk taken out: the store copied to tmpfs (its reads memory copies) beside it on disk, 25%, benches alternating; then the split per token from tmpfs
     nvidia-smi --query-gpu=name --format=csv,noheader
