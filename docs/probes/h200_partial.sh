@@ -204,6 +204,13 @@ case "${1:-split}" in
     timeout 230 bash "$0" bench 0.25 "${2:-2}" deltafin,deltafin-next-leases
     timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "base:run_ahead = true:0.25,nl:run_ahead = true;next_leases = true:0.25" -v > "$out/nl-split.txt" 2>&1
     grep "^r0\|all same" "$out/nl-split.txt" | cut -c1-300; grep -o 'next_leases.: [0-9]*, .next_used.: [0-9]*\|"hits": [0-9]*, "uses": [0-9]*\|"lease_reads": [0-9]*, "lease_used": [0-9]*' "$out/nl-split.txt" ;;
+  nlsplit)  # [ROUNDS]: the least of nextlease: real supervisors alternating the defaults and next leases at 25% then 50%, 3 rounds unless given
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for share in 0.25 0.5; do
+      timeout 140 python3 docs/probes/real_split.py /tmp/store "${2:-3}" "base:run_ahead = true:$share,nl:run_ahead = true;next_leases = true:$share" -v > "$out/nlsplit-$share.txt" 2>&1
+      grep "^r\|all same" "$out/nlsplit-$share.txt" | cut -c1-200
+      grep -o "^r[0-9] [a-z]*\|'next_leases': [0-9]*, 'next_used': [0-9]*\|\"hits\": [0-9]*, \"uses\": [0-9]*\|\"lease_reads\": [0-9]*\|\"need\": {\"count\": [0-9]*" "$out/nlsplit-$share.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g'
+    done ;;
   nodisk)  # the disk taken out: the store copied to tmpfs (its reads memory copies) beside it on disk, 25%, benches alternating; then the split per token from tmpfs
     nvidia-smi --query-gpu=name --format=csv,noheader
     rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
