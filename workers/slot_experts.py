@@ -658,9 +658,9 @@ class SlotExperts(ExpertProvider):
         """Whether the model should hand this layer's gate logits over (`gate_logits`): the gate
         routes, the layer's experts are not all resident, and a lossy mode reroutes it or, in a
         pass run ahead, its runner-up is leased for the next token (`_lease_next`)."""
-        if self.routing.mode != "gate" or self.tier.full(layer):
-            return False
-        return self.lossy.mode == "cache_aware" or (self._ahead_on and self.pipe.next_leases)
+        if not (self.lossy.mode == "cache_aware" or (self._ahead_on and self.pipe.next_leases)):
+            return False  # asked of every MoE layer of every pass: the settings first
+        return self.routing.mode == "gate" and not self.tier.full(layer)
 
     def gate_logits(self, layer: int, logits) -> None:
         if self._ahead_on:  # never with a lossy mode (`begin_ahead`)
