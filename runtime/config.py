@@ -158,7 +158,7 @@ class BenchConfig:
     ahead_waste: float = 1.0  # running ahead a pass at once: a layer whose miss share x layers after it reaches this reads back
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
-    next_leases: bool = False  # running ahead: at a pass's end each partial layer's runner-up leased for the next token
+    next_leases: bool = True  # running ahead: at a pass's end each partial layer's runner-up leased for the next token
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
     # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
     spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})

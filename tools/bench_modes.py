@@ -40,7 +40,8 @@ DELTAFIN_MODES = {
     "deltafin-early-passes": [],  # a streaming pass launched before the last token is read (the default since stop 51; kept for earlier commands)
     "deltafin-no-early-passes": [],  # ... and with the next pass launched once this token is read
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
-    "deltafin-next-leases": [],  # the default with each partial layer's runner-up leased for the next token
+    "deltafin-next-leases": [],  # each partial layer's runner-up leased for the next token (the default since stop 58; kept for earlier commands)
+    "deltafin-no-next-leases": [],  # the default without the next token's leases
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
@@ -71,6 +72,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-early-passes": {"bench": {"early_passes": False}},
     "deltafin-check-each": {"bench": {"check_each": True}},
     "deltafin-next-leases": {"bench": {"next_leases": True}},
+    "deltafin-no-next-leases": {"bench": {"next_leases": False}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

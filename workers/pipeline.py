@@ -85,7 +85,7 @@ class Pipeline:
     ahead_waste: float = 1.0  # running ahead a pass at once: the read-back threshold (bench.ahead_waste)
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
-    next_leases: bool = False  # running ahead: each partial layer's runner-up leased for the next token (bench.next_leases)
+    next_leases: bool = True  # running ahead: each partial layer's runner-up leased for the next token (bench.next_leases)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
