@@ -291,10 +291,22 @@ def read_config(read, config: dict):
 
 def check_config(config: dict) -> None:
     """Raises ConfigMismatch unless the config holds what its family's routed experts and layer
-    caches are computed from (an unsupported model_type is arch_for's error, raised where the
-    model is built)."""
-    if config.get("model_type") in _BY_NAME:
-        read_config(lambda c: (n_experts(c), top_k(c), moe_layers(c), layer_caches(c)), config)
+    caches are computed from, in a shape a model can have (a layer picks 1 to n_experts experts;
+    the MoE layers are among the layers); an unsupported model_type is arch_for's error, raised
+    where the model is built."""
+    if not isinstance(config, dict):
+        raise ConfigMismatch(f"the model config is a {type(config).__name__}, not a JSON object")
+    if config.get("model_type") not in _BY_NAME:
+        return
+    n, k, layers, _ = read_config(lambda c: (n_experts(c), top_k(c), moe_layers(c), layer_caches(c)), config)
+    family = config.get("model_type")
+    if not 1 <= k <= n:
+        raise ConfigMismatch(f"{family} config: each token picks {k} of {n} experts per layer "
+                             f"(num_experts_per_tok must be 1..{n})")
+    n_layers = int(config["num_hidden_layers"])
+    if any(not 0 <= layer < n_layers for layer in layers):
+        raise ConfigMismatch(f"{family} config: MoE layers {layers} are not all among its "
+                             f"{n_layers} layers")
 
 
 def moe_layers(config: dict) -> list[int]:

@@ -124,6 +124,9 @@ def check_layouts(layouts: dict, version: int) -> None:
     SwiGLU); version 1 entries (all affine, no "mode") get mode "affine". Raises StoreError."""
     for lid, layout in layouts.items():
         names = {t["name"] for t in layout["tensors"]}
+        for t in layout["tensors"]:
+            if t["dtype"] not in NAME_TO_NP:
+                raise StoreError(f"layout {lid} {t['name']}: unknown dtype {t['dtype']!r}")
         for proj, q in layout["quant"].items():
             where = f"layout {lid} {proj}"
             if proj not in archinfo.PROJS:
@@ -187,6 +190,7 @@ class StoreWriter:
         self._pos: dict[int, int] = {}
         self._layouts: dict[str, dict] = {}
         self._layout_ids: dict[str, str] = {}
+        self._layer_layout: dict[int, tuple[int, str]] = {}  # layer -> (its first expert, layout id)
         self._records: list[dict] = []
         self._tokenizer: list[str] = []
         self._dense = SafetensorsSpool(self.tmp / "dense.safetensors")
@@ -218,6 +222,14 @@ class StoreWriter:
         if key not in self._layout_ids:
             self._layout_ids[key] = f"L{len(self._layout_ids)}"
             self._layouts[self._layout_ids[key]] = layout
+        first = self._layer_layout.setdefault(layer, (expert, self._layout_ids[key]))
+        if first[1] != self._layout_ids[key]:  # the runtime computes a layer's experts alike
+            theirs = {t["name"]: (t["dtype"], t["shape"]) for t in self._layouts[first[1]]["tensors"]}
+            ours = {t["name"]: (t["dtype"], t["shape"]) for t in layout["tensors"]}
+            diff = sorted(n for n in theirs.keys() | ours.keys() if theirs.get(n) != ours.get(n))
+            raise StoreError(f"layer {layer} expert {expert}: {', '.join(f'{n} {ours.get(n)}' for n in diff)} "
+                             f"where expert {first[0]} has {', '.join(f'{n} {theirs.get(n)}' for n in diff)} "
+                             f"(one layer's experts share one shape and quantization)")
         record = bytearray(round_up(layout["nbytes"], ALIGN))
         for t in layout["tensors"]:
             raw = np.ascontiguousarray(tensors[t["name"]]).view(np.uint8).reshape(-1)
@@ -330,10 +342,36 @@ class Store:
             archinfo.check_config(self.config)
         except archinfo.ConfigMismatch as e:
             raise StoreError(f"{mpath}: {e}") from None
+        self._check_model(mpath, m["model"])
+
+    def _check_model(self, mpath: Path, model: dict) -> None:
+        """The manifest's model section agrees with its config (the writer takes one from the
+        other) and with the record table: every MoE layer has one record per expert and no
+        record lies outside them. Raises StoreError naming the first disagreement."""
+        try:
+            said = {"num_hidden_layers": int(self.config["num_hidden_layers"]),
+                    "n_experts": archinfo.n_experts(self.config), "top_k": archinfo.top_k(self.config)}
+            has = {"num_hidden_layers": int(model["num_hidden_layers"]), "n_experts": self.n_experts,
+                   "top_k": self.top_k}
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
+        except archinfo.UnsupportedArchitecture:
+            return  # the model's builder names it
+        for key, value in has.items():
+            if said[key] != value:
+                raise StoreError(f"{mpath}: the manifest's model says {key} {value}, its config "
+                                 f"{said[key]} (edited or corrupt; re-run deltafin-convert)")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise StoreError(f"{mpath}: top_k {self.top_k} of {self.n_experts} experts")
+        layers = set(self.moe_layers)
         for layer in self.moe_layers:
             for e in range(self.n_experts):
                 if (layer, e) not in self.records:
                     raise StoreError(f"{mpath}: no record for layer {layer} expert {e}")
+        for layer, e in self.records:
+            if layer not in layers or not 0 <= e < self.n_experts:
+                raise StoreError(f"{mpath}: a record for layer {layer} expert {e}, outside the "
+                                 f"model's MoE layers and its {self.n_experts} experts")
 
     def check_files(self) -> None:
         """Cheap start-up check that the files are the ones the manifest describes: sizes and
@@ -345,9 +383,10 @@ class Store:
             if not path.is_file():
                 raise StoreError(f"{self.path}: dense weight file {name} is missing")
             try:
-                read_header(path)  # also refuses a tensor that ends past the end of the file
+                refs = read_header(path)  # also refuses a tensor that ends past the end of the file
             except (OSError, TensorFileError, KeyError, TypeError, ValueError) as e:
                 raise StoreError(f"{path}: unreadable dense weights: {e}") from None
+            self._check_vocab(refs)
         for fname in self.manifest["tokenizer"]["files"]:
             if not (self.tokenizer_dir / fname).is_file():
                 raise StoreError(f"{self.path}: tokenizer file {fname} is missing")
@@ -377,6 +416,15 @@ class Store:
                                      f"but the file has {size} bytes (truncated, or not this "
                                      f"manifest's file)")
                 end = rec.offset + rec.nbytes
+
+    def _check_vocab(self, refs: dict) -> None:
+        """A token id the config allows (vocab_size) has a row in the embedding: a larger
+        vocab_size would let a request index past it."""
+        rows = [r.shape[0] for name, r in refs.items() if name.endswith("embed_tokens.weight") and r.shape]
+        vocab = self.config.get("vocab_size")
+        if rows and isinstance(vocab, int) and vocab > rows[0]:
+            raise StoreError(f"{self.path}: config vocab_size {vocab} exceeds the embedding's "
+                             f"{rows[0]} rows (edited or corrupt; re-run deltafin-convert)")
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
         return self.records[(layer, expert)]
@@ -445,15 +493,27 @@ class Store:
             except (OSError, TensorFileError) as e:
                 yield None, f"dense weights: {e}"
         for fname in self.manifest["tokenizer"]["files"]:
-            if not (self.tokenizer_dir / fname).exists():
+            path = self.tokenizer_dir / fname
+            if not path.exists():
                 yield None, f"tokenizer file {fname} is missing"
-        buf = aligned_buffer(self.max_record_bytes)
+            elif fname.endswith(".json"):
+                try:
+                    json.loads(path.read_bytes())
+                except (ValueError, OSError) as e:
+                    yield None, f"tokenizer file {fname} is corrupt: {e}"
+        buf = aligned_buffer(max(self.max_record_bytes, ALIGN))
         files: dict = {}
         try:
             for rec in sorted(self.records.values(), key=lambda r: (r.file, r.offset)):
                 if rec.offset % ALIGN:
                     yield rec, (f"layer {rec.layer} expert {rec.expert}: offset {rec.offset} "
                                 f"is not {ALIGN}-byte aligned")
+                    continue
+                layout = self.layouts.get(rec.layout)
+                if rec.nbytes <= 0 or layout is None or layout.get("nbytes") != rec.nbytes:
+                    yield rec, (f"layer {rec.layer} expert {rec.expert}: {rec.nbytes} bytes in the "
+                                f"manifest, its layout {rec.layout!r} says "
+                                f"{layout.get('nbytes') if layout else 'nothing'}")
                     continue
                 try:
                     self.read_record(rec, buf, files)

@@ -103,7 +103,10 @@ class Tokenizer:
         if not path.exists():
             raise TokenizerError(f"{directory}: no tokenizer.json (the store was converted from a "
                                  f"checkpoint without one)")
-        self.tok = HFTokenizer.from_file(str(path))
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception for a bad file
+            raise TokenizerError(f"{path}: unreadable tokenizer ({e})") from None
         tc = _read_json(directory / "tokenizer_config.json")
         template = tc.get("chat_template")
         if not template and (directory / "chat_template.jinja").exists():

@@ -303,3 +303,29 @@ def test_converter_memory_does_not_grow_with_model_size(tmp_path):
     print(f"peak RSS: {size(small) / 2**20:.0f} MiB model -> {rss_small:.0f} MiB; "
           f"{size(large) / 2**20:.0f} MiB model -> {rss_large:.0f} MiB")
     assert rss_large < 1.2 * rss_small
+
+
+def test_checkpoints_the_runtime_cannot_serve_are_refused(tmp_path, capsys):
+    """An unparsable config, a top-k past the experts, one expert of another shape: refused
+    naming what is wrong, nothing written (each once made a store the runtime refused or failed on)."""
+    from safetensors.numpy import save_file
+    src = tiny("qwen3_moe", tmp_path / "hf")
+    cfg_text = (src / "config.json").read_text()
+    (src / "config.json").write_text("{")
+    assert convert.main([str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "config.json: unreadable config" in capsys.readouterr().err
+    cfg = json.loads(cfg_text)
+    (src / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": cfg["num_experts"] + 1}))
+    assert convert.main([str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert f"picks {cfg['num_experts'] + 1} of {cfg['num_experts']} experts" in capsys.readouterr().err
+    (src / "config.json").write_text(cfg_text)
+    refs = index_checkpoint(src)
+    odd = "model.layers.0.mlp.experts.1.down_proj.weight"
+    tensors = {n: r.read() for n, r in refs.items()}
+    shape = tensors[odd].shape
+    tensors[odd] = np.zeros((shape[0] + 64, shape[1]), tensors[odd].dtype)
+    save_file(tensors, str(src / "model.safetensors"))
+    assert convert.main([str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "layer 0 expert 1: down_proj." in err and "where expert 0 has" in err, err
+    assert _nothing_written(tmp_path / "out")

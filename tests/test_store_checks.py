@@ -120,3 +120,53 @@ def test_a_family_over_another_familys_config_is_refused_naming_the_key(store_co
     r = _start(store_copy)
     assert r.returncode != 0 and "READY" not in r.stdout and "Traceback" not in r.stderr
     assert f"{key!r}, which a {family} model needs" in r.stderr
+
+
+def _edit_manifest(store, edit) -> None:
+    m = json.loads((store / "manifest.json").read_text())
+    edit(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("name,edit,says", [
+    # a vocab_size past the embedding would let a request's token index beyond it (compute died)
+    ("vocab", lambda m: m["config"].update(vocab_size=m["config"]["vocab_size"] * 10),
+     "exceeds the embedding's"),
+    # each token picking more experts than a layer has (every request failed after READY)
+    ("top_k", lambda m: (m["config"].update(num_experts_per_tok=64), m["model"].update(top_k=64)),
+     "picks 64 of"),
+    # the model section and the config disagree (compute met a missing layer)
+    ("layers", lambda m: m["config"].update(num_hidden_layers=m["config"]["num_hidden_layers"] + 4),
+     "the manifest's model says num_hidden_layers"),
+    # records past the model's experts (an index past the expert table at the first request)
+    ("experts", lambda m: (m["config"].update(num_experts=m["model"]["n_experts"] // 2),
+                           m["model"].update(n_experts=m["model"]["n_experts"] // 2)),
+     "outside the model's MoE layers"),
+    ("config", lambda m: m.update(config=[1, 2]), "not a JSON object"),
+    ("dtype", lambda m: next(iter(m["layouts"].values()))["tensors"][0].update(dtype="float128"),
+     "unknown dtype 'float128'"),
+])
+def test_a_manifest_disagreeing_with_itself_or_its_weights_is_refused_at_start(store_copy, name, edit, says):
+    """Hand-edited or corrupt manifests that used to start and then fail each request (or crash
+    compute): refused at start, naming what disagrees, without a traceback."""
+    _edit_manifest(store_copy, edit)
+    r = _start(store_copy)
+    assert r.returncode == 2 and "READY" not in r.stdout, (name, r.stderr[-2000:])
+    assert says in r.stderr and "Traceback" not in r.stderr, (name, r.stderr[-2000:])
+
+
+def test_an_unreadable_tokenizer_is_refused_and_verify_names_it(store_copy):
+    path = store_copy / "tokenizer" / "tokenizer.json"
+    path.write_bytes(path.read_bytes()[:1000])
+    r = _start(store_copy)
+    assert r.returncode == 2 and "READY" not in r.stdout and "Traceback" not in r.stderr
+    assert "tokenizer.json: unreadable tokenizer" in r.stderr
+    problems = [msg for _, msg in Store(store_copy).verify()]
+    assert any("tokenizer file tokenizer.json is corrupt" in p for p in problems), problems
+
+
+def test_verify_names_a_record_whose_size_disagrees_with_its_layout(store_copy):
+    _edit_manifest(store_copy, lambda m: m["experts"][0].update(nbytes=-1))
+    problems = [msg for _, msg in Store(store_copy).verify()]
+    assert any("-1 bytes in the manifest, its layout" in p for p in problems), problems
+    assert not any("checksum" in p for p in problems), problems

@@ -108,10 +108,14 @@ class Converter:
         if not cfg_path.exists():
             raise ConvertError(f"{self.src}: no config.json (is this a Hugging Face or mlx-lm checkpoint?)")
         # a multimodal checkpoint's language model only (archinfo.text_model, text_name)
-        self.config = archinfo.text_model(json.loads(cfg_path.read_text()))
+        try:
+            self.config = archinfo.text_model(json.loads(cfg_path.read_text()))
+        except (ValueError, OSError) as e:
+            raise ConvertError(f"{cfg_path}: unreadable config ({e})") from None
         try:
             self.info = archinfo.arch_for(self.config)
-        except archinfo.UnsupportedArchitecture as e:
+            archinfo.check_config(self.config)
+        except (archinfo.UnsupportedArchitecture, archinfo.ConfigMismatch) as e:
             raise ConvertError(str(e)) from None
         self.n_layers = int(self.config["num_hidden_layers"])
         self.moe_layers = archinfo.moe_layers(self.config)

@@ -80,7 +80,8 @@ class ClientPool:
                 break
             except RuntimeUnavailable:
                 if time.monotonic() > deadline:
-                    raise
+                    raise RuntimeUnavailable(f"no runtime answered at {self.endpoint} within "
+                                             f"{timeout:.0f} s (is deltafin-supervisor serving there?)") from None
         c.timeout = self.timeout
         self.put(c)
         return c.info
@@ -526,6 +527,8 @@ def main(argv=None) -> int:
         return 2
     # A client that disconnects mid-stream makes asyncio log each write already queued for it.
     logging.getLogger("asyncio").setLevel(logging.ERROR)
+    if a.parent_pid is None:  # started by hand: say what the wait is for (the supervisor's has started it)
+        print(f"deltafin-http: waiting for the runtime at {a.endpoint} ...", file=sys.stderr, flush=True)
     try:
         front = HttpFrontend(a.endpoint, timeout=a.timeout, keys=a.keys, max_body=a.max_body_bytes,
                              body_timeout=a.body_timeout, api_key=a.api_key or os.environ.get(API_KEY_ENV))
