@@ -199,15 +199,15 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 260 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,mlx-lm
     timeout 200 bash "$0" bench 0.5 2 deltafin,deltafin-cuda-graphs,mlx-lm ;;
-  nextlease)  # [ROUNDS]: stop 57: bench.next_leases (each partial layer's runner-up leased for the next token) at 25%, 2 rounds unless given
+  nextlease)  # [ROUNDS]: bench.next_leases (each partial layer's runner-up leased for the next token; the default since stop 58) against without, at 25%, 2 rounds unless given
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 230 bash "$0" bench 0.25 "${2:-2}" deltafin,deltafin-next-leases
-    timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "base:run_ahead = true:0.25,nl:run_ahead = true;next_leases = true:0.25" -v > "$out/nl-split.txt" 2>&1
+    timeout 230 bash "$0" bench 0.25 "${2:-2}" deltafin-no-next-leases,deltafin
+    timeout 100 python3 docs/probes/real_split.py /tmp/store 1 "base:run_ahead = true;next_leases = false:0.25,nl:run_ahead = true;next_leases = true:0.25" -v > "$out/nl-split.txt" 2>&1
     grep "^r0\|all same" "$out/nl-split.txt" | cut -c1-300; grep -o 'next_leases.: [0-9]*, .next_used.: [0-9]*\|"hits": [0-9]*, "uses": [0-9]*\|"lease_reads": [0-9]*, "lease_used": [0-9]*' "$out/nl-split.txt" ;;
-  nlsplit)  # [ROUNDS]: the least of nextlease: real supervisors alternating the defaults and next leases at 25% then 50%, 3 rounds unless given
+  nlsplit)  # [ROUNDS]: the least of nextlease: real supervisors alternating without next leases ("base") and with them at 25% then 50%, 3 rounds unless given
     nvidia-smi --query-gpu=name --format=csv,noheader
     for share in 0.25 0.5; do
-      timeout 140 python3 docs/probes/real_split.py /tmp/store "${2:-3}" "base:run_ahead = true:$share,nl:run_ahead = true;next_leases = true:$share" -v > "$out/nlsplit-$share.txt" 2>&1
+      timeout 140 python3 docs/probes/real_split.py /tmp/store "${2:-3}" "base:run_ahead = true;next_leases = false:$share,nl:run_ahead = true;next_leases = true:$share" -v > "$out/nlsplit-$share.txt" 2>&1
       grep "^r\|all same" "$out/nlsplit-$share.txt" | cut -c1-200
       grep -o "^r[0-9] [a-z]*\|'next_leases': [0-9]*, 'next_used': [0-9]*\|\"hits\": [0-9]*, \"uses\": [0-9]*\|\"lease_reads\": [0-9]*\|\"need\": {\"count\": [0-9]*" "$out/nlsplit-$share.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g'
     done ;;
