@@ -422,9 +422,9 @@ class Store:
         vocab_size would let a request index past it."""
         rows = [r.shape[0] for name, r in refs.items() if name.endswith("embed_tokens.weight") and r.shape]
         vocab = self.config.get("vocab_size")
-        if rows and isinstance(vocab, int) and vocab > rows[0]:
+        if rows and isinstance(vocab, int) and vocab > min(rows):  # every embedding (a draft head's too)
             raise StoreError(f"{self.path}: config vocab_size {vocab} exceeds the embedding's "
-                             f"{rows[0]} rows (edited or corrupt; re-run deltafin-convert)")
+                             f"{min(rows)} rows (edited or corrupt; re-run deltafin-convert)")
 
     def record(self, layer: int, expert: int) -> ExpertRecord:
         return self.records[(layer, expert)]
@@ -501,7 +501,7 @@ class Store:
                     json.loads(path.read_bytes())
                 except (ValueError, OSError) as e:
                     yield None, f"tokenizer file {fname} is corrupt: {e}"
-        buf = aligned_buffer(max(self.max_record_bytes, ALIGN))
+        buf = aligned_buffer(max(self.max_record_bytes, ALIGN))  # a record's nbytes may be corrupt (<= 0)
         files: dict = {}
         try:
             for rec in sorted(self.records.values(), key=lambda r: (r.file, r.offset)):
