@@ -126,10 +126,14 @@ class TextSide:
         return self._piece(self.last, final=True)
 
     def _named(self, entry: dict) -> dict:
-        """A log-probability entry with each token's text: `token`, and a third item of `top`'s."""
-        text = self.tokenizer.token_text
-        return {**entry, "token": text(entry["token_id"]),
-                "top": [[i, lp, text(i)] for i, lp in entry["top"]]}
+        """A log-probability entry with each token's text: `token`, and a third item of `top`'s;
+        its own bytes (`bytes`, and `top_bytes` in `top`'s order: a token holding part of a
+        character has text U+FFFD but bytes of its own); and `offset`, where its text begins in
+        the answer's text (`done`'s: the characters before it, whatever tokens added none)."""
+        text, raw = self.tokenizer.token_text, self.tokenizer.token_bytes
+        return {**entry, "token": text(entry["token_id"]), "bytes": list(raw(entry["token_id"])),
+                "top": [[i, lp, text(i)] for i, lp in entry["top"]],
+                "top_bytes": [list(raw(i)) for i, _ in entry["top"]], "offset": len(self.text)}
 
     def _piece(self, token: M.Token, final: bool = False) -> M.Token | None:
         """The text not yet sent, as token's message; at the end (final) also no text, where

@@ -17,6 +17,30 @@ class TokenizerError(RuntimeError):
     pass
 
 
+def _byte_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte spelt as one printable character. The printable
+    Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7f-0xa0, 0xad) take
+    the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + n): b for n, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_chars()
+
+
+def _byte_spelling(decoder: dict | None) -> str:
+    """How a tokenizer.json's vocabulary spells bytes, from its decoder: "byte_level",
+    "byte_fallback" or "" (neither)."""
+    kinds, todo = set(), [decoder]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            kinds.add(d.get("type"))
+            todo += d.get("decoders") or []
+    return "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else ""
+
+
 TOO_LONG = "prompt of "  # how every refusal of a prompt over the context begins
 
 
@@ -190,6 +214,26 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (what a log-probability entry names)."""
         return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, where its text alone cannot say them: a token holding part
+        of a character decodes to U+FFFD, but its vocabulary entry spells its bytes (byte-level
+        BPE: one character per byte; sentencepiece's byte fallback: "<0xNN>"). An added token,
+        or a vocabulary of neither kind: its text's UTF-8."""
+        if not hasattr(self, "_spelling"):
+            self._spelling = _byte_spelling(json.loads(self.tok.to_str()).get("decoder"))
+        entry = self.tok.id_to_token(token_id)
+        if entry is not None and token_id not in self.tok.get_added_tokens_decoder():
+            if self._spelling == "byte_level" and all(c in BYTE_OF_CHAR for c in entry):
+                return bytes(BYTE_OF_CHAR[c] for c in entry)
+            if self._spelling == "byte_fallback":
+                if len(entry) == 6 and entry.startswith("<0x") and entry.endswith(">"):
+                    try:
+                        return bytes([int(entry[3:5], 16)])
+                    except ValueError:
+                        pass
+                return entry.replace("\u2581", " ").encode("utf-8")
+        return self.token_text(token_id).encode("utf-8")
 
     def render_chat(self, prompt, tools: list | None = None) -> str:
         """prompt: one user message, or a list of {role, content} messages (the HTTP frontend).

@@ -28,25 +28,26 @@ def openai_call(call: dict, cid: str) -> dict:
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
 
-def _token(text: str, lp: float) -> dict:
-    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+def _token(text: str, lp: float, raw: list | None) -> dict:
+    return {"token": text, "logprob": lp, "bytes": raw if raw is not None else list(text.encode("utf-8"))}
 
 
 def chat_logprobs(entries: list) -> dict:
-    """The runtime's log-probability entries as a chat choice's `logprobs`."""
-    return {"content": [{**_token(e["token"], e["logprob"]),
-                         "top_logprobs": [_token(t, lp) for _, lp, t in e["top"]]} for e in entries],
-            "refusal": None}
+    """The runtime's log-probability entries as a chat choice's `logprobs`: each token's own
+    bytes (those of a token holding part of a character joined with its neighbours' spell it)."""
+    def tops(e):
+        raws = e.get("top_bytes") or [None] * len(e["top"])
+        return [_token(t, lp, raw) for (_, lp, t), raw in zip(e["top"], raws)]
+    return {"content": [{**_token(e["token"], e["logprob"], e.get("bytes")), "top_logprobs": tops(e)}
+                        for e in entries], "refusal": None}
 
 
-def completion_logprobs(entries: list, offset: int = 0) -> dict:
-    """The entries as a completion choice's legacy `logprobs` (text_offset from `offset`)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
+def completion_logprobs(entries: list) -> dict:
+    """The entries as a completion choice's legacy `logprobs`: text_offset where each token's
+    text begins in the choice's text (the same streamed or not)."""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for _, lp, t in e["top"]} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{t: lp for _, lp, t in e["top"]} for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
 
 
 class CompletionShape:
@@ -60,7 +61,6 @@ class CompletionShape:
         self.model_id, self.p, self.fingerprint = model_id, p, fingerprint
         self.rid = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
-        self.offset = 0  # characters of text streamed (the logprobs' text_offset)
 
     @staticmethod
     def error_body(e: ApiError) -> dict:
@@ -85,8 +85,7 @@ class CompletionShape:
     def piece(self, text: str, lps: list | None = None) -> list[str]:
         choice = {"text": text, "finish_reason": None}
         if lps is not None:
-            choice["logprobs"] = completion_logprobs(lps, self.offset)
-        self.offset += len(text)
+            choice["logprobs"] = completion_logprobs(lps)
         return [self._chunk(choice)]
 
     def _finish(self, gen) -> list[str]:
@@ -117,7 +116,8 @@ class ChatShape(CompletionShape):
         return "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
 
     def whole(self, gen) -> dict:
-        reasoning, content, calls = split_reply(gen.text, self.p["parse_tools"])
+        # the text as the streamed deltas join: an editor's indentation and newlines are its own
+        reasoning, content, calls = split_reply(gen.text, self.p["parse_tools"], strip=False)
         if not self.p["parallel_tool_calls"]:
             calls = calls[:1]
         message = {"role": "assistant", "content": content}

@@ -57,6 +57,8 @@ class ReplySplitter:
     def __init__(self, tools: list | None):
         self.tools = tools
         self.state = "content"
+        self.fresh = True  # no text shown since the answer began or the last marker
+        self.gap = ""      # the whitespace left out before the last marker (a broken block's own)
         self.buf = ""
         self.header = ""     # the header's first marker, while in "header"
         self.recipient = ""  # the tool a harmony "call" message is for
@@ -84,9 +86,12 @@ class ReplySplitter:
             before, self.buf = self.buf[:at], self.buf[at + len(marker):]
             self._transit(marker, before, events)
         if self.state in ("content", "reasoning"):
-            keep = self._held()
-            self._emit(self.state, self.buf[:len(self.buf) - keep], events)
-            self.buf = self.buf[len(self.buf) - keep:]
+            # held: what may begin a marker, and the whitespace before it (a marker's own)
+            shown = len(self.buf) - self._held()
+            while shown and self.buf[shown - 1].isspace():
+                shown -= 1
+            self._text(self.buf[:shown], events)
+            self.buf = self.buf[shown:]
         return events
 
     def finish(self) -> list[tuple]:
@@ -94,7 +99,7 @@ class ReplySplitter:
         ended in is parsed, a text block never closed is content, a header is dropped."""
         events: list[tuple] = []
         if self.state in ("content", "reasoning"):
-            self._emit(self.state, self.buf, events)
+            self._text(self.buf, events)
         elif self.state in TEXT_BLOCKS:
             self._emit("content", self.state + self.buf, events)
         elif self.state != "header":
@@ -104,15 +109,18 @@ class ReplySplitter:
 
     def _transit(self, marker: str, before: str, events: list) -> None:
         if self.state in ("content", "reasoning"):
-            self._emit(self.state, before, events)
+            shown = before.rstrip()
+            self.gap = before[len(shown):]
+            self._text(shown, events)
             self._enter(marker)
+            self.fresh = True
         elif self.state == "header":
             self.state, self.recipient = harmony.route(self.header + before)
         elif self.state == "call":
-            self.state = "content"
+            self.state, self.fresh = "content", True
             self._calls(lambda: [special_calls.call(self.recipient, before)], before, events)
         else:
-            start, self.state = self.state, "content"
+            start, self.state, self.fresh = self.state, "content", True
             self._calls(lambda: parse_block(start, before, self.tools), start + before + marker, events)
 
     def _enter(self, marker: str) -> None:
@@ -133,7 +141,8 @@ class ReplySplitter:
         try:
             calls = parse()
         except (ValueError, TypeError):
-            return self._emit("content", SPECIAL.sub("", written), events)
+            self.fresh = False  # the text goes on as written, with the whitespace around it
+            return self._emit("content", self.gap + SPECIAL.sub("", written), events)
         if self.tools is None:
             return
         for call in calls:
@@ -148,15 +157,26 @@ class ReplySplitter:
                 return n
         return 0
 
+    def _text(self, text: str, events: list) -> None:
+        """Shown text of the current state: whitespace that opens a run (the answer's start, or
+        what follows a marker) is the structure's, left out; the whitespace before a marker too
+        (`_transit`), so a whole answer's parts are its streamed events joined."""
+        if self.fresh:
+            text = text.lstrip()
+        if text:
+            self.fresh = False
+            self._emit(self.state, text, events)
+
     @staticmethod
     def _emit(kind: str, text: str, events: list) -> None:
         if text:
             events.append((kind, text))
 
 
-def split_reply(text: str, tools: list | None) -> tuple[str | None, str | None, list[dict]]:
+def split_reply(text: str, tools: list | None, strip: bool = True) -> tuple[str | None, str | None, list[dict]]:
     """(reasoning, content, tool calls) of a whole answer; reasoning and content stripped of
-    the whitespace around them, None when empty."""
+    the whitespace around them, None when empty; not strip: as the streamed events join (the
+    splitter leaves out the whitespace that opens a run or precedes a marker), None when empty."""
     s = ReplySplitter(tools)
     parts = {"reasoning": "", "content": ""}
     calls = []
@@ -165,6 +185,8 @@ def split_reply(text: str, tools: list | None) -> tuple[str | None, str | None, 
             calls.append(value)
         else:
             parts[kind] += value
+    if not strip:
+        return parts["reasoning"] or None, parts["content"] or None, calls
     return parts["reasoning"].strip() or None, parts["content"].strip() or None, calls
 
 
