@@ -337,3 +337,12 @@ def test_http_is_loopback_unless_allowed(tmp_path):
     r = subprocess.run([sys.executable, "-m", "deltafin.workers.frontend", "--endpoint", "ipc:///nowhere",
                         "--listen", "192.0.2.1:8000"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--allow-remote" in r.stderr
+
+
+def test_a_negative_seed_is_its_twos_complement():
+    """OpenAI's seed is any int64: -1 samples as 2^64 - 1 does (the runtime's seeds are uint64)."""
+    from deltafin.workers.openai_api import ApiError, sampling
+    assert sampling({"seed": -1}, 16)["seed"] == sampling({"seed": (1 << 64) - 1}, 16)["seed"] == (1 << 64) - 1
+    assert sampling({"seed": 7}, 16)["seed"] == 7 and sampling({}, 16)["seed"] is None
+    with pytest.raises(ApiError, match="seed"):
+        sampling({"seed": -(1 << 63) - 1}, 16)

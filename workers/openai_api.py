@@ -118,7 +118,8 @@ def sampling(body: dict, max_tokens_default: int | None) -> dict:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    seed = _number(body, "seed", None, 0, integer=True)
+    seed = _number(body, "seed", None, -(1 << 63), integer=True)  # OpenAI's: any int64
+    seed = seed % (1 << 64) if seed is not None else None  # a negative one as its two's complement
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")

@@ -112,7 +112,7 @@ class Generation:
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
-    logprobs: list | None = None  # each token's {token_id, token, logprob, top}, when asked
+    logprobs: list | None = None  # each token's {token_id, token, logprob, top, bytes, top_bytes, offset}, when asked
 
 
 class Stream:
