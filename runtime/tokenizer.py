@@ -147,6 +147,7 @@ class Tokenizer:
         self.markers = {i: t.content for i, t in added.items() if t.special and t.content in KEPT}
         # every added token, by its text: llguidance matches these by id only (workers/toolcalls/grammar.py)
         self.added = {t.content: i for i, t in added.items()}
+        self.added_ids = frozenset(added)
 
     @property
     def vocab_size(self) -> int:
@@ -223,7 +224,7 @@ class Tokenizer:
         if not hasattr(self, "_spelling"):
             self._spelling = _byte_spelling(json.loads(self.tok.to_str()).get("decoder"))
         entry = self.tok.id_to_token(token_id)
-        if entry is not None and token_id not in self.tok.get_added_tokens_decoder():
+        if entry is not None and token_id not in self.added_ids:
             if self._spelling == "byte_level" and all(c in BYTE_OF_CHAR for c in entry):
                 return bytes(BYTE_OF_CHAR[c] for c in entry)
             if self._spelling == "byte_fallback":
