@@ -26,7 +26,12 @@ MAX_STOP_STRINGS = 64
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be decoded or does not match its schema."""
+    """A message that cannot be decoded or does not match its schema. id: the message's own id
+    where it could be read (an int), so the error answers that request; else None."""
+
+    def __init__(self, message: str, id: int | None = None):
+        super().__init__(message)
+        self.id = id
 
 
 _KINDS = {int: (int,), float: (int, float), str: (str,), bytes: (bytes,), bool: (bool,),
@@ -160,4 +165,9 @@ def _message(data):
     cls = REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {short(name)}")
-    return _check(cls, data)
+    try:
+        return _check(cls, data)
+    except ProtocolError as e:  # the schema's error names the request it answers, where it can
+        rid = data.get("id")
+        e.id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        raise

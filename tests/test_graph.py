@@ -152,3 +152,14 @@ def test_sampling_takes_rows_and_draws_from_the_nucleus_in_vocabulary_order():
     assert both.tolist() == [2, 1]
     drawn = {int(sample_on_device(logits, M.Generate(id=0, prompt="x", temperature=1.0, top_p=0.7), mx.random.key(s)).item()) for s in range(64)}
     assert drawn == {1, 2}
+
+
+def test_top_k_1_is_greedy_ties_included():
+    """top_k 1 keeps the most likely token whatever the temperature: greedy's, so where the
+    model's own values tie (common in bfloat16) the lower token id, as greedy picks it."""
+    logits = mx.array([[0.0, 1.5, 3.0, 3.0, 3.0, -1.0]]).astype(mx.bfloat16)
+    greedy = sample_on_device(logits, M.Generate(id=0, prompt="x"), None, mx.bfloat16).tolist()
+    assert greedy == [2]
+    for s in range(16):
+        req = M.Generate(id=0, prompt="x", temperature=1.0, top_k=1, top_p=0.9, seed=s)
+        assert sample_on_device(logits, req, mx.random.key(s), mx.bfloat16).tolist() == greedy

@@ -293,3 +293,21 @@ def test_wait_readable_spins_then_sleeps_and_still_times_out():
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+def test_a_schema_error_names_the_request_it_answers():
+    """A message whose type and integer id could be read, but whose fields do not fit: its
+    `bad_message` error carries that id (a peer with several requests in flight knows which
+    failed); an id that is not an integer leaves it nil."""
+    from deltafin.protocol.codec import decode_request
+    for data, rid in [({"type": "stats", "id": 2, "zzz": 1}, 2),
+                      ({"type": "generate", "id": 5, "prompt": "x", "stop": "x"}, 5),
+                      ({"type": "hello", "id": 7}, 7),
+                      ({"type": "stats", "id": True, "zzz": 1}, None),
+                      ({"type": "stats", "id": "2"}, None)]:
+        with pytest.raises(M.ProtocolError) as err:
+            decode_request(msgpack.packb(data), 1 << 20, 64)
+        assert err.value.id == rid, (data, err.value)
+    with pytest.raises(M.ProtocolError) as err:
+        decode_request(msgpack.packb({"type": "nope", "id": 3}), 1 << 20, 64)
+    assert err.value.id is None  # the type unknown: nothing of it is trusted

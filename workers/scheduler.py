@@ -63,13 +63,14 @@ def sample_on_device(logits, req: M.Generate, key, dtype=None, history=None):
     is given). Greedy is the argmax of the log-probabilities computed in the model's dtype
     `dtype`, as mlx-lm's generate_step computes them: in bfloat16, subtracting the log-sum-exp
     can round two neighbouring logits to one value, and the lower token id then wins there too;
-    a temperature below M.GREEDY_BELOW_TEMPERATURE is greedy as well. Otherwise
+    a temperature below M.GREEDY_BELOW_TEMPERATURE is greedy as well, and top_k 1 (the most
+    likely token whatever else is asked: greedy's, ties included). Otherwise
     softmax(logits / temperature) restricted to the smallest set of most likely tokens whose
     probability reaches top_p, then to those at least min_p times as likely as the most likely
     one, then to the top_k most likely, drawn with `key`."""
     if history is not None:
         logits = penalize(logits.astype(dtype or logits.dtype), req, history)
-    if M.greedy(req.temperature):
+    if M.greedy(req.temperature) or req.top_k == 1:
         row = logits.astype(dtype or logits.dtype)  # exact: the model's own values (no op if already)
         return mx.argmax(row - mx.logsumexp(row, axis=-1, keepdims=True), axis=-1)
     z = logits.astype(mx.float32) / req.temperature

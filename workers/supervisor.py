@@ -406,7 +406,7 @@ class Supervisor:
         try:
             msg = M.decode_request(raw, self.client.max_bytes, self.requests.limits.max_context)
         except M.ProtocolError as e:
-            return self._reply(ident, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE, message=str(e)))
+            return self._reply(ident, M.Error(id=e.id, code=M.ErrorCode.BAD_MESSAGE, message=str(e)))
         try:
             self._on_request(ident, raw, msg)
         except WorkerDied:
