@@ -361,8 +361,6 @@ class Store:
             if said[key] != value:
                 raise StoreError(f"{mpath}: the manifest's model says {key} {value}, its config "
                                  f"{said[key]} (edited or corrupt; re-run deltafin-convert)")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise StoreError(f"{mpath}: top_k {self.top_k} of {self.n_experts} experts")
         layers = set(self.moe_layers)
         for layer in self.moe_layers:
             for e in range(self.n_experts):
@@ -404,8 +402,7 @@ class Store:
             end = 0
             for rec in sorted(recs, key=lambda r: r.offset):
                 where = f"{fname}: layer {rec.layer} expert {rec.expert}"
-                layout = self.layouts.get(rec.layout)
-                if layout is None or layout.get("nbytes") != rec.nbytes or rec.nbytes <= 0:
+                if self._size_disagrees(rec):
                     raise StoreError(f"{where}: the record's layout {rec.layout!r} does not match "
                                      f"its {rec.nbytes} bytes in the manifest")
                 if rec.offset % ALIGN or rec.offset < end:
@@ -416,6 +413,11 @@ class Store:
                                      f"but the file has {size} bytes (truncated, or not this "
                                      f"manifest's file)")
                 end = rec.offset + rec.nbytes
+
+    def _size_disagrees(self, rec: ExpertRecord) -> bool:
+        """The record's bytes in the manifest are not its layout's (or none, or its layout unknown)."""
+        layout = self.layouts.get(rec.layout)
+        return rec.nbytes <= 0 or layout is None or layout.get("nbytes") != rec.nbytes
 
     def _check_vocab(self, refs: dict) -> None:
         """A token id the config allows (vocab_size) has a row in the embedding: a larger
@@ -509,11 +511,10 @@ class Store:
                     yield rec, (f"layer {rec.layer} expert {rec.expert}: offset {rec.offset} "
                                 f"is not {ALIGN}-byte aligned")
                     continue
-                layout = self.layouts.get(rec.layout)
-                if rec.nbytes <= 0 or layout is None or layout.get("nbytes") != rec.nbytes:
+                if self._size_disagrees(rec):
+                    said = (self.layouts.get(rec.layout) or {}).get("nbytes", "nothing")
                     yield rec, (f"layer {rec.layer} expert {rec.expert}: {rec.nbytes} bytes in the "
-                                f"manifest, its layout {rec.layout!r} says "
-                                f"{layout.get('nbytes') if layout else 'nothing'}")
+                                f"manifest, its layout {rec.layout!r} says {said}")
                     continue
                 try:
                     self.read_record(rec, buf, files)

@@ -28,17 +28,16 @@ def openai_call(call: dict, cid: str) -> dict:
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
 
-def _token(text: str, lp: float, raw: list | None) -> dict:
-    return {"token": text, "logprob": lp, "bytes": raw if raw is not None else list(text.encode("utf-8"))}
+def _token(text: str, lp: float, raw: list) -> dict:
+    return {"token": text, "logprob": lp, "bytes": raw}
 
 
 def chat_logprobs(entries: list) -> dict:
     """The runtime's log-probability entries as a chat choice's `logprobs`: each token's own
     bytes (those of a token holding part of a character joined with its neighbours' spell it)."""
     def tops(e):
-        raws = e.get("top_bytes") or [None] * len(e["top"])
-        return [_token(t, lp, raw) for (_, lp, t), raw in zip(e["top"], raws)]
-    return {"content": [{**_token(e["token"], e["logprob"], e.get("bytes")), "top_logprobs": tops(e)}
+        return [_token(t, lp, raw) for (_, lp, t), raw in zip(e["top"], e["top_bytes"])]
+    return {"content": [{**_token(e["token"], e["logprob"], e["bytes"]), "top_logprobs": tops(e)}
                         for e in entries], "refusal": None}
 
 
