@@ -397,7 +397,11 @@ class Need:
     that compute would have sent just before, folded in; the router takes them first, in that
     order (its predictor may learn from them after this need's reads have gone out). `sure`
     (with `lease`): compute foresaw these experts (a layer that ran ahead on a wrong input chose
-    them), so the missing ones are read whatever the router's predictor expects of them."""
+    them), so the missing ones are read whatever the router's predictor expects of them.
+    `early` (a demand need): where some experts must be read and every read has a staging slot
+    (none queued), the router answers at once with `slots` marked `pending` (the resident slot
+    each expert will hold), then the fills, then the final `slots`; compute builds the rest of its
+    pass meanwhile and evaluates nothing before the final answer (bench.defer_needs)."""
     req: int
     layer: int
     experts: list
@@ -406,6 +410,7 @@ class Need:
     hints: list | None = None
     uses: list | None = None
     sure: bool = False
+    early: bool = False
 
 
 @message("used")
@@ -460,12 +465,15 @@ class FillFailed:
 @message("slots")
 class Slots:
     """router -> compute: every expert of the need is resident, after the fills sent before this.
-    [[expert, slot, generation]] (compute checks its own map against it)."""
+    [[expert, slot, generation]] (compute checks its own map against it). `pending` (the early
+    answer to a need with `early`): the slots are assigned and their reads under way; the fills
+    and the final answer follow."""
     req: int
     layer: int
     slots: list
     hits: int
     wait_us: int
+    pending: bool = False
 
 
 @message("read")

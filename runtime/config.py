@@ -142,6 +142,9 @@ class BenchConfig:
     leases: bool = True
     early_fills: bool | str = field(default="auto", metadata={"types": (bool, str)})
     eager_layers: bool | str = field(default="auto", metadata={"types": (bool, str)})
+    # a layer with misses computed in pieces (its hits first, each miss as it lands): "auto" on a CPU,
+    # where a call's row count picks no kernel; false runs a GPU's one call per layer on any backend
+    layer_pieces: bool | str = field(default="auto", metadata={"types": (bool, str)})
     run_ahead: bool | str = field(default="auto", metadata={"types": (bool, str)})
     device_pools: bool = False  # streaming pools where MLX puts them, filled through MLX (deltafin-device-pools)
     # MLX CUDA: streaming pools in device memory, filled by the driver's copies (true / "auto": on a
@@ -159,6 +162,7 @@ class BenchConfig:
     early_passes: bool = True  # running ahead a pass at once: the next pass launched before this token is read
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
     next_leases: bool = True  # running ahead: at a pass's end each partial layer's runner-up leased for the next token
+    defer_needs: bool = True  # running ahead a pass at once: a need's reads overlap the build of the pass's rest
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
     # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
     spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})
@@ -252,6 +256,7 @@ class Config:
         for name, value in (("cache.whole_layers", self.cache.whole_layers),
                             ("bench.early_fills", self.bench.early_fills),
                             ("bench.eager_layers", self.bench.eager_layers),
+                            ("bench.layer_pieces", self.bench.layer_pieces),
                             ("bench.run_ahead", self.bench.run_ahead),
                             ("bench.cuda_graphs", self.bench.cuda_graphs),
                             ("bench.device_copies", self.bench.device_copies)):

@@ -87,7 +87,8 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
     twice, running ahead on and off (launched before or after the check, checked one or eight
     layers later, or launched and checked with the pass, or each layer as built, the next pass
     launched before the token is read or not, checked one by one or in one drain, the runner-ups
-    leased for the next token or not), hints and uses folded
+    leased for the next token or not, the rest of a pass built while a need's reads land or not),
+    hints and uses folded
     into needs or not, reads ahead capped at one or yielding to demand reads, CUDA graphs on and off:
     every run's greedy tokens equal mlx-lm's and each other's, whatever lands when. On a GPU
     this is the check that a partial layer computes what the resident one does
@@ -117,6 +118,10 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             # ... and without each partial layer's runner-up leased for the next token (the default)
             (0.25, {"bench": {"run_ahead": True, "next_leases": False}}),
             (0.5, {"bench": {"run_ahead": True, "next_leases": False}}),
+            # ... and a need's reads landing while the rest of the pass is built, or not (the
+            # default); the GPU's one call per layer on a CPU too
+            (0.25, {"bench": {"run_ahead": True, "defer_needs": False}}),
+            (0.25, {"bench": {"run_ahead": True, "layer_pieces": False}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
             # prefetch and lease reads in pieces, held back while a demand read is in flight
             (0.25, {"bench": {"ahead_piece_bytes": 16384}}),

@@ -853,3 +853,35 @@ def test_a_layer_served_by_early_fills_still_starts_the_next_prefetch():
     reads = [m for _, m in router.prefetch_ahead() if isinstance(m, M.Read)]
     assert reads and all(r.prefetch for r in reads)
     assert (1, (first[0] + 1) % 32) in {(r.layer, r.expert) for r in reads}  # the chain's next expert
+
+
+def test_an_early_need_is_answered_at_once_unless_a_read_waits_for_staging():
+    """Need.early (bench.defer_needs): where reads are needed and each holds a staging slot, the
+    router answers at once with the slots marked pending, then the fills, then the final answer;
+    a need with nothing to read is answered as before; one whose read is queued for a staging
+    slot gets no early answer (compute could hold back the `filled` that read waits for)."""
+    r = Router(4, "lru", n_staging=1, moe_layers=[0, 1], n_experts=8)
+    out = r.need(1, 0, [0, 1], early=True)
+    assert not _sent(out, M.Slots)  # two reads, one staging slot: the second is queued
+    reads = _sent(out, M.Read)
+    assert len(reads) == 1
+    out = r.loaded(_loaded(reads[0]))
+    fill = _sent(out, M.Fill)[0]
+    out = r.filled(M.Filled(staging=fill.staging, generation=fill.generation))
+    out = r.loaded(_loaded(_sent(out, M.Read)[0]))
+    assert [m.pending for m in _sent(out, M.Slots)] == [False]
+    r.release()
+
+    r = Router(4, "lru", n_staging=4, moe_layers=[0, 1], n_experts=8)
+    out = r.need(1, 0, [2, 3], early=True)
+    early = _sent(out, M.Slots)
+    assert [(m.req, m.pending, m.hits) for m in early] == [(1, True, 0)]
+    reads = _sent(out, M.Read)
+    assert sorted(m.expert for m in reads) == [2, 3]
+    assert {e: s for e, s, _ in early[0].slots} == {m.expert: r.table.where[(0, m.expert)] for m in reads}
+    answers = [m for read in reads for m in _sent(r.loaded(_loaded(read)), M.Slots)]
+    assert [(m.pending, m.hits) for m in answers] == [(False, 0)]
+    assert answers[0].slots == early[0].slots
+    # every expert resident: answered once, as always
+    assert [m.pending for m in _sent(r.need(2, 0, [2, 3], early=True), M.Slots)] == [False]
+    assert r.stats()["early_answers"] == 1

@@ -312,3 +312,30 @@ def test_next_token_leases_are_read_used_and_change_no_token(store, tmp_path):
     assert pipeline["next_leases"] > 0 and pipeline["next_used"] > 0, pipeline
     # sure reads come from foresight too: the leases add to them
     assert router["foreseen_reads"] > plain_router["foreseen_reads"], (router, plain_router)
+
+
+def test_needs_answered_early_change_no_token(store, tmp_path):
+    """bench.defer_needs, real processes (the early answer is the router's process's): a layer of
+    a pass run ahead that reads its routing back and misses experts gets their slots at once, the
+    rest of the pass is built while they are read, and nothing is evaluated before they land. The
+    GPU's one call per layer (layer_pieces false) on this CPU, at 8 of the 32 experts: needs are
+    answered early, and every token equals that of all resident and of the same budget without."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+
+    def run(n_slots: int, on: bool):
+        cfg = tmp_path / f"dn-{on}.toml"
+        cfg.write_text(f"[bench]\nrun_ahead = true\nlayer_pieces = false\ndefer_needs = {str(on).lower()}\n")
+        with running_supervisor(store.path, "4GiB", ["--config", str(cfg), "--max-slots", str(n_slots)]) as (ep, _):
+            with Client(ep, timeout=120) as c:
+                tokens = c.generate(PROMPT, max_tokens=32).token_ids
+                workers = c.stats()["workers"]
+        return tokens, workers["compute"]["pipeline"], workers["router"]
+
+    ref, _, _ = run(len(store.records), True)
+    plain, plain_pipeline, plain_router = run(8, False)
+    got, pipeline, router = run(8, True)
+    assert got == ref == plain
+    assert pipeline["resolved"]["defer_needs"] is True and pipeline["resolved"]["hits_first"] is False
+    assert plain_pipeline["deferred_needs"] == 0 and plain_router.get("early_answers", 0) == 0
+    assert pipeline["deferred_needs"] > 0 and router["early_answers"] == pipeline["deferred_needs"], (pipeline, router)

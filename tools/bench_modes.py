@@ -73,6 +73,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-check-each": {"bench": {"check_each": True}},
     "deltafin-next-leases": {"bench": {"next_leases": True}},
     "deltafin-no-next-leases": {"bench": {"next_leases": False}},
+    "deltafin-no-defer-needs": {"bench": {"defer_needs": False}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

@@ -318,7 +318,8 @@ class Compute:
                 # before a layer asked, leases asked; and the settings resolved at start
                 "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases",
                                                                 "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten", "foreseen",
-                                                                "settles", "fills_unsettled", "next_leases", "next_used")},
+                                                                "settles", "fills_unsettled", "next_leases", "next_used",
+                                                                "deferred_needs")},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

@@ -86,6 +86,7 @@ class Pipeline:
     early_passes: bool = True  # running ahead a pass at once: the next launched before a token is read
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
     next_leases: bool = True  # running ahead: each partial layer's runner-up leased for the next token (bench.next_leases)
+    defer_needs: bool = True  # running ahead a pass at once: the rest of the pass built while a need's reads land (bench.defer_needs)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
 
@@ -102,13 +103,14 @@ class Pipeline:
                     ahead_depth=bench.ahead_depth, ahead_launch=bench.ahead_launch,
                     foresight=bench.foresight, ahead_waste=float(bench.ahead_waste),
                     early_passes=bench.early_passes, check_each=bench.check_each,
-                    next_leases=bench.next_leases)
+                    next_leases=bench.next_leases, defer_needs=bench.defer_needs)
         if bench.pipeline == "sync":
             return cls(hits_first=False, stream_misses=False, host_fills=False, host_pools=False,
                        early_fills=False, leases=False, run_ahead=False, **same)
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
-        pieces = not gpu  # a layer in pieces is exact only where row counts do not pick kernels
+        # a layer in pieces is exact only where row counts do not pick kernels (not on a GPU)
+        pieces = (not gpu) if bench.layer_pieces == "auto" else bool(bench.layer_pieces) and not gpu
         host = not bench.device_pools
         copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,

@@ -177,11 +177,12 @@ class Router:
                     self.counters.add("stray_uses")
 
     def need(self, req: int, layer: int, experts: list[int], prefetch: bool = False,
-             lease: bool = False, sure: bool = False) -> list[tuple[str, object]]:
+             lease: bool = False, sure: bool = False, early: bool = False) -> list[tuple[str, object]]:
         """Pins the experts' slots; misses get a victim slot and a read. Returns what to send:
         read orders, and `slots` at once if nothing had to be read. prefetch: not a use (no
-        history, no use or hit counted). lease, sure: see `lease`. Releases the last need's pins
-        and the leases of layers up to this one."""
+        history, no use or hit counted). lease, sure: see `lease`. early: where reads are needed
+        and none waits for a staging slot, `slots` marked pending goes at once too (Need.early).
+        Releases the last need's pins and the leases of layers up to this one."""
         if lease:
             return self.lease(req, layer, experts, sure)
         self._release_to(layer)
@@ -231,6 +232,11 @@ class Router:
         if not waiting:
             out.append(("compute", self._reply()))
             out += self._prefetch_after_reply()
+        elif early and not prefetch and not any(q[0] == g and q[1] in waiting for q in self.queued):
+            # every read it waits for holds a staging slot (a queued one would wait for a `filled`
+            # compute may hold back until this need is answered): compute may build on the slots
+            self.counters.add("early_answers")
+            out.append(("compute", self._reply(pending=True)))
         return out
 
     def filled(self, msg: M.Filled) -> list[tuple[str, object]]:
@@ -572,9 +578,12 @@ class Router:
                     return self._read(g, slot, gen, layer, expert, queue is self.queued_ahead)
         return []
 
-    def _reply(self) -> M.Slots:
-        """The `slots` answer of the need waiting (a lease gets none)."""
+    def _reply(self, pending: bool = False) -> M.Slots:
+        """The `slots` answer of the need waiting (a lease gets none); pending: the early one."""
         p = self.pending
+        if pending:
+            return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=0,
+                           pending=True)
         if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
             self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
         wait_us = 0

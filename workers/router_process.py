@@ -108,7 +108,8 @@ class RouterProcess(WorkerProcess):
 
     def on_need(self, sender: bytes, msg: M.Need) -> list:
         self.router.notes(layer_lists(msg.hints or [], "hints"), layer_lists(msg.uses or [], "uses"))
-        return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease, msg.sure)
+        return self.router.need(msg.req, msg.layer, msg.experts, msg.prefetch, msg.lease, msg.sure,
+                                msg.early)
 
     def on_used(self, sender: bytes, msg: M.Used) -> list:
         self.router.used(layer_lists(msg.uses, "uses"))

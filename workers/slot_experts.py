@@ -89,6 +89,8 @@ class SlotExperts(ExpertProvider):
         self._logits: dict[int, mx.array] = {}  # next_leases: this pass's gate logits per partial layer
         self._next_sent: list[list] = []  # next_leases: [passes left, layer, expert] leased, not yet used
         self._next_odds, self._next_probe = 1.0, 0  # next_leases: decayed share used, passes held back
+        self._deferred: dict | None = None  # defer_needs: a need answered early, its fills still to land
+        self._filling: tuple | None = None  # (layer, missing experts) while that need's own fills land
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -130,6 +132,7 @@ class SlotExperts(ExpertProvider):
         look, self._look = self._look, None
         if look is None:
             return
+        self._complete_deferred()
         mx.eval(*((ids,) if isinstance(ids, mx.array) else ()), look[1])  # ids may be read back already
         self.counters.add("hints")
         experts = sorted(set(np.array(look[1]).reshape(-1).tolist()))
@@ -236,12 +239,18 @@ class SlotExperts(ExpertProvider):
         """Whether a graph of an open pass, not known to be done, reads slots of group g."""
         return any(self.tier.group_of[layer] == g for rec in self.passes.values() for layer in rec.get("open", ()))
 
-    def _settle(self) -> None:
+    def _settle(self, current: bool = True) -> None:
         """Evaluates what the open passes have built on the pools, before a fill writes them in
         place (ResidentTier.host): an unevaluated graph would read the new expert. Where a gate
         was read back this is already done, and costs nothing."""
-        pending = [rec.pop("reads") for rec in self.passes.values() if "reads" in rec]
-        for rec in self.passes.values():
+        if current:
+            self._complete_deferred()
+        # current False (the fills of a need answered early): only the passes before this one,
+        # launched; this one's graph waits for those very fills and reads none of the old experts
+        # they replace (`_defer`)
+        recs = [rec for rec in self.passes.values() if current or rec is not self.current]
+        pending = [rec.pop("reads") for rec in recs if "reads" in rec]
+        for rec in recs:
             rec.pop("open", None)
         if pending:
             mx.eval(pending)
@@ -273,7 +282,8 @@ class SlotExperts(ExpertProvider):
             # write waits for nothing.
             last = self.tier.last_layer[g][msg.slot]
             if (last is not None and self._may_read(last)) or (msg.slot == 0 and self._may_read_group(g)):
-                self._settle()
+                own = self._filling is not None and msg.layer == self._filling[0] and msg.expert in self._filling[1]
+                self._settle(current=not own)
             else:
                 self.counters.add("fills_unsettled")
         self.tier.fill(msg.layer, msg.expert, msg.slot, self.staging[start:start + nbytes])
@@ -291,8 +301,8 @@ class SlotExperts(ExpertProvider):
         it). Without this they waited in the socket for the layer's need. Called where the
         layer's input is evaluated (after its gate read-back), so writing the pools in place
         costs no extra sync. True where a fill taken was one of the layer's experts."""
-        if not self.pipe.early_fills:
-            return False
+        if not self.pipe.early_fills or self._deferred is not None:
+            return False  # a need answered early: every fill waits for its answer (`_complete_deferred`)
         t0, prep0 = time.perf_counter(), self.t_prepare
         mine = []
 
@@ -306,9 +316,10 @@ class SlotExperts(ExpertProvider):
         self.t_ipc += time.perf_counter() - t0 - (self.t_prepare - prep0)
         return bool(mine)
 
-    def ensure(self, layer: int, experts: list[int]) -> bool:
+    def ensure(self, layer: int, experts: list[int], early: bool = False) -> bool:
         """Makes the experts resident together; counts their uses. False when they all were (no
-        message: their use is reported later); True when a need was sent (it reports them)."""
+        message: their use is reported later); True when a need was sent (it reports them).
+        early: the need may be answered before its reads land (`_defer`)."""
         missing = self.tier.missing(layer, experts)
         self.counters.add("uses", len(experts))
         self.counters.add("hits", len(experts) - len(missing))
@@ -326,9 +337,13 @@ class SlotExperts(ExpertProvider):
             uses = None
         if self._unforeseen:  # read back once the need is out: its read overlaps the device's wait
             leases = (lambda first=leases: first + self._foresee_late())
-        granted = self.source.need(layer, experts, self.apply, leases=leases, hints=hints, uses=uses)
+        granted = self.source.need(layer, experts, self.apply, leases=leases, hints=hints, uses=uses,
+                                   early=early)
         if self._unforeseen:  # a source that takes no leases: foreseen all the same (`_goes_ahead`)
             self._foresee_late()
+        if granted.pending:
+            self._defer(layer, granted, t0, prep0)
+            return True
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
         self.t_ipc += max(0.0, took - granted.wait_s)
@@ -337,6 +352,56 @@ class SlotExperts(ExpertProvider):
                 raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
                                         f"{layer} expert {e} (slot {slot})")
         return True
+
+    def _can_defer(self, layer: int) -> bool:
+        """Whether a need of this layer may be answered early (bench.defer_needs): in a pass run
+        ahead at once, from the router's process, where fills write the pools in place (a graph
+        built before a fill then reads what the fill wrote)."""
+        return (self._ahead_on and self.pipe.defer_needs and self.pipe.ahead_launch == "pass"
+                and self.source.takes_leases and bool(self.tier.host[self.tier.group_of[layer]]))
+
+    def _defer(self, layer: int, granted, t0: float, prep0: float) -> None:
+        """A need answered early: the slots its experts hold or will hold are known, their reads
+        under way. An expert compute does not find in its slot (a miss, or one the router read
+        again elsewhere, its fill still to come) is still to land; what that slot holds now is
+        forgotten at once, so nothing built from here on reads it. Every fill sent before the
+        answer has been applied (the socket keeps the router's order). The fills land, and the
+        final answer comes, before anything is evaluated (`_complete_deferred`, called by every
+        read-back and at the pass's end)."""
+        tier = self.tier
+        missing = [e for e, slot in granted.slots if not tier.holds(layer, e, slot)]
+        for e, slot in granted.slots:
+            if e in missing:
+                tier.drop(layer, slot)  # its old expert: gone for what is built from now on
+        self._deferred = {"req": granted.pending, "layer": layer, "missing": missing,
+                          "slots": dict(granted.slots), "spent": time.perf_counter() - t0 - (self.t_prepare - prep0)}
+        self.counters.add("deferred_needs")
+
+    def _complete_deferred(self) -> None:
+        """The need answered early, finished: its fills applied as they land (settling only the
+        passes before this one, whose graphs are launched; this pass's graph reads none of the
+        slots' old experts), then the fills held back meanwhile; the wait counted."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        self._filling = (d["layer"], set(d["missing"]))
+        try:
+            granted = self.source.finish(d["req"], d["layer"], d["missing"], self.apply)
+        finally:
+            self._filling = None
+        took = time.perf_counter() - t0 - (self.t_prepare - prep0)
+        self.t_wait += min(granted.wait_s, took)
+        self.t_ipc += max(0.0, took - granted.wait_s) + d["spent"]
+        for e, slot in granted.slots:
+            if not self.tier.holds(d["layer"], e, slot):
+                raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
+                                        f"{d['layer']} expert {e} (slot {slot})")
+
+    def _host(self, ids) -> np.ndarray:
+        if isinstance(ids, mx.array):
+            self._complete_deferred()  # a read-back evaluates the graph: the fills first
+        return super()._host(ids)
 
     def preload_step(self) -> bool:
         """Where the resident tier holds every expert of a group (the budget allows it), asks for
@@ -445,6 +510,7 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
+        self._complete_deferred()  # left by a pass that failed while it waited (never otherwise)
         self._ahead, self._redo, self._logits = [], None, {}
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
@@ -457,6 +523,7 @@ class SlotExperts(ExpertProvider):
         """The pass's layers that ran ahead and are not checked yet are checked (may raise
         RunAheadMiss); with next_leases, their gate logits read back in the same drain and the next
         token's leases sent (`_lease_next`)."""
+        self._complete_deferred()
         layers = sorted(self._logits)
         scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
         self._check_pending(also=() if scores is None else (scores,))
@@ -523,6 +590,7 @@ class SlotExperts(ExpertProvider):
         """The layers that ran ahead checked, oldest first, until at most `keep` are left
         (`_check_ahead`; a miss forgets the rest). Several to check: their routing is evaluated
         in one drain, with `also` (device arrays the caller reads next)."""
+        self._complete_deferred()
         recs = [rec for rec in self._ahead[:max(0, len(self._ahead) - keep)] if isinstance(rec["ids"], mx.array)]
         if recs and (len(recs) > 1 or also):
             t0 = time.perf_counter()
@@ -704,7 +772,7 @@ class SlotExperts(ExpertProvider):
             host = np.asarray(ids).reshape(inds.shape)
             slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
         y = switch_glu(x, slots, ordered or tier.weights(layer), tier.quant(layer))
-        if self.pipe.eager_layers and not tier.all_full():
+        if self.pipe.eager_layers and not tier.all_full() and self._deferred is None:
             # A later layer of this pass reads its routing back, which waits for everything
             # before it: launched now, this layer computes while the next ones are built.
             mx.async_eval(y)
@@ -738,11 +806,16 @@ class SlotExperts(ExpertProvider):
         flush_ahead: early fills completed the layer, so no need starts the router's next
         prefetch: its uses, sent now, do."""
         tier = self.tier
-        reported = self.ensure(layer, experts)
+        reported = self.ensure(layer, experts, early=self._can_defer(layer))
         self._note(layer, flat, report=not reported, count=False)
         if flush_ahead:
             self.flush(ahead=True)
-        slots = tier.slots(layer, flat).astype(np.uint32).reshape(inds.shape)
+        where = tier.slot_of[layer]
+        if self._deferred is not None:  # answered early: the slots the misses will hold
+            where = where.copy()
+            for e, slot in self._deferred["slots"].items():
+                where[e] = slot
+        slots = where[flat].astype(np.uint32).reshape(inds.shape)
         return self._reads_pools(switch_glu(x, mx.array(slots), tier.weights(layer), tier.quant(layer)), layer)
 
     def _in_chunks(self, layer: int, x, inds, flat: np.ndarray, experts: list[int]):

@@ -39,6 +39,7 @@ class Granted:
     slots: list          # [(expert, slot)]
     hits: int
     wait_s: float
+    pending: int = 0     # the early answer (`need` with early): the request whose fills `finish` waits for
 
 
 class ExpertSource(Protocol):
@@ -52,7 +53,12 @@ class ExpertSource(Protocol):
         """{group: resident slots}, or None where the process learns them later (attach_pool)."""
 
     def need(self, layer: int, experts: list[int], apply: Callable, prefetch: bool = False,
-             leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted: ...
+             leases: list = (), hints: list | None = None, uses: list | None = None,
+             early: bool = False) -> Granted: ...
+
+    def finish(self, req: int, layer: int, missing: list[int], apply: Callable) -> Granted:
+        """The rest of a need answered early (Granted.pending = req): applies its fills as they
+        come, holds the others back until its final answer, then applies them."""
 
     def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None: ...
 
@@ -90,7 +96,8 @@ class LocalExpertSource:
         return {g: t.n_slots for g, t in self.router.tables.items()}
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False, leases=(),
-             hints: list | None = None, uses: list | None = None) -> Granted:
+             hints: list | None = None, uses: list | None = None, early: bool = False) -> Granted:
+        """Served whole, fills included (early or not: in-process nothing is read meanwhile)."""
         from deltafin.workers.router import RouterError
         self._notes(hints, uses)
         self.req += 1
@@ -107,6 +114,9 @@ class LocalExpertSource:
             raise ExpertUnavailable(str(e), code=e.code) from None
         wait = time.perf_counter() - t0 if reply.hits < len(reply.slots) else 0.0
         return Granted([(e, s) for e, s, _ in reply.slots], reply.hits, wait)
+
+    def finish(self, req: int, layer: int, missing: list[int], apply) -> Granted:
+        raise NotImplementedError("the in-process source answers no need early")
 
     def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:
         raise NotImplementedError("the in-process source takes no leases (takes_leases is False)")
@@ -173,19 +183,44 @@ class RouterClient:
         return n
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
-             leases: list = (), hints: list | None = None, uses: list | None = None) -> Granted:
+             leases: list = (), hints: list | None = None, uses: list | None = None,
+             early: bool = False) -> Granted:
         """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts,
         sure) of later layers; or a callable giving them, called once the need is out), so the
-        router reads them behind this need's reads; waits for this need's `slots`."""
-        from deltafin.runtime.sockets import recv, send, wait_readable
+        router reads them behind this need's reads; waits for this need's `slots`. early: the
+        router's early answer returns at once (Granted.pending: `finish` waits for the rest)."""
+        from deltafin.runtime.sockets import send
         self.req += 1
         req = self.req
         send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch,
-                               hints=hints or None, uses=uses or None))
+                               hints=hints or None, uses=uses or None, early=early))
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
         for later, its_experts, sure in (leases() if callable(leases) else leases):
             self.lease(later, its_experts, sure=sure)
+        return self._answer(req, layer, lambda msg: self._fill(msg, apply), apply)
+
+    def finish(self, req: int, layer: int, missing: list[int], apply) -> Granted:
+        """The rest of a need answered early: its own fills are applied as they come; the
+        others (leases' and prefetches') are held back, unacknowledged, until its final answer
+        (compute has built on slots they may overwrite), then applied. No deadlock: the router
+        answers early only where every read of the need already holds its staging slot."""
+        held, mine = [], set(missing)
+
+        def fill(msg) -> None:
+            if msg.layer == layer and msg.expert in mine:
+                self._fill(msg, apply)
+            else:
+                held.append(msg)
+        try:
+            return self._answer(req, layer, fill, apply, final=True)
+        finally:
+            for msg in held:
+                self._fill(msg, apply)
+
+    def _answer(self, req: int, layer: int, fill, apply, final: bool = False) -> Granted:
+        """Waits for need req's `slots` (with final, not an early one), fills going to fill(msg)."""
+        from deltafin.runtime.sockets import recv, wait_readable
         while True:
             if self.stash:
                 msg = self.stash.popleft()
@@ -197,15 +232,16 @@ class RouterClient:
                     raise ExpertUnavailable(str(e)) from None
                 msg = recv(self.sock)
             if isinstance(msg, M.Fill):
-                self._fill(msg, apply)
+                fill(msg)
             elif isinstance(msg, M.FillFailed):
                 apply(msg)
                 if msg.req == req:
                     raise ExpertUnavailable(msg.error, code=M.ErrorCode.EXPERT_READ_FAILED)
             elif isinstance(msg, M.Error):  # the router's own code (budget_too_small)
                 raise ExpertUnavailable(msg.message, code=msg.code)
-            elif isinstance(msg, M.Slots) and msg.req == req:
-                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6)
+            elif isinstance(msg, M.Slots) and msg.req == req and not (final and msg.pending):
+                return Granted([(e, s) for e, s, _ in msg.slots], msg.hits, msg.wait_us / 1e6,
+                               pending=req if msg.pending else 0)
             # else an older need's answer (one a timeout gave up on): dropped
 
     def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:

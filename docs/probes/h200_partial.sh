@@ -40,6 +40,7 @@
 #   bash docs/probes/h200_partial.sh profile2 # a warm-up supervisor, then every worker under cProfile at 25% (the .prof files under $OUT)
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
+#   bash docs/probes/h200_partial.sh defer [ROUNDS] # bench.defer_needs against without at 25% (bench beside mlx-lm), then real supervisors' split
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
@@ -211,6 +212,12 @@ case "${1:-split}" in
       grep "^r\|all same" "$out/nlsplit-$share.txt" | cut -c1-200
       grep -o "^r[0-9] [a-z]*\|'next_leases': [0-9]*, 'next_used': [0-9]*\|\"hits\": [0-9]*, \"uses\": [0-9]*\|\"lease_reads\": [0-9]*\|\"need\": {\"count\": [0-9]*" "$out/nlsplit-$share.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g'
     done ;;
+  defer)  # [ROUNDS]: bench.defer_needs (a need's reads land while the rest of the pass is built; the default since stop 59) against without, at 25% (bench beside mlx-lm, 3 rounds unless given), then real supervisors' split at 25%, 2 rounds
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 300 bash "$0" bench 0.25 "${2:-3}" deltafin,deltafin-no-defer-needs,mlx-lm
+    timeout 150 python3 docs/probes/real_split.py /tmp/store 2 "base:run_ahead = true;defer_needs = false:0.25,dn:run_ahead = true;defer_needs = true:0.25" -v > "$out/defer-0.25.txt" 2>&1
+    grep "^r\|all same" "$out/defer-0.25.txt" | cut -c1-200
+    grep -o "^r[0-9] [a-z]*\|decode_ms_per_token={[^}]*}\|'deferred_needs': [0-9]*\|\"need\": {\"count\": [0-9]*" "$out/defer-0.25.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g' ;;
   nodisk)  # the disk taken out: the store copied to tmpfs (its reads memory copies) beside it on disk, 25%, benches alternating; then the split per token from tmpfs
     nvidia-smi --query-gpu=name --format=csv,noheader
     rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
