@@ -165,6 +165,9 @@ def test_a_peer_at_equal_memory_needs_both_peaks_first():
                                         "mlx-vlm": [{**ok, "peak_tree_pss_bytes": 6e9}]}, "mlx-vlm")
     assert gb is None and "below" in why
     assert bench_modes.bad_contender("mlx-vlm@mem") is None and bench_modes.bad_contender("mlx-lm@mem")
+    # every mode with settings of its own is a contender the bench takes by name
+    for name in bench_modes.DELTAFIN_MODE_CONFIG:
+        assert bench_modes.bad_contender(name) is None, name
 
 
 def test_a_peer_without_its_package_is_skipped_with_the_cause(tiny_stores, monkeypatch):

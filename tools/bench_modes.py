@@ -42,6 +42,7 @@ DELTAFIN_MODES = {
     "deltafin-check-each": [],  # the default with the layers run ahead checked one by one as the device has them
     "deltafin-next-leases": [],  # each partial layer's runner-up leased for the next token (the default since stop 58; kept for earlier commands)
     "deltafin-no-next-leases": [],  # the default without the next token's leases
+    "deltafin-no-defer-needs": [],  # the default with a need's reads waited for before the rest of the pass is built
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
