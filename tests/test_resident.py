@@ -570,6 +570,43 @@ def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need
         router.close(0)
 
 
+def test_a_need_answered_early_takes_its_own_fills_and_holds_the_others_back():
+    """bench.defer_needs over the real data-plane sockets: a need with `early` returns at the
+    router's pending answer; `finish` then applies (and acknowledges) the need's own fill as it
+    comes, holds a lease's fill that came before it, unacknowledged, until the final answer, and
+    applies it after; a pending answer never ends `finish`."""
+    import zmq
+    from deltafin.runtime.sockets import make_socket, recv, send
+    from deltafin.workers.sources import RouterClient
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER)
+    router.bind("inproc://early-test")
+    dealer = make_socket(ctx, zmq.DEALER, identity="compute")
+    dealer.connect("inproc://early-test")
+    try:
+        send(dealer, M.PeerHello(role="compute"))
+        ident, _ = recv(router, routed=True)
+        client = RouterClient(dealer, timeout_s=5, alive=lambda: True)
+        applied = []
+        slots = [[5, 2, 9], [6, 3, 4]]
+        send(router, M.Slots(req=1, layer=0, slots=slots, hits=1, wait_us=0, pending=True), to=ident)
+        granted = client.need(0, [5, 6], applied.append, early=True)
+        _, need = recv(router, routed=True)
+        assert need.early and granted.pending == 1 and granted.slots == [(5, 2), (6, 3)] and not applied
+        send(router, M.Fill(req=1, slot=7, staging=0, layer=1, expert=4, generation=3), to=ident)  # a lease's
+        send(router, M.Slots(req=1, layer=0, slots=slots, hits=1, wait_us=0, pending=True), to=ident)
+        send(router, M.Fill(req=1, slot=2, staging=1, layer=0, expert=5, generation=9), to=ident)  # its own
+        send(router, M.Slots(req=1, layer=0, slots=slots, hits=1, wait_us=500, pending=False), to=ident)
+        done = client.finish(1, 0, [5], applied.append)
+        assert done.pending == 0 and done.wait_s == 0.0005
+        assert [(m.layer, m.expert) for m in applied] == [(0, 5), (1, 4)]  # its own first
+        acks = [recv(router, routed=True)[1] for _ in range(2)]
+        assert acks == [M.Filled(staging=1, generation=9), M.Filled(staging=0, generation=3)]
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
 class _RecordingDriver:
     """The few CUDA driver calls DriverCopies makes, recorded (no GPU here): registrations of host
     memory by address."""

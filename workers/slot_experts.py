@@ -399,6 +399,7 @@ class SlotExperts(ExpertProvider):
                                         f"{d['layer']} expert {e} (slot {slot})")
 
     def _host(self, ids) -> np.ndarray:
+        """As ExpertProvider's, a need answered early finished first."""
         if isinstance(ids, mx.array):
             self._complete_deferred()  # a read-back evaluates the graph: the fills first
         return super()._host(ids)
@@ -510,7 +511,9 @@ class SlotExperts(ExpertProvider):
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
         model can take its attention back (rewinds), the gate routes, nothing reroutes or
         forces syncs, and the pass is one token (a row of k experts, most often all resident)."""
-        self._complete_deferred()  # left by a pass that failed while it waited (never otherwise)
+        # left by a pass that failed before it evaluated (never otherwise): its fills come as any
+        # others and are applied as they land (its final answer, if any, is dropped as stale)
+        self._deferred = None
         self._ahead, self._redo, self._logits = [], None, {}
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
