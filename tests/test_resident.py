@@ -2,6 +2,7 @@
 the zero-copy probe, and what a resident expert costs: no copy, no message, no sync per use."""
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import replace
 import time
@@ -532,22 +533,34 @@ def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
     np.testing.assert_array_equal(out[0], out[1])
 
 
-def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need():
-    """Between needs compute takes the fills the router sent (prefetch reads that landed) over
-    the real data-plane sockets, answers each `filled`, applies a failed read, and leaves any
-    other message for the next need, which it answers."""
+@contextlib.contextmanager
+def _data_plane(name: str):
+    """A real data plane in one process: a ROUTER standing in for the router and compute's
+    RouterClient on a DEALER, after the hello. Yields (router socket, compute's identity, client,
+    compute's socket)."""
     import zmq
     from deltafin.runtime.sockets import make_socket, recv, send
     from deltafin.workers.sources import RouterClient
     ctx = zmq.Context.instance()
     router = make_socket(ctx, zmq.ROUTER)
-    router.bind("inproc://poll-test")
+    router.bind(f"inproc://{name}")
     dealer = make_socket(ctx, zmq.DEALER, identity="compute")
-    dealer.connect("inproc://poll-test")
+    dealer.connect(f"inproc://{name}")
     try:
         send(dealer, M.PeerHello(role="compute"))
         ident, _ = recv(router, routed=True)
-        client = RouterClient(dealer, timeout_s=5, alive=lambda: True)
+        yield router, ident, RouterClient(dealer, timeout_s=5, alive=lambda: True), dealer
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
+def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need():
+    """Between needs compute takes the fills the router sent (prefetch reads that landed) over
+    the real data-plane sockets, answers each `filled`, applies a failed read, and leaves any
+    other message for the next need, which it answers."""
+    from deltafin.runtime.sockets import recv, send
+    with _data_plane("poll-test") as (router, ident, client, dealer):
         applied = []
         assert client.poll(applied.append) == 0  # nothing arrived: no wait
         send(router, M.Fill(req=0, slot=3, staging=1, layer=2, expert=7, generation=5), to=ident)
@@ -565,9 +578,6 @@ def test_router_client_poll_applies_landed_fills_and_keeps_the_rest_for_the_need
         assert granted.slots == [(1, 0)] and granted.hits == 1
         _, need = recv(router, routed=True)
         assert isinstance(need, M.Need) and need.req == 1
-    finally:
-        dealer.close(0)
-        router.close(0)
 
 
 def test_a_need_answered_early_takes_its_own_fills_and_holds_the_others_back():
@@ -575,18 +585,8 @@ def test_a_need_answered_early_takes_its_own_fills_and_holds_the_others_back():
     router's pending answer; `finish` then applies (and acknowledges) the need's own fill as it
     comes, holds a lease's fill that came before it, unacknowledged, until the final answer, and
     applies it after; a pending answer never ends `finish`."""
-    import zmq
-    from deltafin.runtime.sockets import make_socket, recv, send
-    from deltafin.workers.sources import RouterClient
-    ctx = zmq.Context.instance()
-    router = make_socket(ctx, zmq.ROUTER)
-    router.bind("inproc://early-test")
-    dealer = make_socket(ctx, zmq.DEALER, identity="compute")
-    dealer.connect("inproc://early-test")
-    try:
-        send(dealer, M.PeerHello(role="compute"))
-        ident, _ = recv(router, routed=True)
-        client = RouterClient(dealer, timeout_s=5, alive=lambda: True)
+    from deltafin.runtime.sockets import recv, send
+    with _data_plane("early-test") as (router, ident, client, _):
         applied = []
         slots = [[5, 2, 9], [6, 3, 4]]
         send(router, M.Slots(req=1, layer=0, slots=slots, hits=1, wait_us=0, pending=True), to=ident)
@@ -602,9 +602,6 @@ def test_a_need_answered_early_takes_its_own_fills_and_holds_the_others_back():
         assert [(m.layer, m.expert) for m in applied] == [(0, 5), (1, 4)]  # its own first
         acks = [recv(router, routed=True)[1] for _ in range(2)]
         assert acks == [M.Filled(staging=1, generation=9), M.Filled(staging=0, generation=3)]
-    finally:
-        dealer.close(0)
-        router.close(0)
 
 
 class _RecordingDriver:

@@ -286,23 +286,28 @@ def test_device_copies_setting_is_checked():
         load_config(None, overrides={"bench.device_copies": "maybe"})
 
 
+def _generate_with(store, tmp_path, bench: str, n_slots: int):
+    """Real processes: 32 greedy tokens with [bench] settings `bench` (TOML lines) at n_slots
+    resident slots; (tokens, compute's pipeline stats, the router's stats)."""
+    from deltafin.client import Client
+    from deltafin.tools.run import running_supervisor
+    cfg = tmp_path / f"bench-{abs(hash((bench, n_slots)))}.toml"
+    cfg.write_text(f"[bench]\n{bench}")
+    with running_supervisor(store.path, "4GiB", ["--config", str(cfg), "--max-slots", str(n_slots)]) as (ep, _):
+        with Client(ep, timeout=120) as c:
+            tokens = c.generate(PROMPT, max_tokens=32).token_ids
+            workers = c.stats()["workers"]
+    return tokens, workers["compute"]["pipeline"], workers["router"]
+
+
 def test_next_token_leases_are_read_used_and_change_no_token(store, tmp_path):
     """bench.next_leases, real processes (leases need the router's process): at a pass's end each
     partial layer's runner-up, where missing, is leased for the next token. At 8 of the 32
     experts (2 of a layer's 8) some are read (more of the router's sure reads than without them),
     some used by the passes after, and every token equals that of all resident and of the same
     budget without them."""
-    from deltafin.client import Client
-    from deltafin.tools.run import running_supervisor
-
     def run(n_slots: int, on: bool):
-        cfg = tmp_path / f"nl-{on}.toml"
-        cfg.write_text(f"[bench]\nrun_ahead = true\nnext_leases = {str(on).lower()}\n")
-        with running_supervisor(store.path, "4GiB", ["--config", str(cfg), "--max-slots", str(n_slots)]) as (ep, _):
-            with Client(ep, timeout=120) as c:
-                tokens = c.generate(PROMPT, max_tokens=32).token_ids
-                workers = c.stats()["workers"]
-        return tokens, workers["compute"]["pipeline"], workers["router"]
+        return _generate_with(store, tmp_path, f"run_ahead = true\nnext_leases = {str(on).lower()}\n", n_slots)
 
     ref, _, _ = run(len(store.records), True)
     plain, _, plain_router = run(8, False)
@@ -320,17 +325,9 @@ def test_needs_answered_early_change_no_token(store, tmp_path):
     rest of the pass is built while they are read, and nothing is evaluated before they land. The
     GPU's one call per layer (layer_pieces false) on this CPU, at 8 of the 32 experts: needs are
     answered early, and every token equals that of all resident and of the same budget without."""
-    from deltafin.client import Client
-    from deltafin.tools.run import running_supervisor
-
     def run(n_slots: int, on: bool):
-        cfg = tmp_path / f"dn-{on}.toml"
-        cfg.write_text(f"[bench]\nrun_ahead = true\nlayer_pieces = false\ndefer_needs = {str(on).lower()}\n")
-        with running_supervisor(store.path, "4GiB", ["--config", str(cfg), "--max-slots", str(n_slots)]) as (ep, _):
-            with Client(ep, timeout=120) as c:
-                tokens = c.generate(PROMPT, max_tokens=32).token_ids
-                workers = c.stats()["workers"]
-        return tokens, workers["compute"]["pipeline"], workers["router"]
+        return _generate_with(store, tmp_path, f"run_ahead = true\nlayer_pieces = false\n"
+                                               f"defer_needs = {str(on).lower()}\n", n_slots)
 
     ref, _, _ = run(len(store.records), True)
     plain, plain_pipeline, plain_router = run(8, False)
