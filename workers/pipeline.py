@@ -110,7 +110,7 @@ class Pipeline:
         ahead = gpu if bench.run_ahead == "auto" else bench.run_ahead
         early = (gpu or standin) if bench.early_fills == "auto" else bench.early_fills
         # a layer in pieces is exact only where row counts do not pick kernels (not on a GPU)
-        pieces = (not gpu) if bench.layer_pieces == "auto" else bool(bench.layer_pieces) and not gpu
+        pieces = not gpu and bench.layer_pieces is not False
         host = not bench.device_pools
         copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,

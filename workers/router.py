@@ -580,18 +580,16 @@ class Router:
 
     def _reply(self, pending: bool = False) -> M.Slots:
         """The `slots` answer of the need waiting (a lease gets none); pending: the early one."""
-        p = self.pending
-        if pending:
-            return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=0,
-                           pending=True)
-        if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
-            self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
-        wait_us = 0
-        if p["hits"] < len(p["slots"]):
-            wait = time.perf_counter() - p["t0"]
-            self.stall.add(wait)
-            wait_us = int(wait * 1e6)
-        return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us)
+        p, wait_us = self.pending, 0
+        if not pending:  # the need is answered (its timing, its stall)
+            if p["demand"] and self.read_gate is not None and p["layer"] in self.layer_row:
+                self.read_gate.answered(time.perf_counter(), self.layer_row[p["layer"]])
+            if p["hits"] < len(p["slots"]):
+                wait = time.perf_counter() - p["t0"]
+                self.stall.add(wait)
+                wait_us = int(wait * 1e6)
+        return M.Slots(req=p["req"], layer=p["layer"], slots=p["slots"], hits=p["hits"], wait_us=wait_us,
+                       pending=pending)
 
     def stats(self) -> dict:
         c = self.counters.snapshot()

@@ -343,15 +343,20 @@ class SlotExperts(ExpertProvider):
             self._foresee_late()
         if granted.pending:
             self._defer(layer, granted, t0, prep0)
-            return True
+        else:
+            self._granted(layer, granted, t0, prep0)
+        return True
+
+    def _granted(self, layer: int, granted, t0: float, prep0: float, spent: float = 0.0) -> None:
+        """A need's final answer: the time since t0 (fills' copies aside, and `spent` before it)
+        counted as waiting for reads and as messaging, and compute's map checked against it."""
         took = time.perf_counter() - t0 - (self.t_prepare - prep0)
         self.t_wait += min(granted.wait_s, took)
-        self.t_ipc += max(0.0, took - granted.wait_s)
+        self.t_ipc += max(0.0, took - granted.wait_s) + spent
         for e, slot in granted.slots:
             if not self.tier.holds(layer, e, slot):
                 raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
                                         f"{layer} expert {e} (slot {slot})")
-        return True
 
     def _can_defer(self, layer: int) -> bool:
         """Whether a need of this layer may be answered early (bench.defer_needs): in a pass run
@@ -390,13 +395,7 @@ class SlotExperts(ExpertProvider):
             granted = self.source.finish(d["req"], d["layer"], d["missing"], self.apply)
         finally:
             self._filling = None
-        took = time.perf_counter() - t0 - (self.t_prepare - prep0)
-        self.t_wait += min(granted.wait_s, took)
-        self.t_ipc += max(0.0, took - granted.wait_s) + d["spent"]
-        for e, slot in granted.slots:
-            if not self.tier.holds(d["layer"], e, slot):
-                raise ExpertUnavailable(f"compute's residency map disagrees with the router on layer "
-                                        f"{d['layer']} expert {e} (slot {slot})")
+        self._granted(d["layer"], granted, t0, prep0, d["spent"])
 
     def _host(self, ids) -> np.ndarray:
         """As ExpertProvider's, a need answered early finished first."""
@@ -526,7 +525,6 @@ class SlotExperts(ExpertProvider):
         """The pass's layers that ran ahead and are not checked yet are checked (may raise
         RunAheadMiss); with next_leases, their gate logits read back in the same drain and the next
         token's leases sent (`_lease_next`)."""
-        self._complete_deferred()
         layers = sorted(self._logits)
         scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
         self._check_pending(also=() if scores is None else (scores,))
