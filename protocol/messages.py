@@ -401,7 +401,11 @@ class Need:
     `early` (a demand need): where some experts must be read and every read has a staging slot
     (none queued), the router answers at once with `slots` marked `pending` (the resident slot
     each expert will hold), then the fills, then the final `slots`; compute builds the rest of its
-    pass meanwhile and evaluates nothing before the final answer (bench.defer_needs)."""
+    pass meanwhile and evaluates nothing before the final answer (bench.defer_needs).
+    `leases`: further leases, [[layer, [expert, ...], sure], ...], that compute would have sent
+    right behind this message: the router takes them after it (its answer and reads sent first),
+    in order, the i-th as a `lease` of its own with req `req + i` (i from 1), so one message
+    carries a layer's need and the leases behind it, or a pass's leases (`unfold`)."""
     req: int
     layer: int
     experts: list
@@ -411,6 +415,7 @@ class Need:
     uses: list | None = None
     sure: bool = False
     early: bool = False
+    leases: list | None = None
 
 
 @message("used")
@@ -446,9 +451,48 @@ class Fill:
 
 @message("filled")
 class Filled:
-    """compute -> router: the fill is applied; its staging slot may take the next read."""
+    """compute -> router: the fill is applied; its staging slot may take the next read. `more`:
+    [[staging, generation], ...], further fills applied together, acknowledged in this one
+    message (`unfold`)."""
     staging: int
     generation: int
+    more: list | None = None
+
+
+def unfold(msg) -> list:
+    """The messages one data-plane message carries, in the order the router takes them: a `need`
+    or `lease` and then each lease in its `leases`; a `filled` and then each fill in its `more`;
+    any other message alone. Every part is checked before any is returned (a malformed one
+    drops the whole message as a bad one: ProtocolError)."""
+    if isinstance(msg, Need) and msg.leases:
+        out = [Need(req=msg.req, layer=msg.layer, experts=msg.experts, prefetch=msg.prefetch,
+                    lease=msg.lease, hints=msg.hints, uses=msg.uses, sure=msg.sure, early=msg.early)]
+        for i, item in enumerate(msg.leases, 1):
+            try:
+                layer, experts, sure = item
+                if not isinstance(sure, bool):
+                    raise TypeError(f"{sure!r} is not a boolean")
+                out.append(Need(req=msg.req + i, layer=_int(layer), experts=[_int(e) for e in experts],
+                                lease=True, sure=sure))
+            except (TypeError, ValueError):
+                raise ProtocolError("need.leases must be [[layer, [expert, ...], sure], ...]") from None
+        return out
+    if isinstance(msg, Filled) and msg.more:
+        out = [Filled(staging=msg.staging, generation=msg.generation)]
+        for item in msg.more:
+            try:
+                staging, generation = item
+                out.append(Filled(staging=_int(staging), generation=_int(generation)))
+            except (TypeError, ValueError):
+                raise ProtocolError("filled.more must be [[staging, generation], ...]") from None
+        return out
+    return [msg]
+
+
+def _int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 @message("fill_failed")

@@ -123,6 +123,8 @@ def test_streaming_gives_mlx_lm_tokens_at_every_budget_run_after_run(mlx_lm_stor
             (0.25, {"bench": {"run_ahead": True, "defer_needs": False}}),
             (0.25, {"bench": {"run_ahead": True, "layer_pieces": False}}),
             (0.25, {"bench": {"fold_notes": False}}), (0.25, {"bench": {"spin_ms": 2.0}}),
+            # a message per lease and per fill's acknowledgement (by default folded)
+            (0.25, {"bench": {"run_ahead": True, "fold_sends": False}}),
             # prefetch and lease reads in pieces, held back while a demand read is in flight
             (0.25, {"bench": {"ahead_piece_bytes": 16384}}),
             # one lease or prefetch read ahead at a time; MLX CUDA's kernels in CUDA graphs while

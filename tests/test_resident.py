@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from dataclasses import replace
+import threading
 import time
+from dataclasses import replace
 from collections import Counter
 
 import mlx.core as mx
@@ -602,6 +603,77 @@ def test_a_need_answered_early_takes_its_own_fills_and_holds_the_others_back():
         assert [(m.layer, m.expert) for m in applied] == [(0, 5), (1, 4)]  # its own first
         acks = [recv(router, routed=True)[1] for _ in range(2)]
         assert acks == [M.Filled(staging=1, generation=9), M.Filled(staging=0, generation=3)]
+
+
+def test_fills_applied_together_are_acknowledged_in_one_message_and_before_any_wait():
+    """Fewer data-plane messages over the real sockets: fills a poll finds together are
+    acknowledged by one `filled` (`more`); in a need's wait a fill whose successor is already
+    there waits for it, but once nothing more is readable the acknowledgement goes out before
+    compute waits (the router may need that staging slot for the very read it waits for). A
+    need's leases ride the need (`Need.leases`, reqs following its own)."""
+    from deltafin.runtime.sockets import recv, send
+    with _data_plane("acks-test") as (router, ident, client, dealer):
+        applied = []
+        for staging in (0, 1, 2):
+            send(router, M.Fill(req=0, slot=staging, staging=staging, layer=1, expert=staging,
+                                generation=10 + staging), to=ident)
+        deadline = time.monotonic() + 5
+        while dealer.poll(0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # all three queued
+        assert client.poll(applied.append) == 3
+        _, filled = recv(router, routed=True)
+        assert filled == M.Filled(staging=0, generation=10, more=[[1, 11], [2, 12]])
+        assert M.unfold(filled) == [M.Filled(staging=s, generation=10 + s) for s in (0, 1, 2)]
+        assert not router.poll(50)  # one message for the three
+
+        # a need: its fill lands alone, so its acknowledgement is out before the answer comes
+        granted = {}
+        waiter = threading.Thread(target=lambda: granted.update(
+            g=client.need(2, [4, 5], applied.append, leases=[(3, [1], False), (4, [2, 6], True)])))
+        waiter.start()
+        _, need = recv(router, routed=True)
+        assert need.leases == [[3, [1], False], [4, [2, 6], True]] and need.req == 1
+        assert [(m.req, m.layer, m.lease, m.sure) for m in M.unfold(need)] == \
+            [(1, 2, False, False), (2, 3, True, False), (3, 4, True, True)]
+        send(router, M.Fill(req=1, slot=6, staging=3, layer=2, expert=4, generation=20), to=ident)
+        assert router.poll(5000), "the fill's acknowledgement waited for the answer"
+        assert recv(router, routed=True)[1] == M.Filled(staging=3, generation=20)
+        send(router, M.Fill(req=1, slot=7, staging=4, layer=2, expert=5, generation=21), to=ident)
+        send(router, M.Slots(req=1, layer=2, slots=[[4, 6, 20], [5, 7, 21]], hits=0, wait_us=0),
+             to=ident)
+        waiter.join(5)
+        assert granted["g"].slots == [(4, 6), (5, 7)]
+        assert recv(router, routed=True)[1] == M.Filled(staging=4, generation=21)
+        client.leases([(5, [0], False)])  # the next lease's req follows the folded ones
+        assert recv(router, routed=True)[1].req == 4
+        sent = client.messages.snapshot()
+        assert sent == {"filled": 3, "folded_filled": 2, "need": 1, "folded_lease": 2, "lease": 1}
+
+        client.fold = False  # bench.fold_sends off: a message each
+        client.leases([(5, [1], False), (6, [2], True)], hints=[[5, [1]]])
+        one, two = recv(router, routed=True)[1], recv(router, routed=True)[1]
+        assert (one.layer, one.hints, one.leases, two.layer, two.hints, two.sure) == (5, [[5, [1]]], None, 6, None, True)
+        send(router, M.Fill(req=0, slot=1, staging=5, layer=1, expert=1, generation=30), to=ident)
+        send(router, M.Fill(req=0, slot=2, staging=6, layer=1, expert=2, generation=31), to=ident)
+        time.sleep(0.05)
+        assert client.poll(applied.append) == 2
+        assert [recv(router, routed=True)[1] for _ in range(2)] == \
+            [M.Filled(staging=5, generation=30), M.Filled(staging=6, generation=31)]
+
+
+def test_a_malformed_folded_lease_or_ack_drops_the_whole_message():
+    """`unfold` checks every part before the router acts on any: a bad lease or acknowledgement
+    inside a message is a bad message (ProtocolError), never a half-taken one."""
+    good = M.Need(req=7, layer=1, experts=[2], leases=[[2, [3], True]])
+    assert [m.req for m in M.unfold(good)] == [7, 8]
+    for leases in ([[2, [3]]], [[2, ["x"], False]], [[2, [3], 1]], [[True, [3], False]], [5]):
+        with pytest.raises(M.ProtocolError):
+            M.unfold(M.Need(req=7, layer=1, experts=[2], leases=leases))
+    for more in ([[1]], [[1, "2"]], [None]):
+        with pytest.raises(M.ProtocolError):
+            M.unfold(M.Filled(staging=0, generation=1, more=more))
+    assert M.unfold(M.Used(uses=[])) == [M.Used(uses=[])]
 
 
 class _RecordingDriver:

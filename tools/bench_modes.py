@@ -43,6 +43,7 @@ DELTAFIN_MODES = {
     "deltafin-next-leases": [],  # each partial layer's runner-up leased for the next token (the default since stop 58; kept for earlier commands)
     "deltafin-no-next-leases": [],  # the default without the next token's leases
     "deltafin-no-defer-needs": [],  # the default with a need's reads waited for before the rest of the pass is built
+    "deltafin-no-fold-sends": [],  # the default with a message per lease and per fill's acknowledgement
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
@@ -75,6 +76,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-next-leases": {"bench": {"next_leases": True}},
     "deltafin-no-next-leases": {"bench": {"next_leases": False}},
     "deltafin-no-defer-needs": {"bench": {"defer_needs": False}},
+    "deltafin-no-fold-sends": {"bench": {"fold_sends": False}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

@@ -44,7 +44,8 @@ class ComputeProcess(WorkerProcess):
         mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
         self.store = Store(self.run["store"])
         self.data = self.connect_data_plane()
-        self.source = RouterClient(self.data, self.cfg.compute.expert_timeout_s, self.parent_alive)
+        self.source = RouterClient(self.data, self.cfg.compute.expert_timeout_s, self.parent_alive,
+                                   fold=self.cfg.bench.fold_sends)
         # [distributed]: join the group first; the provider then computes this rank's share
         from deltafin.workers.distributed import Lockstep
         self.dist = Lockstep.from_config(self.config, self.store)

@@ -88,6 +88,12 @@ class RouterProcess(WorkerProcess):
             send(self.data, M.Error(id=None, code=M.ErrorCode.BAD_MESSAGE,
                                     message=f"router does not take {msg.TYPE}"), to=sender)
             return
+        for part in M.unfold(msg):  # a need and its leases, or fills acknowledged together
+            self.handle(handler, sender, part)
+
+    def handle(self, handler, sender: bytes, msg) -> None:
+        """One message: its handler's answers and read orders sent, then the prefetch planned
+        after them; its time counted (`Handled`)."""
         t0 = time.perf_counter()
         try:
             out = handler(self, sender, msg)

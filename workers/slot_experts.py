@@ -697,11 +697,12 @@ class SlotExperts(ExpertProvider):
         return out
 
     def _notes_out(self, leases: list) -> None:
-        """A layer that sends no need: its lookahead's hints ride its first lease, or go alone."""
+        """A layer that sends no need: its leases go in one message, which its lookahead's hints
+        ride, or the hints go alone."""
         hints, self._hints = self._hints, []
-        for i, (layer, experts, sure) in enumerate(leases):
-            self.source.lease(layer, experts, hints=hints if i == 0 else None, sure=sure)
-        if hints and not leases:
+        if leases:
+            self.source.leases(leases, hints=hints)
+        elif hints:
             self.source.hint(hints)
 
     def flush(self, upto: int | None = None, ahead: bool = False) -> None:

@@ -3,8 +3,10 @@
 An `ExpertSource` answers a layer's `need` (the experts it lacks, read into staging slots and
 copied into resident slots by `apply`, as the fills arrive), takes the uses compute served alone
 (`used`), the gate's lookahead (`hint`) and, where it `takes_leases`, a later layer's experts asked
-ahead (`lease`). A need or lease may carry the hints and uses compute would have sent just before
-it (`hints`, `uses`): one message instead of three, taken in the same order. `RouterClient` is the process's source, over the data-plane socket;
+ahead (`leases`). A need or lease may carry the hints and uses compute would have sent just before
+it (`hints`, `uses`) and the leases it would have sent right after (`Need.leases`), and the fills
+applied together are acknowledged in one message (`Filled.more`): fewer messages, taken in the
+same order. `RouterClient` is the process's source, over the data-plane socket;
 `LocalExpertSource` calls the router and loader directly (tests and tools).
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ExpertSource(Protocol):
     """What `SlotExperts` asks of a source. apply: called with each `M.Fill` / `M.FillFailed`
     the source receives, in compute's thread."""
 
-    takes_leases: bool  # whether `need` is ever given a lease (and `lease` called)
+    takes_leases: bool  # whether `need` is ever given leases (and `leases` called)
     messages: Counter
 
     def resident_slots(self, store: Store) -> dict | None:
@@ -60,7 +62,8 @@ class ExpertSource(Protocol):
         """The rest of a need answered early (Granted.pending = req): applies its fills as they
         come, holds the others back until its final answer, then applies them."""
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None: ...
+    def leases(self, items: list, hints: list | None = None) -> None:
+        """Later layers' experts asked ahead, [(layer, experts, sure)], in one message."""
 
     def poll(self, apply: Callable) -> int: ...
 
@@ -118,7 +121,7 @@ class LocalExpertSource:
     def finish(self, req: int, layer: int, missing: list[int], apply) -> Granted:
         raise NotImplementedError("the in-process source answers no need early")
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:
+    def leases(self, items: list, hints: list | None = None) -> None:
         raise NotImplementedError("the in-process source takes no leases (takes_leases is False)")
 
     def _notes(self, hints: list | None, uses: list | None) -> None:
@@ -149,21 +152,37 @@ class RouterClient:
 
     takes_leases = True
 
-    def __init__(self, sock, timeout_s: float, alive):
+    def __init__(self, sock, timeout_s: float, alive, fold: bool = True):
         self.sock, self.timeout_s, self.alive, self.req = sock, timeout_s, alive, 0
+        self.fold = fold  # leases together in one message, acknowledgements together (bench.fold_sends)
         self.spin_s = 0.0  # polled without sleeping first, in a need's wait (bench.spin_ms, set at attach)
         self.messages = Counter()
         self.stash: deque = deque()  # messages `poll` read that only a need handles
+        self.acks: list = []  # [staging, generation] of fills applied, not yet acknowledged (`_ack`)
 
     def resident_slots(self, store: Store) -> None:
         """Not known at start: the supervisor tells the process when it attaches the pool."""
         return None
 
     def _fill(self, msg, apply) -> None:
-        from deltafin.runtime.sockets import send
         apply(msg)
-        send(self.sock, M.Filled(staging=msg.staging, generation=msg.generation))
+        self.acks.append([msg.staging, msg.generation])
+        if not self.fold:
+            self._ack()
+
+    def _ack(self) -> None:
+        """The fills applied since the last acknowledgement, acknowledged in one `filled`: sent
+        before any wait and before a poll or a need returns, so a staging slot is never held
+        while compute waits for the router."""
+        if not self.acks:
+            return
+        from deltafin.runtime.sockets import send
+        (staging, generation), *more = self.acks
+        self.acks = []
+        send(self.sock, M.Filled(staging=staging, generation=generation, more=more or None))
         self.messages.add("filled")
+        if more:
+            self.messages.add("folded_filled", len(more))
 
     def poll(self, apply) -> int:
         """Applies, without waiting, the fills that arrived since the last need (prefetch reads
@@ -171,15 +190,18 @@ class RouterClient:
         what to ask; returns how many. Anything else is kept for the next need."""
         from deltafin.runtime.sockets import recv
         n = 0
-        while self.sock.poll(0):
-            msg = recv(self.sock)
-            if isinstance(msg, M.Fill):
-                self._fill(msg, apply)
-                n += 1
-            elif isinstance(msg, M.FillFailed):
-                apply(msg)  # a read no need waits for failed: its slot is empty
-            else:
-                self.stash.append(msg)
+        try:
+            while self.sock.poll(0):
+                msg = recv(self.sock)
+                if isinstance(msg, M.Fill):
+                    self._fill(msg, apply)
+                    n += 1
+                elif isinstance(msg, M.FillFailed):
+                    apply(msg)  # a read no need waits for failed: its slot is empty
+                else:
+                    self.stash.append(msg)
+        finally:
+            self._ack()
         return n
 
     def need(self, layer: int, experts: list[int], apply, prefetch: bool = False,
@@ -187,17 +209,22 @@ class RouterClient:
              early: bool = False) -> Granted:
         """Sends the need (carrying hints and uses, if given), then `leases` ((layer, experts,
         sure) of later layers; or a callable giving them, called once the need is out), so the
-        router reads them behind this need's reads; waits for this need's `slots`. early: the
-        router's early answer returns at once (Granted.pending: `finish` waits for the rest)."""
+        router reads them behind this need's reads (a list rides the need: `Need.leases`); waits
+        for this need's `slots`. early: the router's early answer returns at once
+        (Granted.pending: `finish` waits for the rest)."""
         from deltafin.runtime.sockets import send
         self.req += 1
         req = self.req
+        folded = [] if callable(leases) or not self.fold else list(leases)
         send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch,
-                               hints=hints or None, uses=uses or None, early=early))
+                               hints=hints or None, uses=uses or None, early=early,
+                               leases=[[la, ex, sure] for la, ex, sure in folded] or None))
+        self.req += len(folded)
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
-        for later, its_experts, sure in (leases() if callable(leases) else leases):
-            self.lease(later, its_experts, sure=sure)
+        self._count_leases(folded, first_folded=True)
+        if not folded:
+            self.leases(leases() if callable(leases) else leases)
         return self._answer(req, layer, lambda msg: self._fill(msg, apply), apply)
 
     def finish(self, req: int, layer: int, missing: list[int], apply) -> Granted:
@@ -217,14 +244,23 @@ class RouterClient:
         finally:
             for msg in held:
                 self._fill(msg, apply)
+            self._ack()
 
     def _answer(self, req: int, layer: int, fill, apply, final: bool = False) -> Granted:
         """Waits for need req's `slots` (with final, not an early one), fills going to fill(msg)."""
+        try:
+            return self._wait_answer(req, layer, fill, apply, final)
+        finally:
+            self._ack()
+
+    def _wait_answer(self, req: int, layer: int, fill, apply, final: bool) -> Granted:
         from deltafin.runtime.sockets import recv, wait_readable
         while True:
             if self.stash:
                 msg = self.stash.popleft()
             else:
+                if self.acks and not self.sock.poll(0):
+                    self._ack()  # nothing more to apply now: acknowledged before waiting
                 try:
                     wait_readable(self.sock, self.timeout_s, self.alive, what=f"experts of layer {layer}",
                                   spin_s=self.spin_s)
@@ -244,16 +280,33 @@ class RouterClient:
                                pending=req if msg.pending else 0)
             # else an older need's answer (one a timeout gave up on): dropped
 
-    def lease(self, layer: int, experts: list[int], hints: list | None = None, sure: bool = False) -> None:
-        """Asks ahead for a later layer's experts (no wait): `need` with lease, carrying hints
-        if given; sure: foreseen (Need.sure). Its fills are applied as they arrive, by a need's
-        wait or `poll`."""
+    def leases(self, items: list, hints: list | None = None) -> None:
+        """Asks ahead for later layers' experts, [(layer, experts, sure)] (no wait): one `need`
+        with lease, the first's, carrying the rest (`Need.leases`) and the hints if given; sure:
+        foreseen (Need.sure). Their fills are applied as they arrive, by a need's wait or `poll`."""
+        if not items:
+            return
+        if not self.fold and len(items) > 1:
+            for i, item in enumerate(items):
+                self.leases([item], hints=hints if i == 0 else None)
+            return
         from deltafin.runtime.sockets import send
+        (layer, experts, sure), *rest = items
         self.req += 1
         send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None,
-                               sure=sure))
-        self.messages.add("foreseen" if sure else "lease")
+                               sure=sure, leases=[[la, ex, s] for la, ex, s in rest] or None))
+        self.req += len(rest)
+        self._count_leases(items, first_folded=False)
         count_folded(self.messages, hints, None)
+
+    def _count_leases(self, items: list, first_folded: bool) -> None:
+        """`lease` / `foreseen` for a lease sent as a message of its own (the first of a `leases`
+        call), `folded_lease` for each one riding another message."""
+        for i, (_, _, sure) in enumerate(items):
+            if i == 0 and not first_folded:
+                self.messages.add("foreseen" if sure else "lease")
+            else:
+                self.messages.add("folded_lease")
 
     def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send
