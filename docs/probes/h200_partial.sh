@@ -41,6 +41,7 @@
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh defer [ROUNDS] # bench.defer_needs against without at 25% (bench beside mlx-lm), then real supervisors' split
+#   bash docs/probes/h200_partial.sh fold [ROUNDS]  # bench.fold_sends against without at 25% (bench), then real supervisors' split and messages
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
@@ -218,6 +219,12 @@ case "${1:-split}" in
     timeout 150 python3 docs/probes/real_split.py /tmp/store 2 "base:run_ahead = true;defer_needs = false:0.25,dn:run_ahead = true;defer_needs = true:0.25" -v > "$out/defer-0.25.txt" 2>&1
     grep "^r\|all same" "$out/defer-0.25.txt" | cut -c1-200
     grep -o "^r[0-9] [a-z]*\|decode_ms_per_token={[^}]*}\|'deferred_needs': [0-9]*\|\"need\": {\"count\": [0-9]*" "$out/defer-0.25.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g' ;;
+  fold)  # [ROUNDS]: bench.fold_sends (a pass's leases in one message, fills applied together acknowledged in one; the default since stop 60) against without, at 25% (bench, 4 rounds unless given), then real supervisors' split at 25%, 3 rounds
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 300 bash "$0" bench 0.25 "${2:-4}" deltafin-no-fold-sends,deltafin
+    timeout 200 python3 docs/probes/real_split.py /tmp/store 3 "base:run_ahead = true;fold_sends = false:0.25,fold:run_ahead = true;fold_sends = true:0.25" -v > "$out/fold-0.25.txt" 2>&1
+    grep "^r\|all same" "$out/fold-0.25.txt" | cut -c1-200
+    grep -o "^r[0-9] [a-z]*\|decode_ms_per_token={[^}]*}\|compute {\"messages\": {[^}]*}" "$out/fold-0.25.txt" | paste -sd' ' | sed 's/ r\([0-9]\)/\nr\1/g' ;;
   nodisk)  # the disk taken out: the store copied to tmpfs (its reads memory copies) beside it on disk, 25%, benches alternating; then the split per token from tmpfs
     nvidia-smi --query-gpu=name --format=csv,noheader
     rm -rf /dev/shm/store && cp -r /tmp/store /dev/shm/store
