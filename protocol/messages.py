@@ -11,7 +11,7 @@ that `decode` reads: `M.encode`, `M.decode`, `M.ProtocolError` and the frame lim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from deltafin.protocol.codec import (MAX_ITEMS, MAX_MESSAGE_BYTES, MAX_STOP_STRINGS, REGISTRY,
@@ -465,8 +465,7 @@ def unfold(msg) -> list:
     any other message alone. Every part is checked before any is returned (a malformed one
     drops the whole message as a bad one: ProtocolError)."""
     if isinstance(msg, Need) and msg.leases:
-        out = [Need(req=msg.req, layer=msg.layer, experts=msg.experts, prefetch=msg.prefetch,
-                    lease=msg.lease, hints=msg.hints, uses=msg.uses, sure=msg.sure, early=msg.early)]
+        out = [replace(msg, leases=None)]
         for i, item in enumerate(msg.leases, 1):
             try:
                 layer, experts, sure = item
@@ -478,7 +477,7 @@ def unfold(msg) -> list:
                 raise ProtocolError("need.leases must be [[layer, [expert, ...], sure], ...]") from None
         return out
     if isinstance(msg, Filled) and msg.more:
-        out = [Filled(staging=msg.staging, generation=msg.generation)]
+        out = [replace(msg, more=None)]
         for item in msg.more:
             try:
                 staging, generation = item

@@ -218,7 +218,7 @@ class RouterClient:
         folded = [] if callable(leases) or not self.fold else list(leases)
         send(self.sock, M.Need(req=req, layer=layer, experts=experts, prefetch=prefetch,
                                hints=hints or None, uses=uses or None, early=early,
-                               leases=[[la, ex, sure] for la, ex, sure in folded] or None))
+                               leases=wire_leases(folded)))
         self.req += len(folded)
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
@@ -294,7 +294,7 @@ class RouterClient:
         (layer, experts, sure), *rest = items
         self.req += 1
         send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None,
-                               sure=sure, leases=[[la, ex, s] for la, ex, s in rest] or None))
+                               sure=sure, leases=wire_leases(rest)))
         self.req += len(rest)
         self._count_leases(items, first_folded=False)
         count_folded(self.messages, hints, None)
@@ -321,6 +321,11 @@ class RouterClient:
     def release(self) -> None:
         from deltafin.runtime.sockets import send
         send(self.sock, M.Release(req=self.req))
+
+
+def wire_leases(items: list) -> list | None:
+    """[(layer, experts, sure)] as `Need.leases` carries them (None: none)."""
+    return [[layer, experts, sure] for layer, experts, sure in items] or None
 
 
 def count_folded(messages: Counter, hints, uses) -> None:
