@@ -47,6 +47,8 @@
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
 #   bash docs/probes/h200_partial.sh graphs   # partial_layer.py under MLX CUDA's graph settings (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER)
 # Everything goes to files under $OUT (the device's output tail is too short for -v).
+# On a fresh machine the first measurement spends a minute or more before any result (the mlx-lm
+# checkpoint written, MLX CUDA's kernels compiled): do not cut a first call under ~400 s (stop 60).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/ns PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
