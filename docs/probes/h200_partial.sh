@@ -42,6 +42,8 @@
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh defer [ROUNDS] # bench.defer_needs against without at 25% (bench beside mlx-lm), then real supervisors' split
 #   bash docs/probes/h200_partial.sh fold [ROUNDS]  # bench.fold_sends against without at 25% (bench), then real supervisors' split and messages
+#   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; bash docs/probes/h200_partial.sh issue28
+#                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
@@ -161,6 +163,13 @@ case "${1:-split}" in
     timeout 420 python3 -m pytest -q -p no:cacheprovider -k "streaming_gives or run_ahead or kept or driver or pinned" \
       tests/test_greedy_exact.py tests/test_run_ahead.py tests/test_resident.py > "$out/close28a.txt" 2>&1
     tail -6 "$out/close28a.txt" ;;
+  issue28)  # issue 28's two goals in one device call (600 s at most, h200_setup.sh before it) on a fresh machine: the 25% bench beside mlx-lm first (goal 2, and its runs' tokens against mlx-lm's), then close28a (goal 1), then the 50% bench with what time is left
+    start=$SECONDS
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 150 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -8
+    timeout 390 bash "$0" close28a
+    left=$((555 - (SECONDS - start)))
+    if [ "$left" -gt 45 ]; then timeout "$left" bash "$0" bench 0.5 2 deltafin,mlx-lm | tail -8; fi ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
