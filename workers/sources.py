@@ -222,7 +222,8 @@ class RouterClient:
         self.req += len(folded)
         self.messages.add("need")
         count_folded(self.messages, hints, uses)
-        self._count_leases(folded, first_folded=True)
+        if folded:
+            self.messages.add("folded_lease", len(folded))
         if not folded:
             self.leases(leases() if callable(leases) else leases)
         return self._answer(req, layer, lambda msg: self._fill(msg, apply), apply)
@@ -282,31 +283,23 @@ class RouterClient:
 
     def leases(self, items: list, hints: list | None = None) -> None:
         """Asks ahead for later layers' experts, [(layer, experts, sure)] (no wait): one `need`
-        with lease, the first's, carrying the rest (`Need.leases`) and the hints if given; sure:
-        foreseen (Need.sure). Their fills are applied as they arrive, by a need's wait or `poll`."""
-        if not items:
-            return
-        if not self.fold and len(items) > 1:
-            for i, item in enumerate(items):
-                self.leases([item], hints=hints if i == 0 else None)
-            return
+        with lease, the first's, carrying the rest (`Need.leases`; without fold, a message each)
+        and the hints if given; sure: foreseen (Need.sure). Their fills are applied as they
+        arrive, by a need's wait or `poll`."""
         from deltafin.runtime.sockets import send
-        (layer, experts, sure), *rest = items
-        self.req += 1
-        send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, hints=hints or None,
-                               sure=sure, leases=wire_leases(rest)))
-        self.req += len(rest)
-        self._count_leases(items, first_folded=False)
-        count_folded(self.messages, hints, None)
-
-    def _count_leases(self, items: list, first_folded: bool) -> None:
-        """`lease` / `foreseen` for a lease sent as a message of its own (the first of a `leases`
-        call), `folded_lease` for each one riding another message."""
-        for i, (_, _, sure) in enumerate(items):
-            if i == 0 and not first_folded:
-                self.messages.add("foreseen" if sure else "lease")
-            else:
-                self.messages.add("folded_lease")
+        for i, group in enumerate([items] if self.fold else [[item] for item in items]):
+            if not group:
+                continue
+            (layer, experts, sure), *rest = group
+            self.req += 1
+            send(self.sock, M.Need(req=self.req, layer=layer, experts=experts, lease=True, sure=sure,
+                                   hints=(hints or None) if i == 0 else None, leases=wire_leases(rest)))
+            self.req += len(rest)
+            self.messages.add("foreseen" if sure else "lease")
+            if rest:
+                self.messages.add("folded_lease", len(rest))
+        if items:
+            count_folded(self.messages, hints, None)
 
     def used(self, uses: list, ahead: bool = False) -> None:
         from deltafin.runtime.sockets import send
