@@ -493,7 +493,8 @@ def test_pools_filled_by_the_driver_compute_what_host_pools_do(bf16_store):
     g = store.record(layer, 0).layout
     x = mx.array(np.random.default_rng(3).standard_normal((1, store.config["hidden_size"])).astype(np.float32))
     for dtype in (mx.float32, mx.bfloat16):
-        tiers = [ResidentTier(store, dtype, {g: 4}, host_writes=True, on_host=True, copies=c) for c in (True, False)]
+        tiers = [ResidentTier(store, dtype, {g: 4}, host_writes=True, on_host=True, copies=c) for c in (True, True, False)]
+        tiers[1].defer_copies = True  # bench.batch_copies: waited for once, after the three fills
         if not _is_cuda():
             assert tiers[0].copies is None and "not MLX CUDA" in tiers[0].placement["why"]
         else:
@@ -508,11 +509,16 @@ def test_pools_filled_by_the_driver_compute_what_host_pools_do(bf16_store):
                     staging[:len(rec)] = np.frombuffer(rec, dtype=np.uint8)
                     rec = memoryview(staging)[:len(rec)]
                 tier.fill(layer, expert, slot, rec)
+                if tier.defer_copies and tier.copies is not None:  # left queued; the same staging bytes are rewritten only once they are done
+                    assert tier.copies.queued > 0
+                    tier.settle_copies()
+                    assert tier.copies.queued == 0
             out.append(np.array(switch_glu(x.astype(dtype), mx.array([[1, 3]], dtype=mx.uint32),
                                            tier.weights(layer), tier.quant(layer)).astype(mx.float32)))
             if tier.copies is not None:
                 tier.copies.unpin()
-        np.testing.assert_array_equal(out[0], out[1])
+        np.testing.assert_array_equal(out[0], out[2])
+        np.testing.assert_array_equal(out[1], out[2])
 
 
 def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
@@ -613,7 +619,10 @@ def test_fills_applied_together_are_acknowledged_in_one_message_and_before_any_w
     need's leases ride the need (`Need.leases`, reqs following its own)."""
     from deltafin.runtime.sockets import recv, send
     with _data_plane("acks-test") as (router, ident, client, dealer):
-        applied = []
+        applied, settled = [], []
+        # bench.batch_copies: what the acknowledgement waits for first (the driver's copies of
+        # the fills it covers), called once per acknowledgement, after all its fills
+        client.before_ack = lambda: settled.append(len(applied))
         for staging in (0, 1, 2):
             send(router, M.Fill(req=0, slot=staging, staging=staging, layer=1, expert=staging,
                                 generation=10 + staging), to=ident)
@@ -622,6 +631,7 @@ def test_fills_applied_together_are_acknowledged_in_one_message_and_before_any_w
             time.sleep(0.01)
         time.sleep(0.05)  # all three queued
         assert client.poll(applied.append) == 3
+        assert settled == [3]
         _, filled = recv(router, routed=True)
         assert filled == M.Filled(staging=0, generation=10, more=[[1, 11], [2, 12]])
         assert M.unfold(filled) == [M.Filled(staging=s, generation=10 + s) for s in (0, 1, 2)]
@@ -649,6 +659,7 @@ def test_fills_applied_together_are_acknowledged_in_one_message_and_before_any_w
         assert recv(router, routed=True)[1].req == 4
         sent = client.messages.snapshot()
         assert sent == {"filled": 3, "folded_filled": 2, "need": 1, "folded_lease": 2, "lease": 1}
+        assert settled == [3, 4, 5]
 
         client.fold = False  # bench.fold_sends off: a message each
         client.leases([(5, [1], False), (6, [2], True)], hints=[[5, [1]]])
@@ -660,6 +671,7 @@ def test_fills_applied_together_are_acknowledged_in_one_message_and_before_any_w
         assert client.poll(applied.append) == 2
         assert [recv(router, routed=True)[1] for _ in range(2)] == \
             [M.Filled(staging=5, generation=30), M.Filled(staging=6, generation=31)]
+        assert settled == [3, 4, 5, 6, 7]  # one wait per fill
 
 
 def test_a_malformed_folded_lease_or_ack_drops_the_whole_message():

@@ -44,6 +44,7 @@ DELTAFIN_MODES = {
     "deltafin-no-next-leases": [],  # the default without the next token's leases
     "deltafin-no-defer-needs": [],  # the default with a need's reads waited for before the rest of the pass is built
     "deltafin-no-fold-sends": [],  # the default with a message per lease and per fill's acknowledgement
+    "deltafin-batch-copies": [],  # the default with the driver's copies waited for once per acknowledgement
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
@@ -77,6 +78,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-next-leases": {"bench": {"next_leases": False}},
     "deltafin-no-defer-needs": {"bench": {"defer_needs": False}},
     "deltafin-no-fold-sends": {"bench": {"fold_sends": False}},
+    "deltafin-batch-copies": {"bench": {"batch_copies": True}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

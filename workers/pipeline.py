@@ -89,6 +89,7 @@ class Pipeline:
     defer_needs: bool = True  # running ahead a pass at once: the rest of the pass built while a need's reads land (bench.defer_needs)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
+    batch_copies: bool = False  # those copies waited for once per acknowledgement, not per record (bench.batch_copies)
 
     @classmethod
     def resolve(cls, bench: BenchConfig, gpu: bool, standin: bool) -> "Pipeline":
@@ -115,7 +116,7 @@ class Pipeline:
         copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, run_ahead=ahead,
-                   device_copies=copies, **same)
+                   device_copies=copies, batch_copies=copies and bench.batch_copies, **same)
 
     def report(self) -> dict:
         return asdict(self)

@@ -132,6 +132,7 @@ class DriverCopies:
         self.pinned: np.ndarray | None = None  # the registered staging's bytes, kept mapped while registered
         self.pin_error: int | None = None  # the CUresult of a refused registration
         self.keep: list = []  # converted sources until their copies are done
+        self.queued = 0  # copies queued since the last wait
         self._thread = threading.get_ident()  # where the context was made current last
 
     @classmethod
@@ -185,9 +186,11 @@ class DriverCopies:
         return self.pinned is not None
 
     def unpin(self) -> None:
-        """Lets the staging segment go (before it is unmapped)."""
+        """Lets the staging segment go (before it is unmapped), its copies done first."""
         if self.pinned is not None:
             self._current()
+            if self.queued:
+                self.wait()
             self.cu.cuMemHostUnregister(self.pinned.ctypes.data)
             self.pinned = None
 
@@ -213,11 +216,16 @@ class DriverCopies:
         r = self.cu.cuMemcpyHtoDAsync_v2(dst.ctypes.data, src.ctypes.data, dst.nbytes, self.stream)
         if r != 0:
             raise OSError(f"cuMemcpyHtoDAsync refused (CUresult {r})")
+        self.queued += 1
 
     def wait(self) -> None:
-        """Waits for the copies queued (one record's)."""
+        """Waits for the copies queued (one record's; with `ResidentTier.defer_copies`, those of
+        the fills about to be acknowledged)."""
+        if threading.get_ident() != self._thread:
+            self._current()
         r = self.cu.cuStreamSynchronize(self.stream)
         self.keep.clear()
+        self.queued = 0
         if r != 0:
             raise OSError(f"cuStreamSynchronize refused (CUresult {r})")
 
@@ -312,6 +320,10 @@ class ResidentTier:
         self.fill_bytes = 0
         self.fill_s = 0.0
         self.pending_writes = 0  # fills written through MLX that no graph has evaluated yet
+        # the driver's copies of a fill left queued when `fill` returns: the caller waits for them
+        # (`settle_copies`) before the record's staging slot is given back and before any graph
+        # reads the pools (SlotExperts.attach: with bench.batch_copies, at the acknowledgement)
+        self.defer_copies = False
 
     def _dtype(self, t: dict):
         return pool_dtype(t["dtype"], self.dtype)
@@ -422,7 +434,7 @@ class ResidentTier:
                 a = a.astype(pools[t["name"]].dtype)
             pools[t["name"]][slot] = a  # MLX reuses the pool's buffer: no pending reader holds it
             self.pending_writes += 1
-        if copies is not None:
+        if copies is not None and not self.defer_copies:
             copies.wait()
         self.held[g][slot] = (layer, expert)
         self.last_layer[g][slot] = layer
@@ -434,6 +446,13 @@ class ResidentTier:
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
         self.fill_s += time.perf_counter() - t0
+
+    def settle_copies(self) -> None:
+        """Waits for the driver's copies that fills left queued (`defer_copies`)."""
+        if self.copies is not None and self.copies.queued:
+            t0 = time.perf_counter()
+            self.copies.wait()
+            self.fill_s += time.perf_counter() - t0
 
     def settle_writes(self) -> None:
         """Evaluates the fills written through MLX where no graph will read the pools soon (the

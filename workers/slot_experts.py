@@ -108,6 +108,12 @@ class SlotExperts(ExpertProvider):
             self.tier.placement["pinned"] = self.tier.copies.pin(staging_buf)
             if self.tier.copies.pin_error is not None:
                 self.tier.placement["pin_error"] = f"cuMemHostRegister refused (CUresult {self.tier.copies.pin_error})"
+            # bench.batch_copies: the fills acknowledged together are waited for once, just before
+            # their acknowledgement (which gives their staging slots back); compute builds no
+            # graph between a fill and it (RouterClient._ack runs before any need or poll returns)
+            if self.pipe.batch_copies and hasattr(self.source, "before_ack"):
+                self.tier.defer_copies = True
+                self.source.before_ack = self.tier.settle_copies
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
 

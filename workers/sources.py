@@ -159,6 +159,7 @@ class RouterClient:
         self.messages = Counter()
         self.stash: deque = deque()  # messages `poll` read that only a need handles
         self.acks: list = []  # [staging, generation] of fills applied, not yet acknowledged (`_ack`)
+        self.before_ack = None  # called before an acknowledgement is sent (the driver's copies waited for)
 
     def resident_slots(self, store: Store) -> None:
         """Not known at start: the supervisor tells the process when it attaches the pool."""
@@ -177,6 +178,8 @@ class RouterClient:
         if not self.acks:
             return
         from deltafin.runtime.sockets import send
+        if self.before_ack is not None:
+            self.before_ack()
         (staging, generation), *more = self.acks
         self.acks = []
         send(self.sock, M.Filled(staging=staging, generation=generation, more=more or None))
