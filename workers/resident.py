@@ -202,6 +202,17 @@ class DriverCopies:
         except Exception:
             pass
 
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Queues a copy of nbytes from host address src (the pinned staging) to device address
+        dst: a tensor stored as the pool holds it, its addresses worked out by the caller (no
+        numpy view or conversion per tensor: a record is 9 such copies)."""
+        if threading.get_ident() != self._thread:
+            self._current()
+        r = self.cu.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.stream)
+        if r != 0:
+            raise OSError(f"cuMemcpyHtoDAsync refused (CUresult {r})")
+        self.queued += 1
+
     def write(self, dst: np.ndarray, src: np.ndarray, how: str) -> None:
         """Queues the copy of one tensor's record bytes into a slot's row (dst: that row of the
         pool's bytes, never touched on the host)."""
@@ -303,6 +314,16 @@ class ResidentTier:
                     self.copies = None
         if hosted and host_writes and self.copies is None:
             self.placement = place_on_host(arrays)
+        # copied groups: tensor name -> (its pool's address, a slot's bytes, the tensor's offset in
+        # a record) for those copied as stored (`DriverCopies.copy`)
+        self.rows: dict[str, dict[str, tuple]] = {g: {} for g in self.copied}
+        for g in self.copied:
+            for t in self.layouts[g]["tensors"]:
+                how, raw = self.host[g].get(t["name"], (None, None))
+                if how == "bytes":
+                    if t["nbytes"] != raw.shape[1]:
+                        raise ValueError(f"{t['name']}: {t['nbytes']} bytes stored for a slot row of {raw.shape[1]}")
+                    self.rows[g][t["name"]] = (raw.ctypes.data, raw.shape[1], t["offset"])
         if self.placement["placed"]:
             self.placement["groups"] = hosted
         # read by the metrics thread too: a plain int, not the MLX arrays
@@ -320,9 +341,10 @@ class ResidentTier:
         self.fill_bytes = 0
         self.fill_s = 0.0
         self.pending_writes = 0  # fills written through MLX that no graph has evaluated yet
-        # the driver's copies of a fill left queued when `fill` returns: the caller waits for them
-        # (`settle_copies`) before the record's staging slot is given back and before any graph
-        # reads the pools (SlotExperts.attach: with bench.batch_copies, at the acknowledgement)
+        # bench.batch_copies: a fill's copies addressed straight from `rows` (no numpy per
+        # tensor) and left queued when `fill` returns: the caller waits for them (`settle_copies`)
+        # before the record's staging slot is given back and before any graph reads the pools
+        # (SlotExperts.attach: at the acknowledgement)
         self.defer_copies = False
 
     def _dtype(self, t: dict):
@@ -416,11 +438,18 @@ class ResidentTier:
         pools = self.pools[g]
         host = self.host[g]
         copies = self.copies if g in self.copied else None
+        if copies is not None:
+            rows = self.rows[g]
+            base = np.frombuffer(record, dtype=np.uint8).ctypes.data  # the record's bytes in staging
         for t in layout["tensors"]:
             if t["name"] in host:  # straight into the pool's memory: the one copy
                 how, raw = host[t["name"]]
+                if copies is not None and how == "bytes" and self.defer_copies:  # by the driver, into device memory
+                    pool, row, offset = rows[t["name"]]
+                    copies.copy(pool + slot * row, base + offset, row)
+                    continue
                 src = views[t["name"]].reshape(-1)
-                if copies is not None:  # by the driver, into device memory
+                if copies is not None:  # by the driver (widened on the host first)
                     copies.write(raw[slot], src.view(np.uint8) if how == "bytes" else src, how)
                 elif how == "bytes":
                     np.copyto(raw[slot], src.view(np.uint8))
