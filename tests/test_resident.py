@@ -521,6 +521,30 @@ def test_pools_filled_by_the_driver_compute_what_host_pools_do(bf16_store):
         np.testing.assert_array_equal(out[1], out[2])
 
 
+def test_a_fills_copy_plan_writes_each_tensor_where_a_host_write_does(bf16_store):
+    """bench.batch_copies queues a record's copies from addresses worked out once (`copy_plan`:
+    the pool's address plus the slot's row, the record's plus the tensor's offset). Carried out
+    here by memmove between the same real buffers, they leave every pool's bytes as `fill`'s
+    host writes do, slot by slot, refills included (the driver's copy is checked on MLX CUDA
+    above)."""
+    import ctypes
+    store = bf16_store
+    layer = store.moe_layers[0]
+    g = store.record(layer, 0).layout
+    for dtype in (mx.float32, mx.bfloat16):
+        planned, written = (ResidentTier(store, dtype, {g: 4}, host_writes=True) for _ in range(2))
+        assert planned.rows[g], "no tensor held as stored"
+        for slot, expert in ((1, 5), (3, 2), (1, 7), (0, 4)):
+            rec = np.frombuffer(bytearray(_record(store, layer, expert)), dtype=np.uint8)
+            for dst, src, n in planned.copy_plan(g, slot, rec):
+                ctypes.memmove(dst, src, n)
+            written.fill(layer, expert, slot, rec)
+            for name in planned.rows[g]:
+                np.testing.assert_array_equal(planned.host[g][name][1], written.host[g][name][1])
+        held = {name for name, (how, _) in written.host[g].items() if how == "bytes"}
+        assert set(planned.rows[g]) == held
+
+
 def test_pools_in_host_memory_compute_what_device_pools_do(bf16_store):
     """MLX CUDA only: a tier placed in host memory takes host writes the device sees, and the
     experts computed from it equal those from a tier left in device memory."""

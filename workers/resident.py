@@ -314,10 +314,10 @@ class ResidentTier:
                     self.copies = None
         if hosted and host_writes and self.copies is None:
             self.placement = place_on_host(arrays)
-        # copied groups: tensor name -> (its pool's address, a slot's bytes, the tensor's offset in
-        # a record) for those copied as stored (`DriverCopies.copy`)
-        self.rows: dict[str, dict[str, tuple]] = {g: {} for g in self.copied}
-        for g in self.copied:
+        # tensor name -> (its pool's address, a slot's bytes, the tensor's offset in a record) of
+        # those a fill writes as stored (`copy_plan`)
+        self.rows: dict[str, dict[str, tuple]] = {g: {} for g in self.n_slots}
+        for g in self.n_slots:
             for t in self.layouts[g]["tensors"]:
                 how, raw = self.host[g].get(t["name"], (None, None))
                 if how == "bytes":
@@ -438,16 +438,16 @@ class ResidentTier:
         pools = self.pools[g]
         host = self.host[g]
         copies = self.copies if g in self.copied else None
-        if copies is not None:
-            rows = self.rows[g]
-            base = np.frombuffer(record, dtype=np.uint8).ctypes.data  # the record's bytes in staging
+        done = ()
+        if copies is not None and self.defer_copies:  # by the driver, straight from the addresses
+            for dst, src, n in self.copy_plan(g, slot, record):
+                copies.copy(dst, src, n)
+            done = self.rows[g]
         for t in layout["tensors"]:
+            if t["name"] in done:
+                continue
             if t["name"] in host:  # straight into the pool's memory: the one copy
                 how, raw = host[t["name"]]
-                if copies is not None and how == "bytes" and self.defer_copies:  # by the driver, into device memory
-                    pool, row, offset = rows[t["name"]]
-                    copies.copy(pool + slot * row, base + offset, row)
-                    continue
                 src = views[t["name"]].reshape(-1)
                 if copies is not None:  # by the driver (widened on the host first)
                     copies.write(raw[slot], src.view(np.uint8) if how == "bytes" else src, how)
@@ -475,6 +475,13 @@ class ResidentTier:
         self.fills += 1
         self.fill_bytes += layout["nbytes"]
         self.fill_s += time.perf_counter() - t0
+
+    def copy_plan(self, g: str, slot: int, record) -> list[tuple[int, int, int]]:
+        """(destination, source, bytes) of each tensor of a record (a buffer in memory that stays
+        put: the staging segment) that group g's pools hold as stored, for slot `slot`: the copies
+        a fill queues with `DriverCopies.copy` (bench.batch_copies)."""
+        base = np.frombuffer(record, dtype=np.uint8).ctypes.data
+        return [(pool + slot * row, base + offset, row) for pool, row, offset in self.rows[g].values()]
 
     def settle_copies(self) -> None:
         """Waits for the driver's copies that fills left queued (`defer_copies`)."""
