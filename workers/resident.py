@@ -216,18 +216,13 @@ class DriverCopies:
     def write(self, dst: np.ndarray, src: np.ndarray, how: str) -> None:
         """Queues the copy of one tensor's record bytes into a slot's row (dst: that row of the
         pool's bytes, never touched on the host)."""
-        if threading.get_ident() != self._thread:
-            self._current()
         if how != "bytes":  # bf16 -> f32: the shift on the host
             src = np.left_shift(src, 16, dtype=np.uint32)
         src = np.ascontiguousarray(src)
         self.keep.append(src)  # a converted source lives until its copy is done
         if src.nbytes != dst.nbytes:
             raise ValueError(f"a record's tensor of {src.nbytes} bytes for a slot row of {dst.nbytes}")
-        r = self.cu.cuMemcpyHtoDAsync_v2(dst.ctypes.data, src.ctypes.data, dst.nbytes, self.stream)
-        if r != 0:
-            raise OSError(f"cuMemcpyHtoDAsync refused (CUresult {r})")
-        self.queued += 1
+        self.copy(dst.ctypes.data, src.ctypes.data, dst.nbytes)
 
     def wait(self) -> None:
         """Waits for the copies queued (one record's; with `ResidentTier.defer_copies`, those of

@@ -120,7 +120,9 @@ class SlotExperts(ExpertProvider):
     def detach(self) -> None:
         """Lets the staging segment go before it is unmapped (the driver's pinning of it)."""
         if self.tier is not None and self.tier.copies is not None:
-            self.tier.copies.unpin()
+            self.tier.copies.unpin()  # its copies done first
+        if getattr(self.source, "before_ack", None) is not None:
+            self.source.before_ack = None  # the tier it waited for is let go
 
     def wants_lookahead(self, layer: int) -> bool:
         """Whether the model should apply the next MoE layer's gate to this layer's input: only
