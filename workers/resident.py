@@ -429,7 +429,6 @@ class ResidentTier:
         if moved >= 0:  # the router read it again into another slot: the old one is free now
             self.drop(layer, int(moved))
         layout = self.layouts[g]
-        views = views_from_buffer(record, layout)
         pools = self.pools[g]
         host = self.host[g]
         copies = self.copies if g in self.copied else None
@@ -438,6 +437,8 @@ class ResidentTier:
             for dst, src, n in self.copy_plan(g, slot, record):
                 copies.copy(dst, src, n)
             done = self.rows[g]
+        # numpy views of what is left (none where the driver copied it all; a short record fails here)
+        views = views_from_buffer(record, layout) if len(done) < len(layout["tensors"]) else None
         for t in layout["tensors"]:
             if t["name"] in done:
                 continue
@@ -475,7 +476,10 @@ class ResidentTier:
         """(destination, source, bytes) of each tensor of a record (a buffer in memory that stays
         put: the staging segment) that group g's pools hold as stored, for slot `slot`: the copies
         a fill queues with `DriverCopies.copy` (bench.batch_copies)."""
-        base = np.frombuffer(record, dtype=np.uint8).ctypes.data
+        buf = np.frombuffer(record, dtype=np.uint8)
+        if buf.nbytes < self.layouts[g]["nbytes"]:
+            raise ValueError(f"a record of {buf.nbytes} bytes for a layout of {self.layouts[g]['nbytes']}")
+        base = buf.ctypes.data
         return [(pool + slot * row, base + offset, row) for pool, row, offset in self.rows[g].values()]
 
     def settle_copies(self) -> None:
