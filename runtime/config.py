@@ -164,7 +164,7 @@ class BenchConfig:
     next_leases: bool = True  # running ahead: at a pass's end each partial layer's runner-up leased for the next token
     defer_needs: bool = True  # running ahead a pass at once: a need's reads overlap the build of the pass's rest
     fold_sends: bool = True  # a pass's leases in one message, fills applied together acknowledged in one
-    batch_copies: bool = False  # driver copies: addressed directly, the fills acknowledged together waited for once
+    batch_copies: bool = True  # driver copies: addressed directly, the fills acknowledged together waited for once
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);
     # "auto": on a GPU AUTO_SPIN_MS (workers/pipeline.py), on a CPU 0
     spin_ms: float | str = field(default="auto", metadata={"types": (float, int, str)})

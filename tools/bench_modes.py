@@ -44,7 +44,8 @@ DELTAFIN_MODES = {
     "deltafin-no-next-leases": [],  # the default without the next token's leases
     "deltafin-no-defer-needs": [],  # the default with a need's reads waited for before the rest of the pass is built
     "deltafin-no-fold-sends": [],  # the default with a message per lease and per fill's acknowledgement
-    "deltafin-batch-copies": [],  # the default with the driver's copies waited for once per acknowledgement
+    "deltafin-batch-copies": [],  # the driver's copies waited for once per acknowledgement (the default since stop 62; kept for earlier commands)
+    "deltafin-no-batch-copies": [],  # the default with a wait per record for the driver's copies
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
 }
@@ -79,6 +80,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-defer-needs": {"bench": {"defer_needs": False}},
     "deltafin-no-fold-sends": {"bench": {"fold_sends": False}},
     "deltafin-batch-copies": {"bench": {"batch_copies": True}},
+    "deltafin-no-batch-copies": {"bench": {"batch_copies": False}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

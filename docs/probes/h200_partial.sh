@@ -42,7 +42,7 @@
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
 #   bash docs/probes/h200_partial.sh defer [ROUNDS] # bench.defer_needs against without at 25% (bench beside mlx-lm), then real supervisors' split
 #   bash docs/probes/h200_partial.sh fold [ROUNDS]  # bench.fold_sends against without at 25% (bench), then real supervisors' split and messages
-#   bash docs/probes/h200_partial.sh batch [ROUNDS] # bench.batch_copies against the default at 25% (bench beside mlx-lm), then the driver tests
+#   bash docs/probes/h200_partial.sh batch [ROUNDS] # the default (bench.batch_copies on) against it off at 25% (bench beside mlx-lm), then the driver tests
 #   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; bash docs/probes/h200_partial.sh issue28
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -164,9 +164,9 @@ case "${1:-split}" in
     timeout 420 python3 -m pytest -q -p no:cacheprovider -k "streaming_gives or run_ahead or kept or driver or pinned" \
       tests/test_greedy_exact.py tests/test_run_ahead.py tests/test_resident.py > "$out/close28a.txt" 2>&1
     tail -6 "$out/close28a.txt" ;;
-  batch)  # [ROUNDS]: bench.batch_copies (the driver's copies waited for once per acknowledgement) against the default, at 25% (bench beside mlx-lm, 3 rounds unless given), then the driver tests
+  batch)  # [ROUNDS]: the default (bench.batch_copies: the driver's copies waited for once per acknowledgement) against it off, at 25% (bench beside mlx-lm, 3 rounds unless given), then the driver tests
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 300 bash "$0" bench 0.25 "${2:-3}" deltafin,deltafin-batch-copies,mlx-lm | tail -12
+    timeout 300 bash "$0" bench 0.25 "${2:-3}" deltafin-no-batch-copies,deltafin,mlx-lm | tail -12
     timeout 120 python3 -m pytest -q -p no:cacheprovider -k "driver or pinned or acknowledged" tests/test_resident.py > "$out/batch-tests.txt" 2>&1
     tail -3 "$out/batch-tests.txt" ;;
   issue28)  # issue 28's two goals in one device call (600 s at most, h200_setup.sh before it) on a fresh machine: the 25% bench beside mlx-lm first (goal 2, and its runs' tokens against mlx-lm's), then close28a (goal 1), then the 50% bench with what time is left
