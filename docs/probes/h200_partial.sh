@@ -45,6 +45,7 @@
 #   bash docs/probes/h200_partial.sh batch [ROUNDS] # the default (bench.batch_copies on) against it off at 25% (bench beside mlx-lm), then the driver tests
 #   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; ISSUE28_S=$((585 - SECONDS)) bash docs/probes/h200_partial.sh issue28
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
+#   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
@@ -178,6 +179,13 @@ case "${1:-split}" in
     left=$((${ISSUE28_S:-555} - (SECONDS - start)))  # ISSUE28_S: the seconds the call has left after the setup
     rounds=2; if [ "$left" -gt 100 ]; then rounds=3; fi  # goal 1 asks for 3 runs at 50% too
     if [ "$left" -gt 45 ]; then timeout "$left" bash "$0" bench 0.5 "$rounds" deltafin,mlx-lm | tail -8; fi ;;
+  mini28)  # [SECONDS]: issue 28's goals in what little a call has left after the setup (400 unless given): the 25% bench beside mlx-lm (3 rounds), then the real-process greedy list (goal 1's check)
+    start=$SECONDS; budget=${2:-400}
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 200 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -8
+    timeout $((budget - (SECONDS - start))) python3 -m pytest -q -p no:cacheprovider -k streaming_gives \
+      tests/test_greedy_exact.py > "$out/mini28-stream.txt" 2>&1
+    tail -5 "$out/mini28-stream.txt" ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
