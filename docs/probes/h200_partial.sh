@@ -183,9 +183,9 @@ case "${1:-split}" in
     start=$SECONDS; budget=${2:-400}
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 200 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -8
-    timeout $((budget - (SECONDS - start))) python3 -m pytest -q -p no:cacheprovider -k streaming_gives \
+    timeout $((budget - (SECONDS - start))) python3 -m pytest -q -s -p no:cacheprovider -k streaming_gives \
       tests/test_greedy_exact.py > "$out/mini28-stream.txt" 2>&1
-    tail -5 "$out/mini28-stream.txt" ;;
+    grep -c "=mlx-lm" "$out/mini28-stream.txt"; tail -4 "$out/mini28-stream.txt" ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
