@@ -176,7 +176,7 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 150 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -8
     left=$((${ISSUE28_S:-555} - (SECONDS - start)))  # ISSUE28_S: the seconds the call has left after the setup
-    bash "$0" close28a $((left < 390 ? left : 390))  # its pytest under that limit (a timeout around bash would leave it running)
+    bash "$0" close28a $((left < 390 ? left : 390))  # its pytest under what the call has left
     left=$((${ISSUE28_S:-555} - (SECONDS - start)))
     rounds=2; if [ "$left" -gt 100 ]; then rounds=3; fi  # goal 1 asks for 3 runs at 50% too
     if [ "$left" -gt 45 ]; then timeout "$left" bash "$0" bench 0.5 "$rounds" deltafin,mlx-lm | tail -8; fi ;;
