@@ -48,6 +48,7 @@ DELTAFIN_MODES = {
     "deltafin-no-batch-copies": [],  # the default with a wait per record for the driver's copies
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
+    "deltafin-demand-324k": [],  # demand reads in 324 KiB pieces by all threads (a quarter of issue 28's records), ahead reads whole and held behind them
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -81,6 +82,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-no-fold-sends": {"bench": {"fold_sends": False}},
     "deltafin-batch-copies": {"bench": {"batch_copies": True}},
     "deltafin-no-batch-copies": {"bench": {"batch_copies": False}},
+    "deltafin-demand-324k": {"bench": {"chunk_bytes": 324 << 10, "ahead_piece_bytes": 4 << 20}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

@@ -46,7 +46,7 @@
 #   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; ISSUE28_S=$((585 - SECONDS)) bash docs/probes/h200_partial.sh issue28
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
 #   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # loader.chunk_bytes 0 / 324 KiB / 324 KiB for demand reads alone at 25%, real supervisors (-v)
-#   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk
+#   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk, then the bench with deltafin-demand-324k
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
@@ -201,7 +201,8 @@ case "${1:-split}" in
   stop64)  # [SECONDS]: on an H200 issue28 in SECONDS (the call's time after the setup), elsewhere chunk then the 25% bench
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu"
     if [[ "$gpu" == *H200* ]]; then ISSUE28_S=${2:-555} bash "$0" issue28
-    else timeout 250 bash "$0" chunk 3; fi ;;
+    else timeout 250 bash "$0" chunk 3
+      timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-demand-324k,mlx-lm | tail -8; fi ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
