@@ -45,7 +45,7 @@
 #   bash docs/probes/h200_partial.sh batch [ROUNDS] # the default (bench.batch_copies on) against it off at 25% (bench beside mlx-lm), then the driver tests
 #   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; ISSUE28_S=$((585 - SECONDS)) bash docs/probes/h200_partial.sh issue28
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
-#   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # loader.chunk_bytes 0 / 324 KiB / 324 KiB for demand reads alone at 25%, real supervisors (-v)
+#   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # bench.chunk_bytes 0 / 324 KiB / 324 KiB for demand reads alone at 25%, real supervisors (-v)
 #   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk, then the bench with deltafin-demand-324k
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
@@ -192,7 +192,7 @@ case "${1:-split}" in
         tests/test_greedy_exact.py > "$out/mini28-stream.txt" 2>&1
       grep -c "=mlx-lm" "$out/mini28-stream.txt"; tail -4 "$out/mini28-stream.txt"
     fi ;;
-  chunk)  # [ROUNDS]: loader.chunk_bytes at 25% on today's pipeline, real supervisors alternating (3 rounds): whole records, quarters of the store's 1.27 MiB records (324 KiB), and quarters for demand reads alone (ahead reads whole, yielding)
+  chunk)  # [ROUNDS]: bench.chunk_bytes at 25% on today's pipeline, real supervisors alternating (3 rounds): whole records, quarters of the store's 1.27 MiB records (324 KiB), and quarters for demand reads alone (ahead reads whole, yielding)
     python3 docs/probes/real_split.py /tmp/store "${2:-3}" \
       "whole:chunk_bytes = 0:0.25,c324:chunk_bytes = 331776:0.25,d324:chunk_bytes = 331776;ahead_piece_bytes = 4194304:0.25" -v \
       > "$out/chunk-0.25.txt" 2>&1
