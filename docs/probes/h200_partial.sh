@@ -193,6 +193,7 @@ case "${1:-split}" in
       grep -c "=mlx-lm" "$out/mini28-stream.txt"; tail -4 "$out/mini28-stream.txt"
     fi ;;
   chunk)  # [ROUNDS]: bench.chunk_bytes at 25% on today's pipeline, real supervisors alternating (3 rounds): whole records, quarters of the store's 1.27 MiB records (324 KiB), and quarters for demand reads alone (ahead reads whole, yielding)
+    # d324 is the bench's deltafin-demand-324k (tools/bench_modes.py): keep the two the same
     python3 docs/probes/real_split.py /tmp/store "${2:-3}" \
       "whole:chunk_bytes = 0:0.25,c324:chunk_bytes = 331776:0.25,d324:chunk_bytes = 331776;ahead_piece_bytes = 4194304:0.25" -v \
       > "$out/chunk-0.25.txt" 2>&1
