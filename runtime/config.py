@@ -150,7 +150,8 @@ class BenchConfig:
     # MLX CUDA: streaming pools in device memory, filled by the driver's copies (true / "auto": on a
     # GPU; false: in host memory, written with numpy, deltafin-host-pools)
     device_copies: bool | str = field(default="auto", metadata={"types": (bool, str)})
-    chunk_bytes: int = 0  # one read's piece of a record (0: whole records)
+    chunk_bytes: int = 0  # one read's piece of a record (0: whole records, or demand_pieces)
+    demand_pieces: int = 4  # a demand read's record in this many pieces read at once; ahead reads wait behind it
     ahead_piece_bytes: int = 0  # ahead reads in pieces, none started while a demand read is in flight (deltafin-yield)
     defer_prefetch: bool = True  # the router answers a need before planning the prefetch after it
     fold_notes: bool = True  # hints and uses ride the need or lease after them; its reads go out first
@@ -291,6 +292,8 @@ class Config:
             raise ConfigError("loader.threads must be within 1..64")
         if self.bench.chunk_bytes < 0:
             raise ConfigError("bench.chunk_bytes must be >= 0 (0: each record in one read)")
+        if self.bench.demand_pieces < 1:
+            raise ConfigError("bench.demand_pieces must be >= 1 (1: each demand read whole)")
         if self.bench.ahead_piece_bytes < 0:
             raise ConfigError("bench.ahead_piece_bytes must be >= 0 (0: ahead reads as demand reads are)")
         if self.runtime.restart_max < 0 or self.runtime.restart_window_s <= 0:

@@ -11,6 +11,7 @@ import pytest
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.store import Store
+from deltafin.workers import loader as loader_mod
 from deltafin.workers.loader import Loader, ReadQueue
 
 
@@ -168,6 +169,61 @@ def test_ahead_reads_yield_the_disk_to_a_demand_read_in_flight(store):
     assert not plain.get(timeout=0.1)[0].order.prefetch and plain.get(timeout=0.1)[0].order.prefetch
     q.close()
     plain.close()
+    loader.close()
+
+
+def test_demand_reads_in_pieces_ahead_reads_whole_behind_them(store, monkeypatch):
+    """bench.demand_pieces: a demand read goes in that many block-aligned pieces (none under
+    MIN_PIECE: a record below it stays whole), a prefetch or lease read whole, and the loader's
+    queue holds ahead reads back while a demand read is in flight. Four threads read the pieces
+    of demand and ahead orders mixed: every record lands whole and verified, answered once."""
+    layer = store.moe_layers[0]
+    nbytes = store.record(layer, 0).nbytes
+    pool = _pool(store, 6)
+    loader = Loader(store, memoryview(pool), store.max_record_bytes, demand_pieces=4)
+    assert loader.yields and len(loader.job(M.Read(slot=0, generation=1, layer=layer, expert=0)).chunks) == 1
+    monkeypatch.setattr(loader_mod, "MIN_PIECE", 4096)
+    dem = loader.job(M.Read(slot=0, generation=1, layer=layer, expert=0))
+    pre = loader.job(M.Read(slot=1, generation=1, layer=layer, expert=1, prefetch=True))
+    assert len(dem.chunks) == 4 and sum(n for _, n in dem.chunks) == nbytes
+    assert all(o % 4096 == 0 for o, _ in dem.chunks) and len(pre.chunks) == 1
+    assert len(Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=4096, demand_pieces=4)
+               .job(M.Read(slot=0, generation=1, layer=layer, expert=0)).chunks) == -(-nbytes // 4096)
+    assert not Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=4096, demand_pieces=4).yields
+    assert not Loader(store, memoryview(pool), store.max_record_bytes, demand_pieces=1).yields
+    q = ReadQueue(yield_ahead=loader.yields)
+    q.put(dem)
+    q.put(pre)
+    got = [q.get(timeout=0.1) for _ in range(4)]
+    assert [j for j, _ in got] == [dem] * 4 and q.get(timeout=0.05) is None  # the ahead read waits
+    answers = [loader.read_chunk(*g) for g in got]
+    for g in got:
+        q.done(g[0])
+    assert answers[:3] == [None] * 3 and isinstance(answers[3], M.Loaded)
+    assert q.get(timeout=0.5) == (pre, 0)
+    assert isinstance(loader.read_chunk(pre, 0), M.Loaded)
+    orders = [M.Read(slot=2 + e % 4, generation=e, layer=layer, expert=e, prefetch=bool(e % 2)) for e in range(8)]
+    done, lock = [], threading.Lock()
+
+    def reader():
+        while (g := q.get(timeout=0.2)) is not None:
+            a = loader.read_chunk(*g)
+            q.done(g[0])
+            if a is not None:
+                with lock:
+                    done.append(a)
+    for order in orders[:4]:
+        q.put(loader.job(order))
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(a.expert for a in done) == [0, 1, 2, 3] and all(isinstance(a, M.Loaded) for a in done)
+    for a in done:
+        start = a.slot * store.max_record_bytes
+        assert bytes(pool[start:start + a.nbytes]) == _expected(store, layer, a.expert)
+    q.close()
     loader.close()
 
 

@@ -197,6 +197,7 @@ def test_a_temperature_below_the_floor_is_greedy():
     ("[bench]\nspin_ms = \"fast\"\n", "bench.spin_ms must be >= 0"),
     ("[bench]\nahead_reads = -1\n", "bench.ahead_reads must be >= 0"),
     ("[bench]\nahead_piece_bytes = -1\n", "bench.ahead_piece_bytes must be >= 0"),
+    ("[bench]\ndemand_pieces = 0\n", "bench.demand_pieces must be >= 1"),
 ])
 def test_config_values_of_the_wrong_kind_are_refused(tmp_path, text, why):
     path = tmp_path / "bad.toml"

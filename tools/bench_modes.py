@@ -48,7 +48,8 @@ DELTAFIN_MODES = {
     "deltafin-no-batch-copies": [],  # the default with a wait per record for the driver's copies
     "deltafin-early-each": [],  # early passes and layers checked one by one (as deltafin-check-each since early passes are the default)
     "deltafin-unweighted": [],  # the default with victims chosen by probability alone (cache.weigh_misses off)
-    "deltafin-demand-324k": [],  # demand reads in 324 KiB pieces by all threads (a quarter of issue 28's records), ahead reads whole and held behind them
+    "deltafin-demand-324k": [],  # demand reads in 324 KiB pieces by all threads (a quarter of issue 28's records), ahead reads whole and held behind them (the default on that store since bench.demand_pieces; kept for earlier commands)
+    "deltafin-whole-reads": [],  # the default with every read one whole record (bench.demand_pieces 1), ahead reads not held behind demand reads
 }
 # Modes' settings that have no flag of their own: written to a TOML file passed with --config.
 DELTAFIN_MODE_CONFIG = {
@@ -83,6 +84,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-batch-copies": {"bench": {"batch_copies": True}},
     "deltafin-no-batch-copies": {"bench": {"batch_copies": False}},
     "deltafin-demand-324k": {"bench": {"chunk_bytes": 324 << 10, "ahead_piece_bytes": 4 << 20}},
+    "deltafin-whole-reads": {"bench": {"demand_pieces": 1}},
     "deltafin-early-each": {"bench": {"early_passes": True, "check_each": True}},
     "deltafin-one-ahead": {"bench": {"ahead_reads": 1}},
     "deltafin-no-cuda-graphs": {"bench": {"cuda_graphs": False}},

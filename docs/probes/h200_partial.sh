@@ -45,8 +45,8 @@
 #   bash docs/probes/h200_partial.sh batch [ROUNDS] # the default (bench.batch_copies on) against it off at 25% (bench beside mlx-lm), then the driver tests
 #   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; ISSUE28_S=$((585 - SECONDS)) bash docs/probes/h200_partial.sh issue28
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
-#   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # bench.chunk_bytes 0 / 324 KiB / 324 KiB for demand reads alone at 25%, real supervisors (-v)
-#   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk, then the bench with deltafin-demand-324k
+#   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # whole reads / 324 KiB pieces / demand reads in quarters (the default) at 25%, real supervisors (-v)
+#   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk, then the bench with deltafin-whole-reads
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
@@ -192,10 +192,9 @@ case "${1:-split}" in
         tests/test_greedy_exact.py > "$out/mini28-stream.txt" 2>&1
       grep -c "=mlx-lm" "$out/mini28-stream.txt"; tail -4 "$out/mini28-stream.txt"
     fi ;;
-  chunk)  # [ROUNDS]: bench.chunk_bytes at 25% on today's pipeline, real supervisors alternating (3 rounds): whole records, quarters of the store's 1.27 MiB records (324 KiB), and quarters for demand reads alone (ahead reads whole, yielding)
-    # d324 is the bench's deltafin-demand-324k (tools/bench_modes.py): keep the two the same
+  chunk)  # [ROUNDS]: read pieces at 25%, real supervisors alternating (3 rounds): whole records (deltafin-whole-reads), quarters of the store's 1.27 MiB records (324 KiB) for every read, and quarters for demand reads alone, ahead reads whole and yielding (bench.demand_pieces 4, the default since 2026-12-07; on this store what deltafin-demand-324k does)
     python3 docs/probes/real_split.py /tmp/store "${2:-3}" \
-      "whole:chunk_bytes = 0:0.25,c324:chunk_bytes = 331776:0.25,d324:chunk_bytes = 331776;ahead_piece_bytes = 4194304:0.25" -v \
+      "whole:demand_pieces = 1:0.25,c324:chunk_bytes = 331776:0.25,d324:demand_pieces = 4:0.25" -v \
       > "$out/chunk-0.25.txt" 2>&1
     grep "^r\|all same" "$out/chunk-0.25.txt" | cut -c1-200
     grep -o '"demand_read": {"count": [0-9]*, "p50_ms": [0-9.]*\|"queue_wait": {"count": [0-9]*, "p50_ms": [0-9.]*' "$out/chunk-0.25.txt" | paste - - ;;
@@ -203,7 +202,7 @@ case "${1:-split}" in
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu"
     if [[ "$gpu" == *H200* ]]; then ISSUE28_S=${2:-555} bash "$0" issue28
     else timeout 250 bash "$0" chunk 3
-      timeout 200 bash "$0" bench 0.25 3 deltafin,deltafin-demand-324k,mlx-lm | tail -8; fi ;;
+      timeout 200 bash "$0" bench 0.25 3 deltafin-whole-reads,deltafin,mlx-lm | tail -8; fi ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
