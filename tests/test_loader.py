@@ -202,7 +202,6 @@ def test_demand_reads_in_pieces_ahead_reads_whole_behind_them(store, monkeypatch
     assert answers[:3] == [None] * 3 and isinstance(answers[3], M.Loaded)
     assert q.get(timeout=0.5) == (pre, 0)
     assert isinstance(loader.read_chunk(pre, 0), M.Loaded)
-    orders = [M.Read(slot=2 + e % 4, generation=e, layer=layer, expert=e, prefetch=bool(e % 2)) for e in range(8)]
     done, lock = [], threading.Lock()
 
     def reader():
@@ -212,8 +211,8 @@ def test_demand_reads_in_pieces_ahead_reads_whole_behind_them(store, monkeypatch
             if a is not None:
                 with lock:
                     done.append(a)
-    for order in orders[:4]:
-        q.put(loader.job(order))
+    for e in range(4):  # demand and ahead orders alternating
+        q.put(loader.job(M.Read(slot=2 + e, generation=e, layer=layer, expert=e, prefetch=bool(e % 2))))
     threads = [threading.Thread(target=reader) for _ in range(4)]
     for t in threads:
         t.start()
