@@ -47,6 +47,8 @@
 #                                             # issue 28's two goals in one call of <= 600 s on a fresh machine
 #   bash docs/probes/h200_partial.sh chunk [ROUNDS]  # whole reads / 324 KiB pieces / demand reads in quarters (the default) at 25%, real supervisors (-v)
 #   bash docs/probes/h200_partial.sh stop64 [SECONDS] # an H200: issue28; another GPU: chunk, then the bench with deltafin-whole-reads
+#   bash docs/probes/h200_setup.sh > $OUT/setup.txt 2>&1; bash docs/probes/h200_partial.sh stop65 $((585 - SECONDS))
+#                                             # bench.demand_pieces on: the GPU list, then chunk and the 25% bench beside whole reads
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
@@ -203,6 +205,12 @@ case "${1:-split}" in
     if [[ "$gpu" == *H200* ]]; then ISSUE28_S=${2:-555} bash "$0" issue28
     else timeout 250 bash "$0" chunk 3
       timeout 200 bash "$0" bench 0.25 3 deltafin-whole-reads,deltafin,mlx-lm | tail -8; fi ;;
+  stop65)  # [SECONDS]: bench.demand_pieces (the default since stop 65) on any GPU in SECONDS after the setup (555 unless given): the GPU list with it on (close28a, at most 300 s), then chunk and the 25% bench beside whole reads and mlx-lm with what is left
+    start=$SECONDS; budget=${2:-555}
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    bash "$0" close28a $((budget < 300 ? budget : 300))
+    left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout 60 bash "$0" chunk 2; fi
+    left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout "$left" bash "$0" bench 0.25 3 deltafin-whole-reads,deltafin,mlx-lm | tail -8; fi ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
