@@ -173,6 +173,7 @@ def test_standin_generates_with_real_reads(tiny_stores):
             stats = c.stats()
     assert len(gen.token_ids) == n
     assert stats["workers"]["loader"]["bytes"] > 0 and stats["workers"]["loader"]["reads"] > 0
+    assert stats["workers"]["loader"]["demand_pieces"] == 4  # the default, no more than the 4 threads
     assert stats["bench_mode"] == gen.stats["bench_mode"] and gen.stats["bench_mode"]["standin"]
     per_pass = (len(store.moe_layers) * moe_ms + (n_layers - len(store.moe_layers)) * dense_ms) / 1e3
     # a lower bound only: every decode pass waits at least its layers' stand-in time

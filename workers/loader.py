@@ -316,7 +316,7 @@ class LoaderProcess(WorkerProcess):
         self.loader = Loader(self.store, self.pool.buf, msg.slot_bytes, verify=cfg.verify_checksums,
                              chunk_bytes=int(self.config.bench.chunk_bytes),
                              ahead_piece_bytes=self.config.bench.ahead_piece_bytes,
-                             demand_pieces=self.config.bench.demand_pieces)
+                             demand_pieces=min(self.config.bench.demand_pieces, cfg.threads))  # read at once
         self.orders.yield_ahead = self.loader.yields  # before any read is queued
         for _ in range(cfg.threads):
             t = threading.Thread(target=self.read_loop, daemon=True)
