@@ -41,7 +41,8 @@ from deltafin.runtime.sockets import make_socket, recv
 from deltafin.runtime.store import Store, StoreError, checksum_error, crc32, truncated_error
 from deltafin.workers.common import WorkerProcess
 
-MIN_PIECE = 256 << 10  # a demand read's smallest piece (the H200's disk: 256 KiB reads at depth 4 kept 94% of whole records' rate)
+# a demand read's smallest piece (the H200's disk: 256 KiB reads at depth 4 kept 94% of whole records' rate)
+MIN_PIECE = 256 << 10
 
 
 class ReadJob:
@@ -120,7 +121,6 @@ class Loader:
                  chunk_bytes: int = 0, ahead_piece_bytes: int = 0, demand_pieces: int = 1):
         self.store, self.pool, self.slot_bytes, self.verify = store, pool_buf, slot_bytes, verify
         self.chunk_bytes, self.ahead_piece_bytes, self.demand_pieces = chunk_bytes, ahead_piece_bytes, demand_pieces
-        self.yields = ahead_piece_bytes > 0 or (demand_pieces > 1 and not chunk_bytes)
         self._files: dict[str, DirectFile] = {}
         self._lock = threading.Lock()
         self.counters = Counter()
@@ -150,6 +150,10 @@ class Loader:
             return self._failed(order, f"loader: {e}")
         return ReadJob(order, rec, self.pool[start:start + self.slot_bytes], f, self.piece(order, rec.nbytes),
                        self.verify)
+
+    @property
+    def yields(self) -> bool:
+        return self.ahead_piece_bytes > 0 or (self.demand_pieces > 1 and not self.chunk_bytes)
 
     def piece(self, order: M.Read, nbytes: int) -> int:
         """The bytes one read of this order's record takes (0: the record in one read)."""
