@@ -209,11 +209,15 @@ def test_prefetch_contenders_parse_into_cache_overrides():
 
 
 def test_rounds_summary_and_the_sweep_figure_are_medians_and_ratios():
-    runs = [{"ok": True, "decode_tok_s": v, "hit_rate": h, "loader": {"disk_busy_share": 0.5}, "tag": i}
-            for i, (v, h) in enumerate([(1.0, 0.5), (1.5, 0.9), (1.2, 0.6)])]
+    runs = [{"ok": True, "decode_tok_s": v, "hit_rate": h, "loader": {"disk_busy_share": b, "reads": 7},
+             "peak_tree_pss_bytes": pk, "tag": i}
+            for i, (v, h, b, pk) in enumerate([(1.0, 0.5, 0.0, 4000), (1.5, 0.9, 0.3, 1000), (1.2, 0.6, 0.1, 1100)])]
     runs.append({"ok": False, "cause": "boom"})
     r = bench_report.summarize_rounds(runs)
     assert r["decode_tok_s"] == 1.2 and r["tag"] == 2  # the round nearest the median
+    # a peak is the highest round's; the disk's busy share the rounds' median (the rest kept)
+    assert r["peak_tree_pss_bytes"] == 4000 and r["loader"] == {"disk_busy_share": pytest.approx(0.1), "reads": 7}
+    assert [x["peak_tree_pss_bytes"] for x in r["rounds"]] == [4000, 1000, 1100, None]
     assert r["hit_rate"] == pytest.approx(0.6) and r["time_per_token_s"] == pytest.approx(1 / 1.2)
     assert r["decode_tok_s_spread"] == pytest.approx(1.5) and r["rounds_ok"] == 3
     assert [x["ok"] for x in r["rounds"]] == [True, True, True, False]

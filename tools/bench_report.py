@@ -24,13 +24,16 @@ ROUND_KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "hit_rate", "bytes_read
 def summarize_rounds(runs: list[dict]) -> dict:
     """One contender over its rounds (run alternating with the others, so that a slow spell of
     the shared machine falls on every contender): the round nearest the median decode rate, with
-    ROUND_KEYS replaced by their medians over the rounds that ran, each round's figures under
-    "rounds" and the decode rate's spread (max / min). A single round is returned as it is."""
+    ROUND_KEYS replaced by their medians over the rounds that ran, the disk's busy share by its
+    median too, the peak tree PSS by the highest round's (a peak is a maximum: a GPU machine's
+    first run, which compiles its kernels, can peak far above the others), each round's figures
+    under "rounds" and the decode rate's spread (max / min). A single round is returned as it is."""
     if len(runs) == 1:
         return runs[0]
     ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
     per_round = [{"ok": bool(r.get("ok")), "cause": r.get("cause"), "load_average": r.get("load_average"),
                   "disk_busy_share": (r.get("loader") or {}).get("disk_busy_share"),
+                  "peak_tree_pss_bytes": r.get("peak_tree_pss_bytes"),
                   **{k: r.get(k) for k in ROUND_KEYS}} for r in runs]
     if not ok:
         return {**runs[0], "rounds": per_round, "rounds_ok": 0}
@@ -40,6 +43,12 @@ def summarize_rounds(runs: list[dict]) -> dict:
     for k in ROUND_KEYS:
         vals = [r[k] for r in ok if r.get(k) is not None]
         out[k] = float(np.median(vals)) if vals else None
+    busy = [b for b in ((r.get("loader") or {}).get("disk_busy_share") for r in ok) if b is not None]
+    if busy:
+        out["loader"] = {**(out.get("loader") or {}), "disk_busy_share": float(np.median(busy))}
+    peaks = [r["peak_tree_pss_bytes"] for r in ok if r.get("peak_tree_pss_bytes") is not None]
+    if peaks:
+        out["peak_tree_pss_bytes"] = max(peaks)
     out["time_per_token_s"] = 1.0 / out["decode_tok_s"]
     out.update(rounds=per_round, rounds_ok=len(ok), decode_tok_s_spread=max(rates) / min(rates),
                decode_tok_s_range=[min(rates), max(rates)])
@@ -193,7 +202,8 @@ def table(report: dict) -> str:
                 f"{('%.1f-%.1f' % tuple(r['load_average'])) if r.get('load_average') else '-':>10}"
                 f"{_agreement_cell(r.get('vs_mlx_lm')):>9}")
         lines.append("/own: time per token over the contender's own bound, max(compute, its bytes read per "
-                     "token at the probed disk rate); host ms: CPU time of compute's own thread per token")
+                     "token at the probed disk rate); host ms: CPU time of compute's own thread per token; "
+                     "peak MiB: the process tree's PSS, the highest round's")
         if rr.get("rounds", 1) > 1:
             lines.append(f"{rr['rounds']} rounds, contenders alternating: medians per contender; spread = "
                          f"fastest / slowest round's decode tok/s")
