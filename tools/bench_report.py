@@ -25,9 +25,10 @@ def summarize_rounds(runs: list[dict]) -> dict:
     """One contender over its rounds (run alternating with the others, so that a slow spell of
     the shared machine falls on every contender): the round nearest the median decode rate, with
     ROUND_KEYS replaced by their medians over the rounds that ran, the disk's busy share by its
-    median too, the peak tree PSS by the highest round's (a peak is a maximum: on fresh H100s the
-    first round peaked near 4 GB, the others near 1.1 GB; docs/BENCHMARKS.md, stop 66), each round's figures
-    under "rounds" and the decode rate's spread (max / min). A single round is returned as it is."""
+    median too, the peak tree PSS by the highest round's (a peak is a maximum: on fresh H100s
+    the first round peaked near 4 GB, the others near 1.1 GB; docs/BENCHMARKS.md, stop 66),
+    each round's figures under "rounds" and the decode rate's spread (max / min). A single
+    round is returned as it is."""
     if len(runs) == 1:
         return runs[0]
     ok = [r for r in runs if r.get("ok") and r.get("decode_tok_s")]
