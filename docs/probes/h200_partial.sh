@@ -84,11 +84,14 @@ case "${1:-split}" in
       "base:launch_first = false:0.5,lf:launch_first = true:0.5,one:ahead_reads = 1:0.5" -v \
       > "$out/split-0.5.txt" 2>&1
     grep "^r\|all same" "$out/split-0.5.txt" | cut -c1-260 ;;
-  bench)  # [SHARE [ROUNDS [CONTENDERS]]]: 0.25, 2 and graphs on and off beside mlx-lm unless given
+  bench)  # [SHARE [ROUNDS [CONTENDERS]]]: 0.25, 2 and graphs on and off beside mlx-lm unless given; the table in $out/bench-SHARE.txt, the report (every round's figures) in bench-SHARE.json
     share=${2:-0.25}; rounds=${3:-2}; contenders=${4:-deltafin,deltafin-cuda-graphs,mlx-lm}
     python3 -m deltafin.tools.bench --store /tmp/store --trace none --regimes real --memory-budget 4GiB \
       --cache-frac "$share" --dtype auto --contenders "$contenders" \
       --rounds "$rounds" --prompt-tokens 9 --max-tokens 64 > "$out/bench-$share.txt" 2>&1
+    # the report (each round's figures, the peak tree PSS among them) beside the table
+    rep=$(grep -o 'report: .*report.json' "$out/bench-$share.txt" | tail -1 | cut -c9-)
+    if [ -n "$rep" ] && [ -f "$rep" ]; then cp "$rep" "$out/bench-$share.json"; fi
     tail -30 "$out/bench-$share.txt" ;;
   auto)  # cuda_graphs "auto": at 25% against graphs and launch first, 3 rounds; all resident against graphs off
     timeout 270 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,deltafin-launch-first,mlx-lm
