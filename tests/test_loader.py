@@ -187,9 +187,10 @@ def test_demand_reads_in_pieces_ahead_reads_whole_behind_them(store, monkeypatch
     pre = loader.job(M.Read(slot=1, generation=1, layer=layer, expert=1, prefetch=True))
     assert len(dem.chunks) == 4 and sum(n for _, n in dem.chunks) == nbytes
     assert all(o % 4096 == 0 for o, _ in dem.chunks) and len(pre.chunks) == 1
-    assert len(Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=4096, demand_pieces=4)
-               .job(M.Read(slot=0, generation=1, layer=layer, expert=0)).chunks) == -(-nbytes // 4096)
-    assert not Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=4096, demand_pieces=4).yields
+    chunked = Loader(store, memoryview(pool), store.max_record_bytes, chunk_bytes=4096, demand_pieces=4)
+    assert len(chunked.job(M.Read(slot=0, generation=1, layer=layer, expert=0)).chunks) == -(-nbytes // 4096)
+    assert not chunked.yields
+    chunked.close()
     assert not Loader(store, memoryview(pool), store.max_record_bytes, demand_pieces=1).yields
     q = ReadQueue(yield_ahead=loader.yields)
     q.put(dem)
