@@ -23,6 +23,7 @@ import numpy as np
 
 from deltafin.protocol import messages as M
 from deltafin.runtime.config import as_config
+from deltafin.runtime.heap import HeapTrim
 from deltafin.runtime.kernelcache import ENV as KERNEL_CACHE_ENV
 from deltafin.runtime.sockets import send
 from deltafin.runtime.store import Store
@@ -38,6 +39,7 @@ class ComputeProcess(WorkerProcess):
     role = "compute"
 
     def setup(self):
+        self.heap = HeapTrim()  # grown from here on (loading, kernels compiled): see below
         self.cfg = as_config(self.config)
         # before MLX's first kernel, so before the pool is sized: the plan's estimate says whether it streams
         use_cuda_graphs(self.cfg.bench, gpu=on_gpu(), streams=self.run["streams"])
@@ -64,6 +66,10 @@ class ComputeProcess(WorkerProcess):
             # GPU backends set up kernels and host buffers on first use; on the CPU backend
             # the first pass's buffers are what the KV and activation reserves already cover.
             self.compute.warm_up()
+        # A first run compiles MLX CUDA's kernels here and in its first requests: the compiler's
+        # freed heap goes back to the system where the process grew (runtime/heap.py), before the
+        # supervisor measures the tree and after each step.
+        self.heap.maybe()
 
     def ready_info(self):
         return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
@@ -137,6 +143,7 @@ class ComputeProcess(WorkerProcess):
                     break
                 for seq in sched.step(joining=bool(self.queue.waiting)):
                     self.reply(seq.owner.client, finished(self.queue, self.compute, seq))
+                self.heap.maybe()
                 self.poll_control()
                 for seq in list(sched.filling) + list(sched.active):
                     if seq.owner.cancelled or not self.running:
@@ -226,7 +233,8 @@ class ComputeProcess(WorkerProcess):
 
     def stats(self):
         # where MLX CUDA keeps the kernels it compiles (runtime/kernelcache.py); None: MLX's default
-        out = {**self.compute.stats(), "queue": self.queue.stats(), "kernel_cache": os.environ.get(KERNEL_CACHE_ENV)}
+        out = {**self.compute.stats(), "queue": self.queue.stats(), "kernel_cache": os.environ.get(KERNEL_CACHE_ENV),
+               "heap": self.heap.stats()}
         if self.dist is not None:
             e = self.compute.experts
             out["distributed"] = {**self.dist.info(), "exchanges": e.exchanges,

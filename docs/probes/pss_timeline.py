@@ -71,6 +71,7 @@ def one_run(store: str, slots: int) -> None:
             marks["request"] = time.perf_counter()
             done = c.generate(PROMPT, max_tokens=64)
             marks["answered"] = time.perf_counter()
+            heap = (c.stats().get("workers", {}).get("compute") or {}).get("heap")
     finally:
         reap(proc, 15, 2)
         marks["stopped"] = time.perf_counter()
@@ -86,7 +87,7 @@ def one_run(store: str, slots: int) -> None:
                 name = k
         return name
     print("phases (s from start):", {k: round(v - t0, 2) for k, v in marks.items()},
-          f"decode {done.stats.get('decode_tok_s') or 0:.1f} tok/s")
+          f"decode {done.stats.get('decode_tok_s') or 0:.1f} tok/s", "compute's heap trims:", heap)
     peaks: dict[str, tuple[int, float]] = {}
     tree: dict[str, int] = {}
     for t, per in samples:
