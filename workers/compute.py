@@ -151,6 +151,7 @@ class ComputeProcess(WorkerProcess):
                         self.reply(seq.owner.client, finished(self.queue, self.compute, seq))
         finally:
             self.in_request = False
+            self.heap.maybe()  # a logits request alone takes no step
 
     def admit(self) -> None:
         """Waiting requests start while the batch has room (workers/scheduler.py `admit`); this
@@ -178,6 +179,7 @@ class ComputeProcess(WorkerProcess):
                     self.answer_in_step(item)
                 else:
                     self.answer_logits(item, in_step=True)
+                self.heap.maybe()
         finally:
             self.in_request = False
 
