@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from deltafin.runtime import directio, procmem, security, shm, telemetry
+from deltafin.runtime import directio, heap, procmem, security, shm, telemetry
 from deltafin.workers import common, engine, resident
 
 MiB = 1 << 20
@@ -153,8 +153,9 @@ def test_workers_die_with_the_supervisor_without_prctl(monkeypatch):
 
 
 def test_nothing_on_the_serving_path_needs_proc_or_cgroup(monkeypatch):
-    """/proc/self/io (a stats figure) is optional; /proc and cgroup appear nowhere else in the
-    runtime but the benchmark's Linux-only page-cache drop."""
+    """/proc/self/io (a stats figure) and /proc/self/statm (the heap trim's growth) are optional;
+    /proc and cgroup appear nowhere else in the runtime but the benchmark's Linux-only page-cache
+    drop."""
     real_open = builtins.open
 
     def no_proc(path, *a, **k):
@@ -164,9 +165,10 @@ def test_nothing_on_the_serving_path_needs_proc_or_cgroup(monkeypatch):
     monkeypatch.setattr(builtins, "open", no_proc)
     assert engine.disk_read_bytes() is None
     assert procmem.cow_shared([os.getpid()]) == 0  # the copy-on-write room: none where /proc is not
+    assert heap.resident_bytes() is None and heap.HeapTrim().maybe() == 0  # no trim, no error
     users = {p.relative_to(ROOT).as_posix() for d in ("runtime", "workers", "protocol")
              for p in (ROOT / d).rglob("*.py") if re.search(r"/proc/|cgroup", p.read_text())}
-    assert users == {"runtime/diskprobe.py", "runtime/procmem.py", "workers/engine.py"}, users
+    assert users == {"runtime/diskprobe.py", "runtime/heap.py", "runtime/procmem.py", "workers/engine.py"}, users
 
 
 def test_the_zero_copy_probe_falls_back(monkeypatch):
