@@ -11,7 +11,6 @@ it is not made per token). Elsewhere than on glibc it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import time
 
@@ -21,7 +20,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 def _libc_trim():
     """glibc's malloc_trim, or None (musl, macOS, Windows)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's name; no library search (it runs subprocesses)
         fn = libc.malloc_trim
     except (OSError, AttributeError):
         return None
