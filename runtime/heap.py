@@ -63,10 +63,9 @@ class HeapTrim:
         self._trim(0)
         after = self._rss() or now
         self.seconds += time.perf_counter() - t0
-        self.trims += 1
-        self.released += max(0, now - after)
-        self.base = after
-        return max(0, now - after)
+        freed = max(0, now - after)
+        self.trims, self.released, self.base = self.trims + 1, self.released + freed, after
+        return freed
 
     def stats(self) -> dict:
         return {"trims": self.trims, "released_bytes": self.released, "trim_s": round(self.seconds, 6),

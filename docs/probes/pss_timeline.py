@@ -13,6 +13,7 @@ of docs/BENCHMARKS.md stop 66 is that compilation, in which process and phase.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +32,8 @@ PROMPT = [1, 504, 3458, 314, 260, 6123, 4876, 47, 198]
 def role(pid: int) -> str:
     """The worker's name (forked workers set it, runtime/forkserver.py), else its command line's."""
     try:
-        cmd = psutil.Process(pid).name() + " " + " ".join(psutil.Process(pid).cmdline())
+        proc = psutil.Process(pid)
+        cmd = proc.name() + " " + " ".join(proc.cmdline())
     except psutil.Error:
         return "?"
     for name in ("compute", "router", "loader", "frontend", "forkserver", "supervisor"):
@@ -73,7 +75,7 @@ def one_run(store: str, slots: int) -> None:
             marks["answered"] = time.perf_counter()
             heap = (c.stats().get("workers", {}).get("compute") or {}).get("heap")
     finally:
-        reap(proc, 15, 2)
+        reap(proc, 15, signal.SIGINT)
         marks["stopped"] = time.perf_counter()
         stop.set()
         th.join(timeout=5)
