@@ -79,3 +79,46 @@ def test_compute_reports_its_heap_trims(tiny_stores):
             heap = c.stats()["workers"]["compute"]["heap"]
     assert heap["enabled"] is True
     assert heap["trims"] >= 0 and heap["released_bytes"] >= 0 and heap["trim_s"] >= 0
+
+
+@pytest.mark.skipif(_libc_trim() is None or resident_bytes() is None, reason="glibc and /proc only")
+def test_the_watch_thread_trims_while_the_main_thread_is_busy():
+    """In a fresh process the main thread grows and frees 256 MiB of heap and then sleeps without
+    calling HeapTrim (as compute sits inside one long evaluation while kernels compile): only the
+    watching thread can give the pages back, and it does, while the main thread still waits. (The
+    thread starts after the frees, so it cannot have trimmed midway while the blocks were in use.)"""
+    code = textwrap.dedent("""
+        import ctypes, time
+        from deltafin.runtime.heap import HeapTrim, resident_bytes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        h = HeapTrim(threshold=64 << 20)
+        blocks = [libc.malloc(64 << 10) for _ in range(4096)]
+        for b in blocks:
+            ctypes.memset(b, 1, 64 << 10)
+        for b in blocks[:-1]:
+            libc.free(b)
+        held = resident_bytes()
+        assert h.watch(0.01)
+        deadline = time.monotonic() + 20
+        while h.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)   # no call into HeapTrim from this thread
+        during = resident_bytes()
+        h.stop()
+        print(held, during, h.trims, h.stats()["watch_ms"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    held, during, trims, watch_ms = out.stdout.split()
+    assert int(trims) >= 1 and float(watch_ms) == 10.0
+    assert int(during) < int(held) - (200 << 20)
+
+
+def test_no_watch_thread_without_a_period_or_a_trim():
+    assert HeapTrim(trim=None, rss=lambda: None).watch(0.05) is False
+    h = HeapTrim(trim=lambda pad: 1, rss=lambda: 1 << 30)
+    assert h.watch(0) is False and h.stats()["watch_ms"] == 0
+    assert h.watch(0.05) is True and h.watch(0.05) is False  # one thread at most
+    h.stop()

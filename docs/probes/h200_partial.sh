@@ -53,7 +53,7 @@
 #                                             # issue 28's speed goal (25% and 50% beside mlx-lm); then close28a 560 in the next call
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peak [SHARE]  # docs/probes/pss_timeline.py from an empty kernel cache: where a first run's ~4 GB peak is
-#   bash docs/probes/h200_partial.sh peakenv [SHARE]  # peak's first run with MALLOC_MMAP_THRESHOLD_=131072, then without
+#   bash docs/probes/h200_partial.sh peak3 [SHARE]  # a first run's peak: heap watched from a thread, not, and with MALLOC_MMAP_THRESHOLD_=131072
 #   bash docs/probes/h200_partial.sh trim [SHARE]  # docs/probes/jit_trim.py: that growth as glibc heap (in use / free), before and after malloc_trim
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
@@ -122,10 +122,12 @@ case "${1:-split}" in
   peak)  # [SHARE]: a fresh machine's first-run peak: two runs from an empty MLX kernel cache, each process's PSS over time
     MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 400 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 2 > "$out/peak.txt" 2>&1
     cat "$out/peak.txt" | cut -c1-300 ;;
-  peakenv)  # [SHARE]: peak's first run (empty kernel cache) with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_: large blocks go back to the system when freed, no dynamic threshold), then without it, each from an empty cache
-    MALLOC_MMAP_THRESHOLD_=131072 MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 200 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peakenv.txt" 2>&1
-    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 200 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peakplain.txt" 2>&1
-    cut -c1-300 "$out/peakenv.txt" "$out/peakplain.txt" ;;
+  peak3)  # [SHARE]: a first run (empty kernel cache each) three ways: compute's heap watched from a thread (the default), between steps only (compute.heap_watch_ms = 0), and that with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_)
+    printf '[compute]\nheap_watch_ms = 0\n' > /tmp/nowatch.toml
+    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peak-watch.txt" 2>&1
+    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 /tmp/nowatch.toml > "$out/peak-nowatch.txt" 2>&1
+    MALLOC_MMAP_THRESHOLD_=131072 MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 /tmp/nowatch.toml > "$out/peak-mmap.txt" 2>&1
+    cut -c1-300 "$out/peak-watch.txt" "$out/peak-nowatch.txt" "$out/peak-mmap.txt" ;;
   trim)  # [SHARE]: docs/probes/jit_trim.py from an empty kernel cache, then with it filled: is the first run's growth free heap?
     d=$(mktemp -d)
     MLX_PTX_CACHE_DIR=$d timeout 250 python3 docs/probes/jit_trim.py /tmp/store "${2:-0.25}" > "$out/trim.txt" 2>&1

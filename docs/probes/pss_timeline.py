@@ -1,9 +1,10 @@
 """When and where a run's memory peaks: each process of a real supervisor's tree sampled (PSS, every
 20 ms) from its start to its end, one greedy request in between.
 
-  python docs/probes/pss_timeline.py STORE SHARE [RUNS]
+  python docs/probes/pss_timeline.py STORE SHARE [RUNS [CONFIG]]
 
-Each run starts a supervisor (`--memory-budget 4GiB --max-slots` at SHARE of the store's experts),
+Each run starts a supervisor (`--memory-budget 4GiB --max-slots` at SHARE of the store's experts,
+`--config CONFIG` where given),
 waits for READY, asks 64 greedy tokens, stops it. Prints per run the phases' times (start, READY,
 request sent, answered, stopped), each process's peak PSS and the phase it fell in, and the tree's
 peak per phase. With MLX_PTX_CACHE_DIR set to an empty directory the first run compiles MLX CUDA's
@@ -57,10 +58,10 @@ def sample(root: int, stop: threading.Event, out: list) -> None:
         stop.wait(0.02)
 
 
-def one_run(store: str, slots: int) -> None:
+def one_run(store: str, slots: int, config: str | None = None) -> None:
     marks = {"start": time.perf_counter()}
     cmd = [sys.executable, "-m", "deltafin.workers.supervisor", "--model", store,
-           "--memory-budget", "4GiB", "--max-slots", str(slots)]
+           "--memory-budget", "4GiB", "--max-slots", str(slots), *(["--config", config] if config else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     samples: list = []
     stop = threading.Event()
@@ -106,12 +107,14 @@ def one_run(store: str, slots: int) -> None:
 def main() -> None:
     store, share = sys.argv[1], float(sys.argv[2])
     runs = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    config = sys.argv[4] if len(sys.argv) > 4 else None
     slots = int(len(Store(store).records) * share)
-    print("MLX_PTX_CACHE_DIR", os.environ.get("MLX_PTX_CACHE_DIR"))
+    print("MLX_PTX_CACHE_DIR", os.environ.get("MLX_PTX_CACHE_DIR"), "config", config,
+          "MALLOC_MMAP_THRESHOLD_", os.environ.get("MALLOC_MMAP_THRESHOLD_"))
     for r in range(runs):
         subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, stderr=subprocess.DEVNULL)
         print(f"run {r}")
-        one_run(store, slots)
+        one_run(store, slots, config)
 
 
 if __name__ == "__main__":
