@@ -36,10 +36,15 @@ from deltafin.runtime.tokenizer import eos_ids
 from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.prompt_cache import PromptCache
-from deltafin.workers.scheduler import Scheduler, Sequence
+from deltafin.workers.scheduler import Scheduler, Sequence, sample_on_device
 from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
 from deltafin.workers.structured import SchemaError, TokenTable
+
+
+# The warm-up's prefill chunks (tokens): a short prompt's, under the 64 (token, expert) pairs at
+# which a layer sorts its rows for a top-k under 8, then a long prompt's, sorted at any top-k.
+WARM_PROMPTS = (9, 64)
 
 
 class Compute:
@@ -113,9 +118,14 @@ class Compute:
         return configured
 
     def warm_up(self) -> None:
-        """One pass with zero-filled expert weights before "ready": a GPU backend sets up its
-        kernels and host buffers now (CUDA: hundreds of MiB), so the supervisor's measurement of
-        the tree, which sizes the slot pool, already includes them. The stand-in runs no kernels."""
+        """Passes with zero-filled expert weights before "ready": a GPU backend sets up its kernels
+        and host buffers now (CUDA: hundreds of MiB), so the supervisor's measurement of the tree,
+        which sizes the slot pool, already includes them. On a machine whose kernel cache is empty,
+        MLX CUDA compiles each kernel the first time a pass needs it, and the compiler's heap peaks
+        at a few GB (docs/BENCHMARKS.md, stop 67): so these passes meet what a first request meets
+        (a short prompt's prefill with the model's real top-k, a decode step, the greedy and the
+        sampling paths of the sampler) while no slot pool exists yet, and the first request starts
+        from compiled kernels. The stand-in runs no kernels."""
         if self.standin:
             return
         layout = self.store.layout(self.store.moe_layers[0])
@@ -123,12 +133,19 @@ class Compute:
                  for t in layout["tensors"]}
 
         def zero_experts(layer, x, inds):
-            rows = x.reshape(-1, x.shape[-1])
-            y = switch_glu(rows, mx.zeros((rows.shape[0], 1), dtype=mx.uint32), zeros, layout["quant"])
-            return mx.broadcast_to(y, (*inds.shape, x.shape[-1])) * 0
-        # One token: a prompt-sized pass would leave its buffers in the allocator and inflate the
-        # measurement by about what the activation reserve already covers.
-        mx.eval(self.model(mx.array([0], dtype=mx.int32), self.model.make_cache(), zero_experts))
+            # every (token, k) pair on the one zero expert: the layer's own row count and sorting
+            return switch_glu(x.reshape(-1, x.shape[-1]), mx.zeros((x.size // x.shape[-1], inds.shape[-1]), dtype=mx.uint32),
+                              zeros, layout["quant"]).reshape(*inds.shape, x.shape[-1]) * 0
+        cache = self.model.make_cache()
+        key = mx.random.key(0)
+        for n in WARM_PROMPTS:  # prefill chunks: rows unsorted, then sorted by expert (`sorts_pairs`)
+            logits = self.model(mx.zeros((n,), dtype=mx.int32), cache, zero_experts, float32=False)
+        tok = sample_on_device(logits[-1:], M.Generate(id=0, token_ids=[0]), key, self.dtype)
+        logits = self.model(tok.astype(mx.int32), cache, zero_experts, float32=False)  # a decode step
+        sampled = sample_on_device(logits, M.Generate(id=0, token_ids=[0], temperature=0.7, top_p=0.9, top_k=40),
+                                   key, self.dtype)
+        mx.eval(tok, sampled)
+        del logits, tok, sampled, cache
         mx.clear_cache()
 
     def prefill_progress(self) -> None:
