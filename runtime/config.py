@@ -98,7 +98,7 @@ class ComputeConfig:
     kv_tokens: int = 0
     prompt_cache: str = "0"  # the prompt cache's share of the budget (workers/prompt_cache.py)
     constrained: bool = True  # json_schema / tool_choice masks: their token table is in the budget
-    heap_watch_ms: float = 50.0  # compute's heap trimmed from a thread this often where it grew (runtime/heap.py); 0: between steps only
+    heap_watch_ms: float = 50.0  # compute's heap checked from a thread this often (runtime/heap.py); 0: off
 
     @property
     def prompt_cache_bytes(self) -> int:

@@ -134,8 +134,9 @@ class Compute:
 
         def zero_experts(layer, x, inds):
             # every (token, k) pair on the one zero expert: the layer's own row count and sorting
-            return switch_glu(x.reshape(-1, x.shape[-1]), mx.zeros((x.size // x.shape[-1], inds.shape[-1]), dtype=mx.uint32),
-                              zeros, layout["quant"]).reshape(*inds.shape, x.shape[-1]) * 0
+            rows = x.reshape(-1, x.shape[-1])
+            y = switch_glu(rows, mx.zeros((rows.shape[0], inds.shape[-1]), dtype=mx.uint32), zeros, layout["quant"])
+            return y.reshape(*inds.shape, x.shape[-1]) * 0
         cache = self.model.make_cache()
         key = mx.random.key(0)
         for n in WARM_PROMPTS:  # prefill chunks: rows unsorted, then sorted by expert (`sorts_pairs`)
