@@ -98,7 +98,6 @@ class ComputeConfig:
     kv_tokens: int = 0
     prompt_cache: str = "0"  # the prompt cache's share of the budget (workers/prompt_cache.py)
     constrained: bool = True  # json_schema / tool_choice masks: their token table is in the budget
-    heap_watch_ms: float = 50.0  # compute's heap checked from a thread this often (runtime/heap.py); 0: off
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -255,8 +254,6 @@ class Config:
             raise ConfigError("compute.max_context must be >= 16 and prefill_chunk >= 1")
         if self.cache.max_slots < 0:
             raise ConfigError("cache.max_slots must be >= 0 (0: as many as the budget allows)")
-        if self.compute.heap_watch_ms < 0:
-            raise ConfigError("compute.heap_watch_ms must be >= 0 (0: the heap checked between steps only)")
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
         for name, value in (("cache.whole_layers", self.cache.whole_layers),

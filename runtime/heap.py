@@ -7,17 +7,11 @@ store: docs/BENCHMARKS.md, stop 67), after the supervisor sized the slot pool fr
 taken before most kernels were compiled. `HeapTrim` asks glibc (`malloc_trim`) to give that
 back, only when the process grew by a threshold since it last asked (a call walks the heap, so
 it is not made per token). Elsewhere than on glibc it does nothing.
-
-A trim between steps comes after the step: the compiler's garbage piles up inside the one
-evaluation that compiles (a first request's prefill), which peaked at about 4 GB. `watch` runs the
-same check from a thread of its own every few milliseconds; MLX releases the GIL while it
-evaluates, so the thread trims while the compiler works.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -57,47 +51,22 @@ class HeapTrim:
         self.trims = 0
         self.released = 0
         self.seconds = 0.0
-        self.watch_s = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def maybe(self) -> int:
         """Trims if grown; returns the bytes the resident set fell by (0 where it did not trim)."""
         if self._trim is None or self.base is None:
             return 0
-        with self._lock:
-            now = self._rss()
-            if now is None or now - self.base < self.threshold:
-                return 0
-            t0 = time.perf_counter()
-            self._trim(0)
-            after = self._rss() or now
-            self.seconds += time.perf_counter() - t0
-            freed = max(0, now - after)
-            self.trims, self.released, self.base = self.trims + 1, self.released + freed, after
-            return freed
-
-    def watch(self, period_s: float) -> bool:
-        """`maybe()` every period_s from a daemon thread until `stop()`; False (no thread) where
-        there is nothing to trim with or period_s is 0."""
-        if self._trim is None or self.base is None or period_s <= 0 or self._thread is not None:
-            return False
-        self.watch_s = period_s
-
-        def loop():
-            while not self._stop.wait(period_s):
-                self.maybe()
-        self._thread = threading.Thread(target=loop, name="heap-trim", daemon=True)
-        self._thread.start()
-        return True
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        now = self._rss()
+        if now is None or now - self.base < self.threshold:
+            return 0
+        t0 = time.perf_counter()
+        self._trim(0)
+        after = self._rss() or now
+        self.seconds += time.perf_counter() - t0
+        freed = max(0, now - after)
+        self.trims, self.released, self.base = self.trims + 1, self.released + freed, after
+        return freed
 
     def stats(self) -> dict:
         return {"trims": self.trims, "released_bytes": self.released, "trim_s": round(self.seconds, 6),
-                "enabled": self._trim is not None, "watch_ms": round(self.watch_s * 1e3, 3)}
+                "enabled": self._trim is not None}

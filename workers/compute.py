@@ -41,7 +41,6 @@ class ComputeProcess(WorkerProcess):
     def setup(self):
         self.heap = HeapTrim()  # grown from here on (loading, kernels compiled): see below
         self.cfg = as_config(self.config)
-        self.heap.watch(self.cfg.compute.heap_watch_ms / 1e3)  # also inside one long evaluation
         # before MLX's first kernel, so before the pool is sized: the plan's estimate says whether it streams
         use_cuda_graphs(self.cfg.bench, gpu=on_gpu(), streams=self.run["streams"])
         mx.set_cache_limit(int(self.run["budget"]["mlx_cache_bytes"]))
@@ -245,8 +244,6 @@ class ComputeProcess(WorkerProcess):
         return out
 
     def teardown(self):
-        if getattr(self, "heap", None) is not None:
-            self.heap.stop()
         if getattr(self, "dist", None) is not None:
             self.dist.stop()
         if getattr(self, "compute", None) is not None:

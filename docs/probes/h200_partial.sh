@@ -54,7 +54,7 @@
 #   bash docs/probes/h200_partial.sh mini28 [SECONDS]  # the least of issue28: the 25% bench, then the greedy list in what is left
 #   bash docs/probes/h200_partial.sh peak [SHARE]  # docs/probes/pss_timeline.py from an empty kernel cache: where a first run's ~4 GB peak is
 #   bash docs/probes/h200_partial.sh h200all|h100all [SECONDS]  # one call after the setup: the 25% bench and the peak runs (see the cases)
-#   bash docs/probes/h200_partial.sh peak3 [SHARE]  # a first run's peak: heap watched from a thread, not, and with MALLOC_MMAP_THRESHOLD_=131072
+#   bash docs/probes/h200_partial.sh peak3 [SHARE]  # a first run's peak, and with MALLOC_MMAP_THRESHOLD_=131072
 #   bash docs/probes/h200_partial.sh trim [SHARE]  # docs/probes/jit_trim.py: that growth as glibc heap (in use / free), before and after malloc_trim
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
@@ -123,12 +123,10 @@ case "${1:-split}" in
   peak)  # [SHARE]: a fresh machine's first-run peak: two runs from an empty MLX kernel cache, each process's PSS over time
     MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 400 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 2 > "$out/peak.txt" 2>&1
     cat "$out/peak.txt" | cut -c1-300 ;;
-  peak3)  # [SHARE]: a first run (empty kernel cache each) three ways: compute's heap watched from a thread (the default), between steps only (compute.heap_watch_ms = 0), and that with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_)
-    printf '[compute]\nheap_watch_ms = 0\n' > /tmp/nowatch.toml
-    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peak-watch.txt" 2>&1
-    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 /tmp/nowatch.toml > "$out/peak-nowatch.txt" 2>&1
-    MALLOC_MMAP_THRESHOLD_=131072 MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 /tmp/nowatch.toml > "$out/peak-mmap.txt" 2>&1
-    cut -c1-300 "$out/peak-watch.txt" "$out/peak-nowatch.txt" "$out/peak-mmap.txt" ;;
+  peak3)  # [SHARE]: a first run's memory from an empty kernel cache, then again with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_=131072); stop 68 also ran a heap trimmed from a thread every 50 ms (c36eaf4's code, removed: 3,620 against 3,821 MiB)
+    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peak-plain.txt" 2>&1
+    MALLOC_MMAP_THRESHOLD_=131072 MLX_PTX_CACHE_DIR=$(mktemp -d) timeout 170 python3 docs/probes/pss_timeline.py /tmp/store "${2:-0.25}" 1 > "$out/peak-mmap.txt" 2>&1
+    cut -c1-300 "$out/peak-plain.txt" "$out/peak-mmap.txt" ;;
   trim)  # [SHARE]: docs/probes/jit_trim.py from an empty kernel cache, then with it filled: is the first run's growth free heap?
     d=$(mktemp -d)
     MLX_PTX_CACHE_DIR=$d timeout 250 python3 docs/probes/jit_trim.py /tmp/store "${2:-0.25}" > "$out/trim.txt" 2>&1
@@ -244,20 +242,17 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 420 bash "$0" bench 0.25 3 deltafin,deltafin-cuda-graphs,mlx-lm | tail -8
     left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout "$left" bash "$0" bench 0.5 3 deltafin,mlx-lm | tail -6; fi ;;
-  h200all)  # [SECONDS]: one call on a fresh H200 after the setup: the 25% bench beside mlx-lm (3 rounds, at most 280 s), then peak3's first two runs (heap watched / not) with what is left
+  h200all)  # [SECONDS]: one call on a fresh H200 after the setup: the 25% bench beside mlx-lm (3 rounds, at most 280 s), then a first run's memory from an empty kernel cache (pss_timeline.py) with what is left
     start=$SECONDS; budget=${2:-520}
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 280 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -7
-    printf '[compute]\nheap_watch_ms = 0\n' > /tmp/nowatch.toml
-    left=$(( (budget - (SECONDS - start)) / 2 ))
-    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout "$left" python3 docs/probes/pss_timeline.py /tmp/store 0.25 1 > "$out/peak-watch.txt" 2>&1
     left=$((budget - (SECONDS - start)))
-    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout "$left" python3 docs/probes/pss_timeline.py /tmp/store 0.25 1 /tmp/nowatch.toml > "$out/peak-nowatch.txt" 2>&1
-    cut -c1-300 "$out/peak-watch.txt" "$out/peak-nowatch.txt" ;;
-  h100all)  # [SECONDS]: on any other GPU after the setup: peak3, then the 25% bench beside mlx-lm (2 rounds) with what is left
+    MLX_PTX_CACHE_DIR=$(mktemp -d) timeout "$left" python3 docs/probes/pss_timeline.py /tmp/store 0.25 1 > "$out/peak-plain.txt" 2>&1
+    cut -c1-300 "$out/peak-plain.txt" ;;
+  h100all)  # [SECONDS]: on any other GPU after the setup: a first run's memory (peak3), then the 25% bench beside mlx-lm (2 rounds) with what is left
     start=$SECONDS; budget=${2:-520}
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 330 bash "$0" peak3
+    timeout 250 bash "$0" peak3
     left=$((budget - (SECONDS - start))); if [ "$left" -gt 90 ]; then timeout "$left" bash "$0" bench 0.25 2 deltafin,mlx-lm | tail -6; fi ;;
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
