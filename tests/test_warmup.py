@@ -30,12 +30,14 @@ class Counting:
         return getattr(self.model, name)
 
 
-def _logits(store: Store, warm: bool, calls: list | None = None) -> np.ndarray:
+def _logits(store: Store, calls: list | None = None) -> np.ndarray:
+    """The prompt's logits from a fresh Compute, warmed up first where `calls` is given (the
+    token counts of the model's calls in the warm-up go there)."""
     cfg = Config().to_dict()
     src, staging, loader = local_router(store, cfg, n_slots=len(store.records) // 2)
     try:
         c = Compute(store, cfg, src, staging, store.max_record_bytes)
-        if warm:
+        if calls is not None:
             c.model = Counting(c.model)
             c.warm_up()
             calls.extend(c.model.calls)
@@ -49,10 +51,10 @@ def _logits(store: Store, warm: bool, calls: list | None = None) -> np.ndarray:
 def test_warm_up_runs_on_every_family_and_changes_no_logits(tiny_stores, arch):
     store = Store(tiny_stores(arch))
     calls: list[int] = []
-    warm = _logits(store, True, calls)
+    warm = _logits(store, calls)
     # the prefill chunks, then one decode step, with the expert weights at zero
     assert calls == [*engine.WARM_PROMPTS, 1]
-    np.testing.assert_array_equal(warm, _logits(store, False))
+    np.testing.assert_array_equal(warm, _logits(store))
     assert np.isfinite(warm).all() and warm.std() > 0
 
 

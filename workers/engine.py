@@ -124,8 +124,9 @@ class Compute:
         MLX CUDA compiles each kernel the first time a pass needs it, and the compiler's heap peaks
         at a few GB (docs/BENCHMARKS.md, stop 67): so these passes meet what a first request meets
         (a short prompt's prefill with the model's real top-k, a decode step, the greedy and the
-        sampling paths of the sampler) while no slot pool exists yet, and the first request starts
-        from compiled kernels. The stand-in runs no kernels."""
+        sampling paths of the sampler) while no slot pool exists yet, and the first request finds
+        most of its kernels compiled (the streaming path's own, slot tables and device copies, it
+        still meets first). The stand-in runs no kernels."""
         if self.standin:
             return
         layout = self.store.layout(self.store.moe_layers[0])
