@@ -1,12 +1,13 @@
 """Giving the C heap's free memory back to the system after a burst of allocations.
 
-On a machine's first run MLX CUDA compiles its kernels with NVRTC inside compute's process; the
-compiler frees what it allocated, but glibc keeps freed heap pages mapped for reuse, so compute's
-resident memory stays about 2.9 GB higher than a run that finds its kernels cached (H100, issue 28's
-store: docs/BENCHMARKS.md, stop 67), after the supervisor sized the slot pool from a measurement
-taken before most kernels were compiled. `HeapTrim` asks glibc (`malloc_trim`) to give that
-back, only when the process grew by a threshold since it last asked (a call walks the heap, so
-it is not made per token). Elsewhere than on glibc it does nothing.
+On a machine's first run MLX CUDA compiles its kernels with NVRTC inside compute's process (its
+warm-up meets most of them, before the supervisor measures the tree; a request may meet more);
+the compiler frees what it allocated, but glibc keeps freed heap pages mapped for reuse, so
+compute's resident memory stayed about 2.9 GB higher than a run that finds its kernels cached
+(H100, issue 28's store: docs/BENCHMARKS.md, stops 67-68). `HeapTrim` asks glibc (`malloc_trim`)
+to give that back, only when the process grew by a threshold since it last asked (a call walks
+the heap, so it is not made per token); `release_freed` asks once. Elsewhere than on glibc both
+do nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def _libc_trim():
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+def release_freed() -> None:
+    """Hands the C heap's free pages back to the system now (nothing without glibc)."""
+    trim = _libc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def resident_bytes() -> int | None:

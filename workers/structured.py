@@ -16,13 +16,14 @@ tokenizer.json once per process, on the first constrained request (about 0.35 s 
 itself). Unconstrained requests never touch this module's state."""
 from __future__ import annotations
 
-import ctypes
 import json
 import threading
 from pathlib import Path
 
 import llguidance
 import numpy as np
+
+from deltafin.runtime.heap import release_freed
 
 ANY_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -67,17 +68,6 @@ def _validated(grammar: str, what: str) -> str:
     return grammar
 
 
-def release_freed() -> None:
-    """Hands the C allocator's freed pages back to the system (glibc's malloc_trim; nothing
-    where there is none): building a token table frees its parse of tokenizer.json, about 25 MiB
-    on the demo store, which glibc would otherwise keep in the process (runtime/budget.py
-    charges the table without it)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class TokenTable:
     """The model's tokens as llguidance sees them (bytes per id, the EOS ids), built on first use
     from the store's tokenizer.json; vocab: the model's logits width (ids past the tokenizer's
@@ -93,6 +83,8 @@ class TokenTable:
             if self._table is None:
                 self._table = llguidance.LLTokenizer(self.path.read_text(), n_vocab=self.vocab,
                                                      eos_token=self.eos)
+                # the table's build frees its parse of tokenizer.json (~25 MiB on the demo store),
+                # which glibc would keep in the process; runtime/budget.py charges the table without it
                 release_freed()
             return self._table
 
