@@ -323,6 +323,17 @@ class WorkerReady:
     info: dict = field(default_factory=dict)
 
 
+@message("worker_progress")
+class WorkerProgress:
+    """worker -> supervisor, before `worker_ready`: a long start-up step begins (compute's warm-up on
+    a GPU, whose kernels a fresh machine compiles: minutes). From the first one the supervisor
+    waits runtime.warmup_timeout_s more for ready, and names the step if that runs out."""
+    role: str
+    step: str
+    index: int
+    steps: int
+
+
 @message("attach_pool")
 class AttachPool:
     """The staging segment (`n_slots` slots of `slot_bytes`, where the loader reads records) and the

@@ -66,6 +66,7 @@ class RuntimeConfig:
     endpoint: str = ""
     allow_remote: bool = False
     startup_timeout_s: float = 180.0
+    warmup_timeout_s: float = 600.0  # from a worker's first start-up progress message (compute's GPU warm-up)
     control_timeout_s: float = 30.0
     record_trace: str = ""
     restart_max: int = 3
@@ -98,6 +99,8 @@ class ComputeConfig:
     kv_tokens: int = 0
     prompt_cache: str = "0"  # the prompt cache's share of the budget (workers/prompt_cache.py)
     constrained: bool = True  # json_schema / tool_choice masks: their token table is in the budget
+    # zero-expert passes before "ready" (Compute.warm_up): true, false, "auto" (on a GPU)
+    warm_up: bool | str = field(default="auto", metadata={"types": (bool, str)})
 
     @property
     def prompt_cache_bytes(self) -> int:
@@ -257,6 +260,7 @@ class Config:
         if self.cache.prefetch not in (True, False, "auto"):
             raise ConfigError(f"cache.prefetch {self.cache.prefetch!r}: use true, false or \"auto\"")
         for name, value in (("cache.whole_layers", self.cache.whole_layers),
+                            ("compute.warm_up", self.compute.warm_up),
                             ("bench.early_fills", self.bench.early_fills),
                             ("bench.eager_layers", self.bench.eager_layers),
                             ("bench.layer_pieces", self.bench.layer_pieces),

@@ -25,9 +25,11 @@ class StartError(RuntimeError):
 
 @contextmanager
 def running_supervisor(model: str, memory_budget: str | None = None, extra: list[str] | None = None,
-                       timeout: float = 300.0, stderr=None, preexec_fn=None):
+                       timeout: float = 900.0, stderr=None, preexec_fn=None):
     """Starts deltafin-supervisor, yields (endpoint, process) once it printed READY; stops it after.
-    preexec_fn runs in the child before exec (the benchmark puts it into a memory cgroup there)."""
+    preexec_fn runs in the child before exec (the benchmark puts it into a memory cgroup there).
+    `timeout` is a backstop: the supervisor gives up by itself, after runtime.startup_timeout_s
+    and, where compute warms up on a GPU (minutes on a fresh machine), runtime.warmup_timeout_s."""
     cmd = [sys.executable, "-m", "deltafin.workers.supervisor", "--model", str(model)]
     if memory_budget:
         cmd += ["--memory-budget", str(memory_budget)]

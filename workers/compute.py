@@ -62,17 +62,24 @@ class ComputeProcess(WorkerProcess):
         self.in_request = False
         self.preloading = False
         self.handlers = {M.Generate: self.on_request, M.Logits: self.on_request, M.Cancel: self.on_cancel}
-        if mx.default_device().type == mx.DeviceType.gpu:
-            # GPU backends set up kernels and host buffers on first use; on the CPU backend
-            # the first pass's buffers are what the KV and activation reserves already cover.
-            self.compute.warm_up()
+        # GPU backends set up kernels and host buffers on first use ("auto": warm up there); on the
+        # CPU backend the first pass's buffers are what the KV and activation reserves already cover.
+        self.warm_up_s = 0.0
+        warm = self.cfg.compute.warm_up
+        if warm is True or (warm == "auto" and mx.default_device().type == mx.DeviceType.gpu):
+            self.warm_up_s = self.compute.warm_up(self.report_progress)
         # A first run compiles MLX CUDA's kernels here and in its first requests: the compiler's
         # freed heap goes back to the system where the process grew (runtime/heap.py), before the
         # supervisor measures the tree and after each step.
         self.heap.maybe()
 
+    def report_progress(self, index: int, steps: int, step: str) -> None:
+        """A warm-up step begins: the supervisor waits runtime.warmup_timeout_s from the first."""
+        send(self.control, M.WorkerProgress(role=self.role, step=step, index=index, steps=steps))
+
     def ready_info(self):
         return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
+                "warm_up_s": round(self.warm_up_s, 3),
                 "gpu": mx.default_device().type == mx.DeviceType.gpu,
                 "bench_mode": self.compute.bench_mode, "pipeline": self.compute.pipeline.report()}
 

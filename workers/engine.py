@@ -117,7 +117,7 @@ class Compute:
             return 1
         return configured
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Passes with zero-filled expert weights before "ready": a GPU backend sets up its kernels
         and host buffers now (CUDA: hundreds of MiB), so the supervisor's measurement of the tree,
         which sizes the slot pool, already includes them. On a machine whose kernel cache is empty,
@@ -126,9 +126,15 @@ class Compute:
         (a short prompt's prefill with the model's real top-k, a decode step, the greedy and the
         sampling paths of the sampler) while no slot pool exists yet, and the first request finds
         most of its kernels compiled (the streaming path's own, slot tables and device copies, it
-        still meets first). The stand-in runs no kernels."""
+        still meets first). The stand-in runs no kernels.
+
+        Each step is evaluated on its own, `progress(index, steps, name)` called before it: that
+        compile takes minutes on a fresh machine (stop 69: past the supervisor's 180 s), so the
+        supervisor hears of each step (M.WorkerProgress) and waits runtime.warmup_timeout_s for
+        them. Returns the seconds it took."""
         if self.standin:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         layout = self.store.layout(self.store.moe_layers[0])
         zeros = {t["name"]: mx.zeros([1, *t["shape"]], dtype=pool_dtype(t["dtype"], self.dtype))
                  for t in layout["tensors"]}
@@ -140,15 +146,29 @@ class Compute:
             return y.reshape(*inds.shape, x.shape[-1]) * 0
         cache = self.model.make_cache()
         key = mx.random.key(0)
-        for n in WARM_PROMPTS:  # prefill chunks: rows unsorted, then sorted by expert (`sorts_pairs`)
-            logits = self.model(mx.zeros((n,), dtype=mx.int32), cache, zero_experts, float32=False)
-        tok = sample_on_device(logits[-1:], M.Generate(id=0, token_ids=[0]), key, self.dtype)
-        logits = self.model(tok.astype(mx.int32), cache, zero_experts, float32=False)  # a decode step
-        sampled = sample_on_device(logits, M.Generate(id=0, token_ids=[0], temperature=0.7, top_p=0.9, top_k=40),
-                                   key, self.dtype)
-        mx.eval(tok, sampled)
-        del logits, tok, sampled, cache
+        state = {}
+
+        def prefill(n):  # prefill chunks: rows unsorted, then sorted by expert (`sorts_pairs`)
+            state["logits"] = self.model(mx.zeros((n,), dtype=mx.int32), cache, zero_experts, float32=False)
+            mx.eval(state["logits"])
+
+        def decode():  # the greedy sampler, then a decode step on its token
+            tok = sample_on_device(state["logits"][-1:], M.Generate(id=0, token_ids=[0]), key, self.dtype)
+            state["logits"] = self.model(tok.astype(mx.int32), cache, zero_experts, float32=False)
+            mx.eval(state["logits"])
+
+        def sample():  # temperature, top-p and top-k
+            mx.eval(sample_on_device(state["logits"], M.Generate(id=0, token_ids=[0], temperature=0.7,
+                                                                 top_p=0.9, top_k=40), key, self.dtype))
+        steps = [*((f"prefill of {n} tokens", lambda n=n: prefill(n)) for n in WARM_PROMPTS),
+                 ("decode step", decode), ("sampling", sample)]
+        for i, (name, step) in enumerate(steps):
+            if progress is not None:
+                progress(i, len(steps), name)
+            step()
+        del state, cache
         mx.clear_cache()
+        return time.perf_counter() - t0
 
     def prefill_progress(self) -> None:
         """A prefill chunk ended: the metrics stream says so now, not at its next tick."""

@@ -64,6 +64,36 @@ LOGITS_COPIES = 8  # copies of a logits reply alive at once across the tree (see
 REPLY_COPIES_QUEUED = 2  # of them, in the client socket's queues (workers/endpoint.py)
 
 
+class StartWait:
+    """The start-up's deadline: `startup_s` from its beginning, and at least `warmup_s` from a
+    worker's first progress report (each report's step is kept, to name in a timeout's error)."""
+
+    def __init__(self, startup_s: float, warmup_s: float, clock=time.monotonic):
+        self.clock, self.warmup_s = clock, warmup_s
+        self.start = clock()
+        self.deadline = self.start + startup_s
+        self.steps: dict[str, M.WorkerProgress] = {}
+
+    def progress(self, role: str, msg: "M.WorkerProgress") -> bool:
+        """Notes a step; True for the role's first report (its wait extended from now)."""
+        first = role not in self.steps
+        if first:
+            self.deadline = max(self.deadline, self.clock() + self.warmup_s)
+        self.steps[role] = msg
+        return first
+
+    def expired(self) -> bool:
+        return self.clock() > self.deadline
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def where(self, roles) -> str:
+        """The steps the given roles were last in, for a timeout's error."""
+        return "".join(f" ({role} in its warm-up's {m.step}, step {m.index + 1} of {m.steps})"
+                       for role, m in sorted(self.steps.items()) if role in roles)
+
+
 class Supervisor:
     def __init__(self, store_path: str, config, endpoint: str | None = None, log=None,
                  http: str | None = None, api_key: str | None = None, forkserver: ForkServer | None = None):
@@ -257,21 +287,29 @@ class Supervisor:
 
     def _await(self, match, what: str, timeout_s: float) -> None:
         """Waits for every worker's `what`, failing at once when one dies. Clients keep being
-        answered meanwhile (starting or restarting: `restarting` for work, the rest as usual)."""
+        answered meanwhile (starting or restarting: `restarting` for work, the rest as usual). A
+        worker's start-up progress (M.WorkerProgress) gives it runtime.warmup_timeout_s more."""
         waiting = set(ROLES)
-        deadline = time.monotonic() + timeout_s
+        wait = StartWait(timeout_s, self.config.runtime.warmup_timeout_s)
         while waiting:
-            if time.monotonic() > deadline:
-                raise SupervisorError(f"timed out after {timeout_s:.0f} s waiting for {what} from "
-                                      f"{', '.join(sorted(waiting))}")
+            if wait.expired():
+                raise SupervisorError(f"timed out after {wait.elapsed():.0f} s waiting for {what} from "
+                                      f"{', '.join(sorted(waiting))}{wait.where(waiting)}")
             got = self._pump()
             if got is None:
                 continue
             role, msg = got
-            if match(msg):
+            if isinstance(msg, M.WorkerProgress):
+                if role in waiting and wait.progress(role, msg):
+                    self.log(f"{role}: warming up ({msg.steps} steps; on a machine whose kernel cache "
+                             f"is empty MLX compiles its kernels now, which can take minutes)")
+            elif match(msg):
                 waiting.discard(role)
                 if isinstance(msg, M.WorkerReady):
                     self.ready_info[role] = {"pid": msg.pid, **msg.info}
+                    warmed = msg.info.get("warm_up_s") or 0
+                    if warmed >= 10:
+                        self.log(f"{role}: warmed up in {warmed:.0f} s")
 
     def _pump(self) -> tuple[str, object] | None:
         """One turn of the start-up loop: clients answered, metrics taken, a worker's death
