@@ -56,6 +56,7 @@
 #   bash docs/probes/h200_partial.sh h200all|h100all [SECONDS]  # one call after the setup: the 25% bench and the peak runs (see the cases)
 #   bash docs/probes/h200_partial.sh peak3 [SHARE]  # a first run's peak, and with MALLOC_MMAP_THRESHOLD_=131072
 #   bash docs/probes/h200_partial.sh trim [SHARE]  # docs/probes/jit_trim.py: that growth as glibc heap (in use / free), before and after malloc_trim
+#   bash docs/probes/h200_partial.sh warmstart [SHARE [STARTUP_S]]  # docs/probes/warm_start.py: a start under a 30 s startup_timeout_s that the warm-up must outlast (first on a fresh machine)
 #   bash docs/probes/h200_partial.sh peers    # mlx-vlm's expert offload (its wheel in .devwheels/c) beside deltafin and mlx-lm at 25%; peers50 at 50%
 #   bash docs/probes/h200_partial.sh stop50   # early passes, layers checked one by one, both, beside the default at 25%
 #   (docs/probes/ahead_race.py: test_run_ahead's store, first-pass logits per setting: device copies' inexactness)
@@ -232,6 +233,9 @@ case "${1:-split}" in
     bash "$0" close28a $((budget < 300 ? budget : 300))
     left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout 60 bash "$0" chunk 2; fi
     left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout "$left" bash "$0" bench 0.25 3 deltafin-whole-reads,deltafin,mlx-lm | tail -8; fi ;;
+  warmstart)  # [SHARE [STARTUP_S]]: the supervisor waits out compute's warm-up on its progress reports (stop 69)
+    timeout 560 python3 docs/probes/warm_start.py /tmp/store "${2:-0.25}" "${3:-30}" > "$out/warmstart.txt" 2>&1
+    tail -8 "$out/warmstart.txt" ;;
   goal2)  # [SECONDS]: issue 28's speed goal on a fresh machine in SECONDS after the setup (555 unless given): the 25% bench beside mlx-lm (3 rounds, at most 280 s: 247 s on a fresh H100 in stop 66; the first run compiles MLX CUDA's kernels and writes the mlx-lm checkpoint), then 50% with what is left; run close28a in a call of its own after it (stop 66: 147 s warm, 17 of 37 in 300 s on a fresh machine)
     start=$SECONDS; budget=${2:-555}
     nvidia-smi --query-gpu=name --format=csv,noheader
