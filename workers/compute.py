@@ -66,7 +66,7 @@ class ComputeProcess(WorkerProcess):
         # CPU backend the first pass's buffers are what the KV and activation reserves already cover.
         self.warm_up_s = 0.0
         warm = self.cfg.compute.warm_up
-        if warm is True or (warm == "auto" and mx.default_device().type == mx.DeviceType.gpu):
+        if warm is True or (warm == "auto" and on_gpu()):
             self.warm_up_s = self.compute.warm_up(self.report_progress)
         # A first run compiles MLX CUDA's kernels here and in its first requests: the compiler's
         # freed heap goes back to the system where the process grew (runtime/heap.py), before the
@@ -80,7 +80,7 @@ class ComputeProcess(WorkerProcess):
     def ready_info(self):
         return {"dtype": str(self.compute.dtype), "vocab_size": self.compute.vocab,
                 "warm_up_s": round(self.warm_up_s, 3),
-                "gpu": mx.default_device().type == mx.DeviceType.gpu,
+                "gpu": on_gpu(),
                 "bench_mode": self.compute.bench_mode, "pipeline": self.compute.pipeline.report()}
 
     def on_pool(self, msg):

@@ -146,27 +146,29 @@ class Compute:
             return y.reshape(*inds.shape, x.shape[-1]) * 0
         cache = self.model.make_cache()
         key = mx.random.key(0)
-        state = {}
+        logits = None
 
         def prefill(n):  # prefill chunks: rows unsorted, then sorted by expert (`sorts_pairs`)
-            state["logits"] = self.model(mx.zeros((n,), dtype=mx.int32), cache, zero_experts, float32=False)
-            mx.eval(state["logits"])
+            nonlocal logits
+            logits = self.model(mx.zeros((n,), dtype=mx.int32), cache, zero_experts, float32=False)
+            mx.eval(logits)
 
         def decode():  # the greedy sampler, then a decode step on its token
-            tok = sample_on_device(state["logits"][-1:], M.Generate(id=0, token_ids=[0]), key, self.dtype)
-            state["logits"] = self.model(tok.astype(mx.int32), cache, zero_experts, float32=False)
-            mx.eval(state["logits"])
+            nonlocal logits
+            tok = sample_on_device(logits[-1:], M.Generate(id=0, token_ids=[0]), key, self.dtype)
+            logits = self.model(tok.astype(mx.int32), cache, zero_experts, float32=False)
+            mx.eval(logits)
 
         def sample():  # temperature, top-p and top-k
-            mx.eval(sample_on_device(state["logits"], M.Generate(id=0, token_ids=[0], temperature=0.7,
-                                                                 top_p=0.9, top_k=40), key, self.dtype))
+            mx.eval(sample_on_device(logits, M.Generate(id=0, token_ids=[0], temperature=0.7, top_p=0.9,
+                                                        top_k=40), key, self.dtype))
         steps = [*((f"prefill of {n} tokens", lambda n=n: prefill(n)) for n in WARM_PROMPTS),
                  ("decode step", decode), ("sampling", sample)]
         for i, (name, step) in enumerate(steps):
             if progress is not None:
                 progress(i, len(steps), name)
             step()
-        del state, cache
+        del logits, cache
         mx.clear_cache()
         return time.perf_counter() - t0
 
