@@ -37,6 +37,7 @@
 #   bash docs/probes/h200_partial.sh nodisk   # the store on tmpfs beside it on disk at 25% (bench x2 alternating), then the split per token from tmpfs
 #   bash docs/probes/h200_partial.sh misses   # 25%: the misses a need found read ahead but not in yet (the rest never read ahead), disk then tmpfs
 #   bash docs/probes/h200_partial.sh waste [ROUNDS] # bench.ahead_waste 1, 0.5, 0.25, 0.1 alternating at 25% (real supervisors)
+#   bash docs/probes/h200_partial.sh prof50   # compute under cProfile at 50% and all resident, after a warm-up supervisor
 #   bash docs/probes/h200_partial.sh profile2 # a warm-up supervisor, then every worker under cProfile at 25% (the .prof files under $OUT)
 #   bash docs/probes/h200_partial.sh launches # all resident: one launch per token against one per MoE layer (resident-launch1) and two (resident-launch2)
 #   bash docs/probes/h200_partial.sh stop53b  # the same, then ahead reads yielding to demand reads (deltafin-yield) beside the defaults at 25%
@@ -133,6 +134,19 @@ case "${1:-split}" in
     MLX_PTX_CACHE_DIR=$d timeout 250 python3 docs/probes/jit_trim.py /tmp/store "${2:-0.25}" > "$out/trim.txt" 2>&1
     MLX_PTX_CACHE_DIR=$d timeout 100 python3 docs/probes/jit_trim.py /tmp/store "${2:-0.25}" >> "$out/trim.txt" 2>&1
     cut -c1-300 "$out/trim.txt" ;;
+  prof50)  # a warm-up supervisor, then compute under cProfile (wall clock) at 50% and all resident: what a streaming token adds where few miss (the .prof files and their tables under $OUT)
+    python3 docs/probes/real_split.py /tmp/store 1 "warm:run_ahead = true:0.5" > "$out/prof50-warm.txt" 2>&1
+    for share in 0.5 1.0; do
+      rm -rf "/tmp/prof50-$share"
+      DELTAFIN_PROFILE_DIR="/tmp/prof50-$share" python3 docs/probes/real_split.py /tmp/store 1 "x:run_ahead = true:$share" -v \
+        > "$out/prof50-split-$share.txt" 2>&1
+      for f in /tmp/prof50-$share/compute*.prof; do
+        cp "$f" "$out/compute-$share.prof"
+        python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(45); s.sort_stats('cumulative').print_stats(70)" \
+          "$f" > "$out/prof50-$share-compute.txt" 2>&1
+      done
+    done
+    grep -h "^r" "$out"/prof50-warm.txt "$out"/prof50-split-*.txt | cut -c1-500 ;;
   profile2)  # one warm-up supervisor (compiles the kernels), then every worker under cProfile at 25%; the .prof files to $OUT
     python3 docs/probes/real_split.py /tmp/store 1 "warm:run_ahead = true:0.25" > "$out/profile2-warm.txt" 2>&1
     rm -rf /tmp/prof2
