@@ -275,7 +275,8 @@ case "${1:-split}" in
   close28b)  # issue 28's speed goals: 25% (defaults beside no foresight and host pools), 50%, all resident
     timeout 300 bash "$0" bench 0.25 3 deltafin,deltafin-host-pools,deltafin-no-foresight,mlx-lm
     timeout 220 bash "$0" final50 ;;
-  foresight)  # bench.foresight on/off at 25%, real supervisors alternating: split, counters, messages
+  foresight)  # bench.foresight on/off at 25%, real supervisors alternating: split, counters, messages (a warm-up run first, so the first pair compiles nothing)
+    python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/foresight-warm.txt" 2>&1
     python3 docs/probes/real_split.py /tmp/store 3 "fs:foresight = true:0.25,nofs:foresight = false:0.25" -v \
       > "$out/foresight-0.25.txt" 2>&1
     grep "^r\|all same" "$out/foresight-0.25.txt" | cut -c1-400 ;;
