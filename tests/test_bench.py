@@ -63,6 +63,8 @@ def test_every_contender_runs_or_says_why(bench_run):
             assert (r["bench_mode"]["standin"] is not None) == (regime == "standin")
             assert 0 <= r["hit_rate"] <= 1 and r["stage_latency"]["prepare"]["count"] > 0
             assert r["host_s_per_token"] > 0
+            # a trace routes these passes: none runs ahead, so none misses (the figure is there)
+            assert r["missed_passes"] == 0 and r["miss_s_per_token"] == 0
             if regime == "standin":  # compute's thread sleeps through the stand-in's layers
                 assert r["host_s_per_token"] < r["time_per_token_s"]
             # the slots the bound assumes are the slots it ran with (or the report says so)

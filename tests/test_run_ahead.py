@@ -168,6 +168,9 @@ def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logpr
         assert got == ref and lp == ref_lp, n_slots
         assert stats["early_steps"] >= len(ref) - 2, stats  # every step but the first and the last
         assert counters.get("ahead_missed") > 0 and counters.get("ahead_forgotten") > 0
+        # each pass that missed is counted once, with the time from its first miss to its end
+        assert 0 < counters.get("missed_passes") <= counters.get("ahead_missed"), counters.snapshot()
+        assert counters.get("miss_s") > 0
         _, _, plain, _ = _served(store, n_slots, early_passes=False)
         assert plain["early_steps"] == 0, plain
 
@@ -333,6 +336,8 @@ def test_needs_answered_early_change_no_token(store, tmp_path):
     plain, plain_pipeline, plain_router = run(8, False)
     got, pipeline, router = run(8, True)
     assert got == ref == plain
+    # what misses cost, in compute's stats: passes that missed and the time after their first miss
+    assert 0 < pipeline["missed_passes"] <= pipeline["ahead_missed"] and pipeline["miss_ms"] > 0, pipeline
     assert pipeline["resolved"]["defer_needs"] is True and pipeline["resolved"]["hits_first"] is False
     assert plain_pipeline["deferred_needs"] == 0 and plain_router.get("early_answers", 0) == 0
     assert pipeline["deferred_needs"] > 0 and router["early_answers"] == pipeline["deferred_needs"], (pipeline, router)

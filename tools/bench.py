@@ -186,6 +186,7 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
     n_dec = dec.get("tokens") or max(0, len(gen.token_ids) - 1)
     split = {k: dec.get(f"{k}_s", 0.0) / n_dec for k in ("compute", "ipc", "wait", "prepare")} if n_dec else {}
     lat = stats.get("stage_latency") or {}
+    pipe = ((stats.get("workers") or {}).get("compute") or {}).get("pipeline") or {}
     return {
         "ok": True, "wall_s": wall, "preload_s": preload_s,
         "generated_tokens": len(gen.token_ids), "token_ids": gen.token_ids,
@@ -204,6 +205,10 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         "split_per_token_s": split, "n_slots": got_slots,
         # compute's own thread's CPU time per token: near time_per_token_s, the host sets the pace
         "host_s_per_token": (dec["host_s"] / n_dec) if n_dec and "host_s" in dec else None,
+        # passes run ahead that missed (a GPU's pipeline) and the time they spent after their
+        # first miss, per decode token: what misses cost beyond the passes that kept every layer
+        "missed_passes": pipe.get("missed_passes"),
+        "miss_s_per_token": (pipe["miss_ms"] / 1e3 / n_dec) if n_dec and "miss_ms" in pipe else None,
         # The budget estimate for --cache-frac's slots can fall short of what the supervisor
         # finds once it measures the tree (the real regime in float32: 234 of 416 slots at the
         # estimate): then the contender ran with fewer slots than the bound assumes.

@@ -18,7 +18,7 @@ from deltafin.tools.bench_modes import PF_PREFIX
 # Figures a contender's summary over rounds gives as the median of its rounds.
 ROUND_KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "hit_rate", "bytes_read_per_token",
               "bytes_read_per_token_all", "stall_share", "prefetch_precision", "prefetch_recall",
-              "ssd_gbps", "host_s_per_token")
+              "ssd_gbps", "host_s_per_token", "missed_passes", "miss_s_per_token")
 
 
 def summarize_rounds(runs: list[dict]) -> dict:

@@ -360,7 +360,9 @@ class Compute:
                 "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases",
                                                                 "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten", "foreseen",
                                                                 "settles", "fills_unsettled", "next_leases", "next_used",
-                                                                "deferred_needs")},
+                                                                "deferred_needs", "missed_passes")},
+                             # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead)
+                             "miss_ms": round(e.counters.get("miss_s") * 1e3, 3),
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

@@ -82,6 +82,7 @@ class SlotExperts(ExpertProvider):
         self._ahead_on = False  # this pass's partial layers run ahead (begin_ahead)
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
+        self._missed_at: float | None = None  # when this pass's first run-ahead miss was found
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
@@ -521,7 +522,7 @@ class SlotExperts(ExpertProvider):
         # left by a pass that failed before it evaluated (never otherwise): its fills come as any
         # others and are applied as they land (its final answer, if any, is dropped as stale)
         self._deferred = None
-        self._ahead, self._redo, self._logits = [], None, {}
+        self._ahead, self._redo, self._logits, self._missed_at = [], None, {}, None
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
@@ -537,6 +538,12 @@ class SlotExperts(ExpertProvider):
         scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
         self._check_pending(also=() if scores is None else (scores,))
         self._ahead_on = False
+        if self._missed_at is not None:
+            # what this pass's misses cost: from the first found to the pass checked whole (its
+            # needs, the layers computed again and their drains), the time a kept pass never spends
+            self.counters.add("missed_passes")
+            self.counters.add("miss_s", time.perf_counter() - self._missed_at)
+            self._missed_at = None
         if scores is not None:
             self._lease_next(layers, self._host(scores))
 
@@ -661,6 +668,8 @@ class SlotExperts(ExpertProvider):
             self._notes_out(self._take_leases())
             return
         self.counters.add("ahead_missed")
+        if self._missed_at is None:
+            self._missed_at = time.perf_counter()
         self._redo = (layer, flat)
         # the layers launched after this one ran on its wrong output: forgotten (computed in vain)
         self.counters.add("ahead_forgotten", len(self._ahead))
