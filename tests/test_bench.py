@@ -65,6 +65,7 @@ def test_every_contender_runs_or_says_why(bench_run):
             assert r["host_s_per_token"] > 0
             # a trace routes these passes: none runs ahead, so none misses (the figure is there)
             assert r["missed_passes"] == 0 and r["miss_s_per_token"] == 0
+            assert r["miss_split_s_per_token"] == {"wait": 0, "sync": 0, "ipc": 0, "prepare": 0}
             if regime == "standin":  # compute's thread sleeps through the stand-in's layers
                 assert r["host_s_per_token"] < r["time_per_token_s"]
             # the slots the bound assumes are the slots it ran with (or the report says so)

@@ -209,6 +209,9 @@ def run_deltafin(s: Setup, regime: str, mode: str, cap) -> dict:
         # first miss, per decode token: what misses cost beyond the passes that kept every layer
         "missed_passes": pipe.get("missed_passes"),
         "miss_s_per_token": (pipe["miss_ms"] / 1e3 / n_dec) if n_dec and "miss_ms" in pipe else None,
+        # and of it, per token, the waits for reads, read-backs and drains, messages and fills
+        "miss_split_s_per_token": ({k: v / 1e3 / n_dec for k, v in pipe["miss_split_ms"].items()}
+                                   if n_dec and "miss_split_ms" in pipe else None),
         # The budget estimate for --cache-frac's slots can fall short of what the supervisor
         # finds once it measures the tree (the real regime in float32: 234 of 416 slots at the
         # estimate): then the contender ran with fewer slots than the bound assumes.

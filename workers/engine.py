@@ -37,7 +37,7 @@ from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.prompt_cache import PromptCache
 from deltafin.workers.scheduler import Scheduler, Sequence, sample_on_device
-from deltafin.workers.slot_experts import SlotExperts
+from deltafin.workers.slot_experts import MISS_WAITS, SlotExperts
 from deltafin.workers.sources import RequestError
 from deltafin.workers.structured import SchemaError, TokenTable
 
@@ -361,8 +361,10 @@ class Compute:
                                                                 "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten", "foreseen",
                                                                 "settles", "fills_unsettled", "next_leases", "next_used",
                                                                 "deferred_needs", "missed_passes")},
-                             # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead)
+                             # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead),
+                             # and of it the time in each kind of wait
                              "miss_ms": round(e.counters.get("miss_s") * 1e3, 3),
+                             "miss_split_ms": {k: round(e.counters.get(f"miss_{k}_s") * 1e3, 3) for k in MISS_WAITS},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

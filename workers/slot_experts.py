@@ -53,6 +53,8 @@ AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
 # issue 28's store at 25%, this CPU, real supervisors: a quarter of them used within 4 passes, the
 # misses 15% fewer for 30% more reads (docs/BENCHMARKS.md, stop 57).
 NEXT_ODDS, NEXT_DECAY, NEXT_PROBE, NEXT_WINDOW = 0.2, 0.95, 8, 4
+# The kinds of wait a missed pass's time is split into (`end_ahead`), as the decode split names them.
+MISS_WAITS = ("wait", "sync", "ipc", "prepare")
 
 
 class SlotExperts(ExpertProvider):
@@ -83,6 +85,7 @@ class SlotExperts(ExpertProvider):
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
         self._missed_at: float | None = None  # when this pass's first run-ahead miss was found
+        self._missed_from: tuple = ()  # the waits' totals (`_waits`) then
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
@@ -540,9 +543,12 @@ class SlotExperts(ExpertProvider):
         self._ahead_on = False
         if self._missed_at is not None:
             # what this pass's misses cost: from the first found to the pass checked whole (its
-            # needs, the layers computed again and their drains), the time a kept pass never spends
+            # needs, the layers computed again and their drains), the time a kept pass never spends,
+            # and of it the time in each kind of wait (the rest: the host building the layers again)
             self.counters.add("missed_passes")
             self.counters.add("miss_s", time.perf_counter() - self._missed_at)
+            for kind, now, then in zip(MISS_WAITS, self._waits(), self._missed_from):
+                self.counters.add(f"miss_{kind}_s", now - then)
             self._missed_at = None
         if scores is not None:
             self._lease_next(layers, self._host(scores))
@@ -669,7 +675,7 @@ class SlotExperts(ExpertProvider):
             return
         self.counters.add("ahead_missed")
         if self._missed_at is None:
-            self._missed_at = time.perf_counter()
+            self._missed_at, self._missed_from = time.perf_counter(), self._waits()
         self._redo = (layer, flat)
         # the layers launched after this one ran on its wrong output: forgotten (computed in vain)
         self.counters.add("ahead_forgotten", len(self._ahead))
@@ -737,6 +743,11 @@ class SlotExperts(ExpertProvider):
             self.counters.add("leases")
             out.insert(0, lease)
         return out
+
+    def _waits(self) -> tuple[float, ...]:
+        """The totals of the time compute waited, by kind (MISS_WAITS): for reads, in read-backs
+        and drains, on messages, in fills."""
+        return self.t_wait, self.t_sync, self.t_ipc, self.t_prepare
 
     def _judge(self, layer: int, kept: bool) -> None:
         self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept
