@@ -544,7 +544,8 @@ class SlotExperts(ExpertProvider):
         if self._missed_at is not None:
             # what this pass's misses cost: from the first found to the pass checked whole (its
             # needs, the layers computed again and their drains), the time a kept pass never spends,
-            # and of it the time in each kind of wait (the rest: the host building the layers again)
+            # and of it the time in each kind of wait (the rest: the host building the layers again,
+            # and what it evaluates outside the split, such as a fill's settle)
             self.counters.add("missed_passes")
             self.counters.add("miss_s", time.perf_counter() - self._missed_at)
             for kind, now, then in zip(MISS_WAITS, self._waits(), self._missed_from):
