@@ -28,6 +28,7 @@
 #   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh missplit # 25%, real supervisors, after a warm-up: what a missed pass's time waits on (miss_split_ms)
+#   bash docs/probes/h200_partial.sh each72   # bench.check_each on/off at 25% after a warm-up, 3 pairs: does finding a miss sooner pay now
 #   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh one50    # the 25% bench (default, early passes, both) and 50%, in one call
 #   bash docs/probes/h200_partial.sh stop51   # early passes (default) against the old order at 25%, then real supervisors' split
@@ -285,6 +286,11 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/missplit-warm.txt" 2>&1
     python3 docs/probes/real_split.py /tmp/store 2 "x:foresight = true:0.25" -v > "$out/missplit-0.25.txt" 2>&1
     grep "^r\|all same" "$out/missplit-0.25.txt" | grep -o "decode_tok_s[^,]*\|decode_ms_per_token=[^}]*}\|'ahead_missed'[^,]*\|'missed_passes.*" ;;
+  each72)  # bench.check_each against the defaults at 25% after a warm-up: 3 pairs of real supervisors, the miss split of each
+    python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/each72-warm.txt" 2>&1
+    python3 docs/probes/real_split.py /tmp/store 3 "base:check_each = false:0.25,each:check_each = true:0.25" -v \
+      > "$out/each72-0.25.txt" 2>&1
+    grep "^r\|all same" "$out/each72-0.25.txt" | grep -o "^r[0-9] [a-z]*\|decode_tok_s[^,]*\|'ahead_missed'[^,]*\|'missed_passes.*" ;;
   mini50)  # one round of tiny50
     timeout 130 bash "$0" bench 0.25 1 deltafin,deltafin-early-each,mlx-lm ;;
   tiny50)  # the least: 25%, the default beside early passes with layers checked one by one, 2 rounds
