@@ -12,7 +12,7 @@ import pytest
 from deltafin.runtime.config import Config
 from deltafin.runtime.models.caches import KVCache, SlidingKVCache
 from deltafin.runtime.store import Store
-from deltafin.workers.slot_experts import MISS_WAITS
+from deltafin.workers.passes import ExpertProvider
 from conftest import greedy_alone  # noqa: E402
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -173,7 +173,7 @@ def test_a_streaming_pass_launched_before_the_last_token_is_read_gives_its_logpr
         assert 0 < counters.get("missed_passes") <= counters.get("ahead_missed"), counters.snapshot()
         assert counters.get("miss_s") > 0
         # of that time, what went to each kind of wait: a missed pass drains at least once more
-        parts = [counters.get(f"miss_{k}_s") for k in MISS_WAITS]
+        parts = [counters.get(f"miss_{k}_s") for k in ExpertProvider.WAITS]
         assert min(parts) >= 0 and counters.get("miss_sync_s") > 0 and sum(parts) <= counters.get("miss_s"), parts
         _, _, plain, _ = _served(store, n_slots, early_passes=False)
         assert plain["early_steps"] == 0, plain
@@ -343,7 +343,7 @@ def test_needs_answered_early_change_no_token(store, tmp_path):
     # what misses cost, in compute's stats: passes that missed and the time after their first miss
     assert 0 < pipeline["missed_passes"] <= pipeline["ahead_missed"] and pipeline["miss_ms"] > 0, pipeline
     split = pipeline["miss_split_ms"]
-    assert set(split) == set(MISS_WAITS) and split["sync"] > 0 and sum(split.values()) <= pipeline["miss_ms"], pipeline
+    assert set(split) == set(ExpertProvider.WAITS) and split["sync"] > 0 and sum(split.values()) <= pipeline["miss_ms"], pipeline
     assert pipeline["resolved"]["defer_needs"] is True and pipeline["resolved"]["hits_first"] is False
     assert plain_pipeline["deferred_needs"] == 0 and plain_router.get("early_answers", 0) == 0
     assert pipeline["deferred_needs"] > 0 and router["early_answers"] == pipeline["deferred_needs"], (pipeline, router)

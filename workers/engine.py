@@ -37,7 +37,7 @@ from deltafin.runtime.traces import TraceRecorder
 from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.prompt_cache import PromptCache
 from deltafin.workers.scheduler import Scheduler, Sequence, sample_on_device
-from deltafin.workers.slot_experts import MISS_WAITS, SlotExperts
+from deltafin.workers.slot_experts import SlotExperts
 from deltafin.workers.sources import RequestError
 from deltafin.workers.structured import SchemaError, TokenTable
 
@@ -340,7 +340,7 @@ class Compute:
     def _split(self) -> dict:
         e = self.experts
         disk = disk_read_bytes()
-        return {"t": time.perf_counter(), "host": time.thread_time(), "ipc": e.t_ipc, "wait": e.t_wait, "prepare": e.t_prepare, "sync": e.t_sync,
+        return {"t": time.perf_counter(), "host": time.thread_time(), **e.waits(),
                 "uses": e.counters.get("uses"), "hits": e.counters.get("hits"),
                 "miss_bytes": e.counters.get("miss_bytes"), "disk_read_bytes": disk or 0}
 
@@ -364,7 +364,7 @@ class Compute:
                              # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead),
                              # and of it the time in each kind of wait
                              "miss_ms": round(e.counters.get("miss_s") * 1e3, 3),
-                             "miss_split_ms": {k: round(e.counters.get(f"miss_{k}_s") * 1e3, 3) for k in MISS_WAITS},
+                             "miss_split_ms": {k: round(e.counters.get(f"miss_{k}_s") * 1e3, 3) for k in e.WAITS},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),
                 "expert_tier": ({"resident_slots": tier.n_slots, "resident_bytes": tier.nbytes,

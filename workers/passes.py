@@ -29,6 +29,9 @@ class ExpertProvider:
     keeps_shape = True
     expert_source = "slots"  # where expert bytes come from, as the bench_mode report names it
     tier = None  # the resident tier, where the provider keeps one
+    # the kinds of time compute waits, as the decode split names them: for reads, in read-backs
+    # and drains, on messages, in fills (`waits`)
+    WAITS = ("wait", "sync", "ipc", "prepare")
 
     def __init__(self, store: Store, source, dtype, routing: Routing | None = None):
         self.store, self.source, self.dtype = store, source, dtype
@@ -40,6 +43,10 @@ class ExpertProvider:
         self.pass_no = 0
         self.current: dict | None = None
         self.unreported: list = []  # (pass, layer, ids) used without a need, not yet told the router
+
+    def waits(self) -> dict[str, float]:
+        """The time compute has waited so far, by kind (WAITS), in seconds."""
+        return {"wait": self.t_wait, "sync": self.t_sync, "ipc": self.t_ipc, "prepare": self.t_prepare}
 
     # -- passes -----------------------------------------------------------------------------------
     def begin_pass(self, n_tokens: int, rows: bool = True) -> int:

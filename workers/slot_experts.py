@@ -53,8 +53,6 @@ AHEAD_ODDS, AHEAD_DECAY = 0.5, 0.9
 # issue 28's store at 25%, this CPU, real supervisors: a quarter of them used within 4 passes, the
 # misses 15% fewer for 30% more reads (docs/BENCHMARKS.md, stop 57).
 NEXT_ODDS, NEXT_DECAY, NEXT_PROBE, NEXT_WINDOW = 0.2, 0.95, 8, 4
-# The kinds of wait a missed pass's time is split into (`end_ahead`), as the decode split names them.
-MISS_WAITS = ("wait", "sync", "ipc", "prepare")
 
 
 class SlotExperts(ExpertProvider):
@@ -84,8 +82,7 @@ class SlotExperts(ExpertProvider):
         self._ahead_on = False  # this pass's partial layers run ahead (begin_ahead)
         self._ahead: list[dict] = []  # the layers that ran ahead, oldest first, their routing not read back yet
         self._redo = None  # (layer, its ids on the CPU): the layer to compute again, as told
-        self._missed_at: float | None = None  # when this pass's first run-ahead miss was found
-        self._missed_from: tuple = ()  # the waits' totals (`_waits`) then
+        self._missed_from: dict | None = None  # at this pass's first run-ahead miss: the time ("t") and `waits()`
         self._odds: dict[int, float] = {}  # layer -> decayed share of its rows all resident (1 at first)
         self._foreseen: set[int] = set()  # after a miss: later layers that chose a missing expert on its wrong output
         self._foreseen_out: list = []  # (layer, experts, True): their leases (sure), sent behind the next need
@@ -525,7 +522,7 @@ class SlotExperts(ExpertProvider):
         # left by a pass that failed before it evaluated (never otherwise): its fills come as any
         # others and are applied as they land (its final answer, if any, is dropped as stale)
         self._deferred = None
-        self._ahead, self._redo, self._logits, self._missed_at = [], None, {}, None
+        self._ahead, self._redo, self._logits, self._missed_from = [], None, {}, None
         self._foreseen, self._foreseen_out, self._unforeseen = set(), [], []
         self._ahead_on = bool(rewinds and self.pipe.run_ahead and self.tier is not None
                               and not self.tier.all_full() and self.routing.mode == "gate"
@@ -541,16 +538,17 @@ class SlotExperts(ExpertProvider):
         scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
         self._check_pending(also=() if scores is None else (scores,))
         self._ahead_on = False
-        if self._missed_at is not None:
+        if self._missed_from is not None:
             # what this pass's misses cost: from the first found to the pass checked whole (its
             # needs, the layers computed again and their drains), the time a kept pass never spends,
             # and of it the time in each kind of wait (the rest: the host building the layers again,
             # and what it evaluates outside the split, such as a fill's settle)
+            then, now = self._missed_from, {"t": time.perf_counter(), **self.waits()}
             self.counters.add("missed_passes")
-            self.counters.add("miss_s", time.perf_counter() - self._missed_at)
-            for kind, now, then in zip(MISS_WAITS, self._waits(), self._missed_from):
-                self.counters.add(f"miss_{kind}_s", now - then)
-            self._missed_at = None
+            self.counters.add("miss_s", now["t"] - then["t"])
+            for kind in self.WAITS:
+                self.counters.add(f"miss_{kind}_s", now[kind] - then[kind])
+            self._missed_from = None
         if scores is not None:
             self._lease_next(layers, self._host(scores))
 
@@ -675,8 +673,8 @@ class SlotExperts(ExpertProvider):
             self._notes_out(self._take_leases())
             return
         self.counters.add("ahead_missed")
-        if self._missed_at is None:
-            self._missed_at, self._missed_from = time.perf_counter(), self._waits()
+        if self._missed_from is None:
+            self._missed_from = {"t": time.perf_counter(), **self.waits()}
         self._redo = (layer, flat)
         # the layers launched after this one ran on its wrong output: forgotten (computed in vain)
         self.counters.add("ahead_forgotten", len(self._ahead))
@@ -744,11 +742,6 @@ class SlotExperts(ExpertProvider):
             self.counters.add("leases")
             out.insert(0, lease)
         return out
-
-    def _waits(self) -> tuple[float, ...]:
-        """The totals of the time compute waited, by kind (MISS_WAITS): for reads, in read-backs
-        and drains, on messages, in fills."""
-        return self.t_wait, self.t_sync, self.t_ipc, self.t_prepare
 
     def _judge(self, layer: int, kept: bool) -> None:
         self._odds[layer] = AHEAD_DECAY * self._odds.get(layer, 1.0) + (1 - AHEAD_DECAY) * kept
