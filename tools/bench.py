@@ -593,7 +593,9 @@ def _regime_with_bound(s: Setup, regime: str, a, preset: dict) -> dict:
                 f"(calibration: configs/standin-h200.json unless given); reads, prepare and messages real")
     else:
         log("measuring compute-only time per token with every expert resident (the bound's compute term)")
-        compute = resident_compute_s_per_token(s, preset["bound_tokens"])
+        # as many decode steps as the contenders decode (the median of them): on a GPU shared with
+        # others a handful of steps gave bounds 1.5x apart within minutes (stop 71, one H100)
+        compute = resident_compute_s_per_token(s, max(preset["bound_tokens"], s.max_tokens - 1))
         desc = f"real compute on this machine ({a.dtype} activations), every stage real"
     reads = belady_read_s_per_token(s, s.disk["gbps"]) if s.trace_ids is not None else {"s_per_token": 0.0}
     bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])

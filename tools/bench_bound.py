@@ -46,7 +46,8 @@ def resident_compute_s_per_token(s: Setup, tokens: int) -> dict:
         times.append(time.perf_counter() - t)
     del layers, resident, model
     mx.clear_cache()
-    return {"s_per_token": float(np.median(times)), "samples": len(times), "load_s": load_s,
+    return {"s_per_token": float(np.median(times)), "mean_s_per_token": float(np.mean(times)),
+            "p90_s_per_token": float(np.percentile(times, 90)), "samples": len(times), "load_s": load_s,
             "how": "this process, every expert stacked in MLX memory, gather_qmm, median decode step"}
 
 
