@@ -274,6 +274,26 @@ def test_prefetch_settings_run_alternating_in_rounds(tiny_stores, tmp_path):
     assert rr["prefetch_sweep"]["max_fixed"] == names[2]
 
 
+def test_the_real_bound_is_measured_again_every_round(tiny_stores, tmp_path, capsys):
+    """In the real regime the bound's compute term is measured before every round, and the
+    bound, the shares and /own use the median of those measurements."""
+    store = Store(tiny_stores("deepseek_v2"))
+    argv = ["--store", str(store.path), "--trace", "none", "--quick", "--prompt-tokens", "4",
+            "--max-tokens", "5", "--cache-frac", "0.5", "--no-drop-cache", "--out", str(tmp_path / "run"),
+            "--regimes", "real", "--contenders", "deltafin", "--rounds", "3"]
+    assert bench.main(argv) == 0
+    rr = json.loads((tmp_path / "run" / "report.json").read_text())["regimes"]["real"]
+    b = rr["bound"]
+    assert len(b["compute_rounds_s"]) == 3 and all(x > 0 for x in b["compute_rounds_s"])
+    assert b["compute_s_per_token"] == pytest.approx(float(np.median(b["compute_rounds_s"])))
+    assert b["s_per_token"] == max(b["compute_s_per_token"], b["read_s_per_token"])
+    r = rr["contenders"]["deltafin"]
+    assert r["share_of_bound"] == pytest.approx(r["decode_tok_s"] * b["s_per_token"])
+    assert r["time_over_own_bound"] == pytest.approx(1.0 / r["decode_tok_s"] / r["own_bound_s_per_token"])
+    assert r["own_bound_s_per_token"] >= b["compute_s_per_token"]
+    assert "one per round" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("calibrate", ["run", "micro"])
 def test_forecast_checks_a_bench_report(bench_run, tmp_path, calibrate):
     store, trace, _, run = bench_run

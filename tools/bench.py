@@ -623,16 +623,34 @@ def equal_memory_gb(s: Setup, runs: dict, peer: str) -> tuple[float | None, str 
     return gb, None
 
 
+def _bound_again(s: Setup, rr: dict) -> None:
+    """The real regime's compute term measured again before a later round, as many steps as
+    before: the bound's compute term is then the median over the rounds so far, so a machine
+    whose speed drifts during the bench (a GPU host shared with others) is held to the bound of
+    the time its contenders ran, not of one moment before them."""
+    from deltafin.tools.bench_bound import resident_compute_s_per_token
+    b = rr["bound"]
+    log("measuring the bound's compute term again before this round")
+    again = resident_compute_s_per_token(s, b["compute"]["samples"])
+    b["compute_rounds_s"] = b.get("compute_rounds_s", [b["compute"]["s_per_token"]]) + [again["s_per_token"]]
+    b["compute_s_per_token"] = float(np.median(b["compute_rounds_s"]))
+    b["s_per_token"] = metrics.bound_s_per_token(b["compute_s_per_token"], b["read_s_per_token"])
+    b["tok_s"] = 1.0 / b["s_per_token"]
+    b["limited_by"] = "compute" if b["compute_s_per_token"] >= b["read_s_per_token"] else "reads"
+
+
 def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tuple, rr: dict,
                 report: dict) -> None:
     """Runs a regime's rounds; after each round the contenders' summaries so far go into rr, rr
     into the report and the report to report.json."""
     from deltafin.tools.bench_report import agreement_over_rounds, prefetch_sweep, summarize_rounds
     ckpt, ckpt_error = checkpoint
-    bound = rr["bound"]["s_per_token"]
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     for i in range(a.rounds):  # every contender once per round, in the same order
         sr = replace(s, tag=f"-r{i + 1}" if a.rounds > 1 else "")
+        if i and regime == "real":
+            _bound_again(s, rr)
+        bound = rr["bound"]["s_per_token"]
         for name in contenders:
             log(f"[{regime}] {name}" + (f" (round {i + 1} of {a.rounds})" if a.rounds > 1 else "") + " ...")
             if name == "mlx-lm" and ckpt is None and regime == "real":

@@ -177,7 +177,10 @@ def table(report: dict) -> str:
         b = rr["bound"]
         lines.append(f"\n[{regime}] {rr['description']}")
         lines.append(f"bound {b['s_per_token'] * 1e3:.1f} ms/token ({b['limited_by']}): compute "
-                     f"{b['compute_s_per_token'] * 1e3:.1f} ms, Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
+                     f"{b['compute_s_per_token'] * 1e3:.1f} ms" + (
+                         f" (median of {' / '.join(f'{x * 1e3:.1f}' for x in b['compute_rounds_s'])}, one per round)"
+                         if b.get("compute_rounds_s") else "") +
+                     f", Belady reads {b['read_s_per_token'] * 1e3:.1f} ms")
         w = max(20, *(len(n) + 1 for n in rr["contenders"]))
         lines.append(f"{'contender':<{w}}{'decode':>9}{'spread':>7}{'of bound':>9}{'/own':>6}{'prefill':>9}{'TTFT s':>8}{'hit':>6}"
                      f"{'MB/tok':>8}{'disk MB/tok':>12}{'stall':>7}{'read p50/p99 ms':>17}{'need wait p50':>14}{'disk busy':>10}"
