@@ -257,6 +257,11 @@ case "${1:-split}" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout 280 bash "$0" bench 0.25 3 deltafin,mlx-lm | tail -7
     left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout "$left" bash "$0" bench 0.5 3 deltafin,mlx-lm | tail -6; fi ;;
+  goal2each)  # [SECONDS]: goal2 with bench.check_each beside the defaults at 25% (3 rounds, at most 420 s; the bound measured before each round), then 50% (deltafin, mlx-lm) with what is left
+    start=$SECONDS; budget=${2:-555}
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout 420 bash "$0" bench 0.25 3 deltafin,deltafin-check-each,mlx-lm | tail -8
+    left=$((budget - (SECONDS - start))); if [ "$left" -gt 60 ]; then timeout "$left" bash "$0" bench 0.5 3 deltafin,mlx-lm | tail -6; fi ;;
   goal2g)  # [SECONDS]: goal2 with MLX CUDA's graphs beside (deltafin-cuda-graphs) at 25%, 3 rounds (at most 420 s), then 50% (deltafin, mlx-lm) with what is left
     start=$SECONDS; budget=${2:-555}
     nvidia-smi --query-gpu=name --format=csv,noheader
