@@ -7,11 +7,10 @@ from the one before (j = L-1: the gate lookahead the runtime has), and by distan
 
   python docs/probes/cross_gate.py STORE [TOKENS]
 
-Stop 72 (this CPU, issue 28's store, 32 tokens): from the first layer's input, recall 0.24 at
-m = k = 4, 0.32 at 6, 0.41 at 8 (chance: 0.125 at 4); from the layer before, 0.65 / 0.79 / 0.89 (layers
-2-7 both); by
-distance 1..7: 0.62, 0.54, 0.50, 0.44, 0.35, 0.27, 0.11. So a read-back at the pass's first layer
-foretells a third of the later layers' experts at twice the reads; not built.
+Stop 72 (this CPU, issue 28's store, 32 tokens; layers 2-7): from the first layer's input, recall
+0.24 at m = k = 4, 0.32 at 6, 0.41 at 8 (chance: 0.125 at 4); from the layer before 0.65 / 0.79 /
+0.89; by distance 1..7: 0.62, 0.54, 0.50, 0.44, 0.35, 0.27, 0.11. So a read-back at the pass's
+first layer foretells a third of the later layers' experts at twice the reads; not built.
 """
 from __future__ import annotations
 
