@@ -23,7 +23,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import partial_layer as pl  # noqa: E402
 
-from deltafin.runtime.models import decoder as D  # noqa: E402
 from deltafin.runtime.store import Store  # noqa: E402
 
 
@@ -31,22 +30,16 @@ def record(store: Store, tokens: int) -> list:
     """Per MoE layer call of each decode token: (layer, its gate's logits, {j: gate on x_j})."""
     first = store.moe_layers[0]
     rec, xs = [], {}
-    plain = D.SparseMoE.__call__
 
     def row(a):
         return np.array(a.astype(mx.float32)).reshape(-1, a.shape[-1])[-1]
 
-    def keeping(self, x, experts):
-        if self.layer == first:
+    def keep(moe, x):
+        if moe.layer == first:
             xs.clear()
-        rec.append((self.layer, row(self.gate(x)), {j: row(self.gate(xj)) for j, xj in xs.items()}))
-        xs[self.layer] = x
-        return plain(self, x, experts)
-    D.SparseMoE.__call__ = keeping
-    try:
-        pl.generate(pl.make(store, len(store.records), "auto", False), tokens)
-    finally:
-        D.SparseMoE.__call__ = plain
+        rec.append((moe.layer, row(moe.gate(x)), {j: row(moe.gate(xj)) for j, xj in xs.items()}))
+        xs[moe.layer] = x
+    pl.watch_moe(store, tokens, keep)
     return rec[len(store.moe_layers):]  # the prompt's pass left out
 
 

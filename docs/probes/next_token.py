@@ -31,24 +31,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import partial_layer as pl  # noqa: E402
 
-from deltafin.runtime.models import decoder as D  # noqa: E402
 from deltafin.runtime.store import Store  # noqa: E402
 
 
 def gate_scores(store: Store, tokens: int) -> np.ndarray:
     """[decode tokens, moe layers, experts]: the gate's scores of each decode token's row."""
     seen = []
-    plain = D.SparseMoE.__call__
 
-    def keeping(self, x, experts):
-        logits = self.gate(x)
+    def keep(moe, x):
+        logits = moe.gate(x)
         seen.append(np.array(logits.astype(mx.float32)).reshape(-1, logits.shape[-1])[-1])
-        return plain(self, x, experts)
-    D.SparseMoE.__call__ = keeping
-    try:
-        pl.generate(pl.make(store, len(store.records), "auto", False), tokens)
-    finally:
-        D.SparseMoE.__call__ = plain
+    pl.watch_moe(store, tokens, keep)
     n = len(store.moe_layers)
     return np.stack(seen).reshape(-1, n, seen[0].shape[-1])[1:]  # the prompt's pass left out
 

@@ -130,6 +130,22 @@ def generate(comp: Compute, n: int, prompt=PROMPT):
     return done, time.perf_counter() - t0
 
 
+def watch_moe(store: Store, tokens: int, watch) -> None:
+    """Greedy decode of `tokens` in one process, every expert resident, with watch(moe, x) called
+    at each MoE layer (its SparseMoE and input) before the layer runs (next_token.py, cross_gate.py)."""
+    from deltafin.runtime.models import decoder as D
+    plain = D.SparseMoE.__call__
+
+    def watched(self, x, experts):
+        watch(self, x)
+        return plain(self, x, experts)
+    D.SparseMoE.__call__ = watched
+    try:
+        generate(make(store, len(store.records), "auto", False), tokens)
+    finally:
+        D.SparseMoE.__call__ = plain
+
+
 def main() -> None:
     store = Store(sys.argv[1])
     slots = int(sys.argv[2])
