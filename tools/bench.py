@@ -7,7 +7,8 @@ offload) and rapid-mlx (disk streaming), each on its own layout of those weights
 budget at deltafin's share of the experts, routed by the model's gate. Two regimes: real compute on
 this machine, and a compute stand-in (each layer's math replaced by a wait calibrated on a GPU)
 where reading, preparing and orchestration decide. Each contender is reported against the bound
-of ../shared/DESIGN-NOTES.md. Output: report.json, chart.png, a table on the terminal.
+of ../shared/DESIGN-NOTES.md (with real compute, its compute term measured again before every
+round: the median of those). Output: report.json, chart.png, a table on the terminal.
 """
 from __future__ import annotations
 
