@@ -599,12 +599,8 @@ def _regime_with_bound(s: Setup, regime: str, a, preset: dict) -> dict:
         compute = resident_compute_s_per_token(s, max(preset["bound_tokens"], s.max_tokens - 1))
         desc = f"real compute on this machine ({a.dtype} activations), every stage real"
     reads = belady_read_s_per_token(s, s.disk["gbps"]) if s.trace_ids is not None else {"s_per_token": 0.0}
-    bound = metrics.bound_s_per_token(compute["s_per_token"], reads["s_per_token"])
     rr = {"description": desc, "max_tokens": s.max_tokens,
-          "bound": {"s_per_token": bound, "tok_s": 1.0 / bound,
-                    "limited_by": "compute" if compute["s_per_token"] >= reads["s_per_token"] else "reads",
-                    "compute_s_per_token": compute["s_per_token"], "compute": compute,
-                    "read_s_per_token": reads["s_per_token"], "reads": reads},
+          "bound": {**_bound_terms(compute["s_per_token"], reads["s_per_token"]), "compute": compute, "reads": reads},
           "contenders": {}}
     if regime == "standin":
         rr["standin"] = {"moe_ms": moe_ms, "dense_ms": dense_ms}
@@ -624,6 +620,13 @@ def equal_memory_gb(s: Setup, runs: dict, peer: str) -> tuple[float | None, str 
     return gb, None
 
 
+def _bound_terms(compute_s: float, read_s: float) -> dict:
+    """The bound's figures from its two terms (seconds per token)."""
+    bound = metrics.bound_s_per_token(compute_s, read_s)
+    return {"s_per_token": bound, "tok_s": 1.0 / bound, "limited_by": "compute" if compute_s >= read_s else "reads",
+            "compute_s_per_token": compute_s, "read_s_per_token": read_s}
+
+
 def _bound_again(s: Setup, rr: dict) -> None:
     """The real regime's compute term measured again before a later round, as many steps as
     before: the bound's compute term is then the median over the rounds so far, so a machine
@@ -634,10 +637,7 @@ def _bound_again(s: Setup, rr: dict) -> None:
     log("measuring the bound's compute term again before this round")
     again = resident_compute_s_per_token(s, b["compute"]["samples"])
     b["compute_rounds_s"] = b.get("compute_rounds_s", [b["compute"]["s_per_token"]]) + [again["s_per_token"]]
-    b["compute_s_per_token"] = float(np.median(b["compute_rounds_s"]))
-    b["s_per_token"] = metrics.bound_s_per_token(b["compute_s_per_token"], b["read_s_per_token"])
-    b["tok_s"] = 1.0 / b["s_per_token"]
-    b["limited_by"] = "compute" if b["compute_s_per_token"] >= b["read_s_per_token"] else "reads"
+    b.update(_bound_terms(float(np.median(b["compute_rounds_s"])), b["read_s_per_token"]))
 
 
 def _run_rounds(s: Setup, regime: str, contenders: list[str], a, checkpoint: tuple, rr: dict,

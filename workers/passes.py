@@ -46,7 +46,7 @@ class ExpertProvider:
 
     def waits(self) -> dict[str, float]:
         """The time compute has waited so far, by kind (WAITS), in seconds."""
-        return {"wait": self.t_wait, "sync": self.t_sync, "ipc": self.t_ipc, "prepare": self.t_prepare}
+        return {kind: getattr(self, f"t_{kind}") for kind in self.WAITS}
 
     # -- passes -----------------------------------------------------------------------------------
     def begin_pass(self, n_tokens: int, rows: bool = True) -> int:
