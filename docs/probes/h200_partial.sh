@@ -28,6 +28,7 @@
 #   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh missplit # 25%, real supervisors, after a warm-up: what a missed pass's time waits on (miss_split_ms)
+#   bash docs/probes/h200_partial.sh spin     # docs/probes/spin_wait.py: a kernel waiting mid-pass for the host (a miss's read)
 #   bash docs/probes/h200_partial.sh each72   # bench.check_each on/off at 25% after a warm-up, 3 pairs: does finding a miss sooner pay now
 #   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh one50    # the 25% bench (default, early passes, both) and 50%, in one call
@@ -291,6 +292,8 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/missplit-warm.txt" 2>&1
     python3 docs/probes/real_split.py /tmp/store 2 "x:foresight = true:0.25" -v > "$out/missplit-0.25.txt" 2>&1
     grep "^r\|all same" "$out/missplit-0.25.txt" | grep -o "decode_tok_s[^,]*\|decode_ms_per_token=[^}]*}\|'ahead_missed'[^,]*\|'missed_passes.*" ;;
+  spin)  # docs/probes/spin_wait.py: can a kernel wait mid-pass for the host to write a missing expert's slot
+    timeout 200 python3 docs/probes/spin_wait.py 64 40 > "$out/spin.txt" 2>&1; cat "$out/spin.txt" | tail -20 ;;
   each72)  # bench.check_each against the defaults at 25% after a warm-up: 3 pairs of real supervisors, the miss split of each
     python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/each72-warm.txt" 2>&1
     python3 docs/probes/real_split.py /tmp/store 3 "base:check_each = false:0.25,each:check_each = true:0.25" -v \
