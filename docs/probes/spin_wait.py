@@ -10,7 +10,8 @@ in pinned host memory, posted a request there for a missing expert and waited (s
 timeout) until the host wrote its slot, the read would start as soon as the routing is known and
 nothing would be computed twice. This probe measures whether that is sound and cheap, with
 issue 28's shapes (8 MoE layers x 32 experts, top-4, hidden 1024, expert width 768, 4-bit group
-64, bfloat16) and synthetic weights, in one process:
+64, bfloat16) and synthetic weights, in one process, through workers/device_waits.py (the
+kernels and the host's handshake the runtime would use):
 
   1. overhead, every expert resident: a token's pass with the slots gathered on the device
      (today's `table[ids]`) against the same pass with the waiting kernel, one drain per token;
@@ -35,65 +36,9 @@ import numpy as np
 
 from deltafin.runtime.models.switch import switch_glu, uniform_quant
 from deltafin.workers import resident as R
+from deltafin.workers.device_waits import DeviceWaits, DeviceWaitTimeout
 
 LAYERS, E, K, D, F = 8, 32, 4, 1024, 768
-REQ, ERR, DONE, TABLE = 0, 8, 16, 64  # int32 words of the pinned page: request, error, done, tables
-LIMIT_NS = 2_000_000_000
-
-SOURCE = """
-    if (threadIdx.x == 0) {
-        volatile int* h = reinterpret_cast<volatile int*>(addr[0]);
-        const int layer = meta[0], seq = meta[1];
-        const int base = TABLE + layer * NE;
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        int asked = 0;
-        for (int i = 0; i < NK; ++i) {
-            int s = h[base + ids[i]];
-            while (s < 0) {
-                if (!asked) {  // every missing expert of the layer in one request
-                    int n = 0;
-                    for (int j = 0; j < NK; ++j) if (h[base + ids[j]] < 0) h[REQ + 2 + n++] = ids[j];
-                    h[REQ + 1] = layer * 64 + n;
-                    __threadfence_system();
-                    h[REQ] = seq;
-                    __threadfence_system();
-                    asked = 1;
-                }
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-                if (t - t0 > LIMIT) { h[ERR] = seq; __threadfence_system(); s = 0; break; }
-                __nanosleep(200);
-                s = h[base + ids[i]];
-            }
-            slots[i] = s;
-        }
-    }
-"""
-DONE_SOURCE = """
-    if (threadIdx.x == 0) {
-        volatile int* h = reinterpret_cast<volatile int*>(addr[0]);
-        out[0] = y[0];
-        __threadfence_system();
-        h[DONE] = meta[1];
-        __threadfence_system();
-    }
-"""
-
-
-def pinned_page(cu):
-    """A page-aligned host buffer, registered and mapped for the device: (numpy int32 view, device address)."""
-    buf = mmap.mmap(-1, 1 << 16)
-    view = np.frombuffer(buf, dtype=np.int32)
-    cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    r = cu.cuMemHostRegister_v2(view.ctypes.data, view.nbytes, 0x1 | 0x2)  # portable | devicemap
-    if r != 0:
-        raise OSError(f"cuMemHostRegister refused (CUresult {r})")
-    dptr = ctypes.c_uint64()
-    cu.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    r = cu.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), view.ctypes.data, 0)
-    if r != 0:
-        raise OSError(f"cuMemHostGetDevicePointer refused (CUresult {r})")
-    return buf, view, dptr.value
 
 
 def main() -> None:
@@ -103,14 +48,7 @@ def main() -> None:
         sys.exit("MLX CUDA only (a custom CUDA kernel)")
     drv = R._cuda_driver()
     copies = R.DriverCopies.open()
-    buf, h, dptr = pinned_page(drv[0])
-    addr = mx.array(np.array([dptr], dtype=np.uint64))
-    defines = f"#define NE {E}\n#define NK {K}\n#define REQ {REQ}\n#define ERR {ERR}\n#define DONE {DONE}\n#define TABLE {TABLE}\n"
-    wait_k = mx.fast.cuda_kernel(name="df_slots_wait", input_names=["ids", "addr", "meta"], output_names=["slots"],
-                                 source=SOURCE, header=defines + f"#define LIMIT {LIMIT_NS}ULL\n")
-    done_k = mx.fast.cuda_kernel(name="df_pass_done", input_names=["y", "addr", "meta"], output_names=["out"],
-                                 source=DONE_SOURCE, header=defines)
-
+    dw = DeviceWaits.open(list(range(LAYERS)), E)
     mx.random.seed(0)
     w = {}
     for p, (o, i) in {"gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F)}.items():
@@ -123,7 +61,7 @@ def main() -> None:
         copies.place(list(w.values()))
     # every expert resident: layer l's expert e in slot l * E + e, the table in pinned memory
     table_np = (np.arange(LAYERS)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
-    h[TABLE:TABLE + LAYERS * E] = table_np.reshape(-1)
+    dw.publish({layer: table_np[layer] for layer in range(LAYERS)})
     dev_tables = [mx.array(table_np[l].astype(np.uint32)) for l in range(LAYERS)]
 
     def moe(l, x, slots):
@@ -142,25 +80,19 @@ def main() -> None:
             x = moe(l, x, dev_tables[l][ids])
         return x, ids_all
 
-    def pass_wait(x, seq):
+    def pass_wait(x):
+        dw.begin()
         for l in range(LAYERS):
-            ids = route(l, x)
-            meta = mx.array(np.array([l, seq], dtype=np.int32))
-            slots = wait_k(inputs=[ids.reshape(-1), addr, meta], output_shapes=[(K,)], output_dtypes=[mx.int32],
-                           grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
-            x = moe(l, x, slots.reshape(ids.shape).astype(mx.uint32))
-        meta = mx.array(np.array([0, seq], dtype=np.int32))
-        done = done_k(inputs=[x.reshape(-1), addr, meta], output_shapes=[(1,)], output_dtypes=[x.dtype],
-                      grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
-        return x, done
+            x = moe(l, x, dw.slots(l, route(l, x)))
+        return x, dw.marker(x)
 
     xs = [(mx.random.normal((1, D)) * 0.5).astype(mx.bfloat16) for _ in range(tokens)]
     mx.eval(xs)
     # 1. overhead, all resident, alternating blocks
     ref, ref_ids = [], []
     for x in xs[:4]:  # warm-up (compiles the kernels)
-        mx.eval(pass_gather(x)[0], pass_wait(x, 1)[0])
-    t_g, t_w, seq, same = [], [], 1, True
+        mx.eval(pass_gather(x)[0], *pass_wait(x))
+    t_g, t_w, same = [], [], True
     for rnd in range(3):
         for x in xs:
             t0 = time.perf_counter()
@@ -171,13 +103,14 @@ def main() -> None:
                 ref.append(y)
                 ref_ids.append([np.array(i).reshape(-1) for i in ids])
         for i, x in enumerate(xs):
-            seq += 1
             t0 = time.perf_counter()
-            y, done = pass_wait(x, seq)
+            y, done = pass_wait(x)
             mx.eval(y, done)
             t_w.append(time.perf_counter() - t0)
             same &= bool(mx.array_equal(y, ref[i]).item())
-    ms = lambda v: f"{statistics.median(v) * 1e3:.3f} ms (p90 {sorted(v)[int(0.9 * len(v))] * 1e3:.3f})"
+    def ms(v):
+        return f"{statistics.median(v) * 1e3:.3f} ms (p90 {sorted(v)[int(0.9 * len(v))] * 1e3:.3f})" if v else "n/a"
+
     print(f"1. all resident, {tokens} tokens x 3: device gather {ms(t_g)}; waiting kernel {ms(t_w)}; "
           f"outputs equal: {same}")
 
@@ -187,7 +120,8 @@ def main() -> None:
     names = list(w)
     row_bytes = {n: w[n].nbytes // (E * LAYERS) for n in names}
     total = sum(row_bytes.values())
-    staging, blank = mmap.mmap(-1, total), mmap.mmap(-1, total)
+    pages = -(-total // mmap.PAGESIZE) * mmap.PAGESIZE
+    staging, blank = mmap.mmap(-1, pages), mmap.mmap(-1, pages)
     st, zero = np.frombuffer(staging, dtype=np.uint8), np.frombuffer(blank, dtype=np.uint8)
     for a in (st, zero):
         drv[0].cuMemHostRegister_v2(a.ctypes.data, a.nbytes, 0)
@@ -208,28 +142,29 @@ def main() -> None:
         for n in names:  # the expert's rows into the staging, then its slot zeroed
             st[off:off + row_bytes[n]] = np.array(w[n][slot].view(mx.uint8)).reshape(-1)
             off += row_bytes[n]
+        dw.drop(layer, e)
         write_slot(slot, zero)
-        h[TABLE + layer * E + e] = -1
-        seq += 1
+        got = {}
+
+        def serve(at, experts):
+            got.update(seen=time.perf_counter(), right=at == layer and e in experts and len(experts) == K)
+            write_slot(slot, st)
+            dw.table[layer, e] = slot
+            got["write"] = time.perf_counter()
+
         t0 = time.perf_counter()
-        y, done = pass_wait(xs[i], seq)
+        y, done = pass_wait(xs[i])
         mx.async_eval(y, done)
-        while h[REQ] != seq and h[DONE] != seq and time.perf_counter() - t0 < 5:
-            pass
-        t_seen = time.perf_counter()
-        asked = int(h[REQ + 1]) if h[REQ] == seq else -1
-        write_slot(slot, st)
-        h[TABLE + layer * E + e] = slot
-        t_write = time.perf_counter()
-        while h[DONE] != seq and time.perf_counter() - t0 < 5:
-            pass
+        try:
+            dw.wait(serve, 5.0)
+        except DeviceWaitTimeout:
+            errs += 1
         t_done = time.perf_counter()
         mx.eval(y, done)
-        equal = bool(mx.array_equal(y, ref[i]).item())
-        ok += equal and asked == layer * 64 + 1
-        errs += int(h[ERR] == seq)
-        seen.append(t_seen - t0)
-        resumed.append(t_done - t_write)
+        ok += bool(mx.array_equal(y, ref[i]).item()) and got.get("right", False)
+        if "seen" in got:
+            seen.append(got["seen"] - t0)
+            resumed.append(t_done - got["write"])
         whole.append(t_done - t0)
         t1 = time.perf_counter()
         mx.eval(pass_gather(xs[i])[0])
@@ -239,14 +174,21 @@ def main() -> None:
           f"equal to all resident with the request right: {ok} of {trials}; timeouts {errs}")
 
     # 3. the timeout: never answered
-    h[TABLE + 3 * E + int(ref_ids[0][3][0])] = -1
-    seq += 1
+    e = int(ref_ids[0][3][0])
+    dw.limit_s = 0.25
+    dw.drop(3, e)
     t0 = time.perf_counter()
-    y, done = pass_wait(xs[0], seq)
+    y, done = pass_wait(xs[0])
+    mx.async_eval(y, done)
+    try:
+        dw.wait(lambda at, experts: None, 5.0)
+        told = "no error"
+    except DeviceWaitTimeout as err:
+        told = f"DeviceWaitTimeout: {err}"
     mx.eval(y, done)
-    print(f"3. never answered: the pass ended after {time.perf_counter() - t0:.2f} s, "
-          f"error flag {'set' if h[ERR] == seq else 'NOT set'} (limit {LIMIT_NS / 1e9:.1f} s)")
-    h[TABLE + 3 * E + int(ref_ids[0][3][0])] = 3 * E + int(ref_ids[0][3][0])
+    print(f"3. never answered: the pass ended after {time.perf_counter() - t0:.2f} s ({told}; kernel limit {dw.limit_s} s)")
+    dw.table[3, e] = 3 * E + e
+    dw.close()
 
 
 if __name__ == "__main__":
