@@ -167,6 +167,7 @@ class BenchConfig:
     check_each: bool = False  # running ahead: the layers pending launched apart, each checked once computed
     next_leases: bool = True  # running ahead: at a pass's end each partial layer's runner-up leased for the next token
     defer_needs: bool = True  # running ahead a pass at once: a need's reads overlap the build of the pass's rest
+    device_waits: bool = False  # running ahead a pass at once (MLX CUDA): the device looks experts up and waits for a missing one
     fold_sends: bool = True  # a pass's leases in one message, fills applied together acknowledged in one
     batch_copies: bool = True  # driver copies: addressed directly, the fills acknowledged together waited for once
     # workers poll without sleeping this long (ms) after a message (and compute in a need's wait);

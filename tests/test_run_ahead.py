@@ -31,7 +31,7 @@ def store(tmp_path_factory) -> Store:
 
 def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first: bool = False,
             depth: int = 1, weigh_misses: bool = True, launch: str = "layer", copies: bool | str = "auto",
-            foresight: bool = True, check_each: bool = False, waste: float = 1.0):
+            foresight: bool = True, check_each: bool = False, waste: float = 1.0, waits: bool = False):
     """Greedy logits in-process (the compute, its router and loader), and the provider's counters."""
     from deltafin.tools.inprocess import local_router
     from deltafin.workers.engine import Compute
@@ -44,6 +44,7 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
     cfg["bench"]["foresight"] = foresight
     cfg["bench"]["check_each"] = check_each
     cfg["bench"]["ahead_waste"] = waste
+    cfg["bench"]["device_waits"] = waits
     cfg["cache"]["weigh_misses"] = weigh_misses
     src, staging, loader = local_router(store, cfg, n_slots=n_slots)
     try:
@@ -51,6 +52,7 @@ def _decode(store, n_slots: int, run_ahead: bool, steps: int = 24, launch_first:
         c.preload()
         out = greedy_alone(c, PROMPT, steps)
         c.experts.counters.add("driver_copies", int(c.experts.tier.copies is not None))
+        c.experts.counters.add("waits_on", int(c.experts.lookups is not None))
         sent = c.experts.source.messages
         c.experts.counters.add("hints_sent", sent.get("hint") + sent.get("folded_hint"))
         return out, c.experts.counters
@@ -97,6 +99,35 @@ def test_driver_copies_in_one_process_give_the_all_resident_logits(store):
             assert counters.get("driver_copies") == 1
             for s, (a, b) in enumerate(zip(ref, got)):
                 assert np.array_equal(a, b), (launch, n_slots, s, float(np.abs(a - b).max()))
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the device's lookups are a CUDA kernel")
+def test_the_device_waiting_for_a_missing_expert_gives_the_all_resident_logits(store):
+    """bench.device_waits: a pass run ahead looks each streaming layer's experts up on the device,
+    which waits for the host to read a missing one (workers/device_waits.py). At 2, 4 and 8 of a
+    layer's 8 experts, with the driver's copies: the logits equal all resident, bit for bit; the
+    device waited (needs sent from its requests) and nothing was computed again."""
+    ref, _ = _decode(store, len(store.records), run_ahead=True)
+    waited = 0
+    for n_slots in (4, 8, 16, 8):
+        got, counters = _decode(store, n_slots, run_ahead=True, launch="pass", waits=True)
+        assert counters.get("waits_on") == 1
+        for s, (a, b) in enumerate(zip(ref, got)):
+            assert np.array_equal(a, b), (n_slots, s, float(np.abs(a - b).max()))
+        assert counters.get("ahead_missed") == 0 and counters.get("ran_ahead") > 0
+        waited += counters.get("device_waits")
+    assert waited > 0
+
+
+def test_the_device_waits_only_on_mlx_cuda(store):
+    """Asked for where there is no CUDA kernel (this CPU), the setting leaves the pass as it was:
+    no device lookups, the same logits as all resident."""
+    if mx.cuda.is_available():
+        pytest.skip("on MLX CUDA the device's lookups run (the test above)")
+    ref, _ = _decode(store, len(store.records), run_ahead=True)
+    got, counters = _decode(store, 8, run_ahead=True, launch="pass", waits=True)
+    assert counters.get("waits_on") == 0 and counters.get("device_waits") == 0
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
 
 
 def test_a_pass_launched_at_once_reads_back_the_layers_that_miss_most(store):
@@ -324,6 +355,22 @@ def test_next_token_leases_are_read_used_and_change_no_token(store, tmp_path):
     assert pipeline["next_leases"] > 0 and pipeline["next_used"] > 0, pipeline
     # sure reads come from foresight too: the leases add to them
     assert router["foreseen_reads"] > plain_router["foreseen_reads"], (router, plain_router)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the device's lookups are a CUDA kernel")
+def test_the_device_waiting_for_a_missing_expert_changes_no_token(store, tmp_path):
+    """bench.device_waits with real processes (the device's requests answered by needs to the
+    router's process, their fills copied by the driver while the device waits): at 8 of the 32
+    experts every token equals that of all resident and of the same budget without it."""
+    def run(n_slots: int, on: bool):
+        return _generate_with(store, tmp_path, f"run_ahead = true\ndevice_waits = {str(on).lower()}\n", n_slots)
+
+    ref, _, _ = run(len(store.records), True)
+    plain, _, _ = run(8, False)
+    got, pipeline, _ = run(8, True)
+    assert got == ref == plain
+    assert pipeline["resolved"]["device_waits"] is True
+    assert pipeline["device_waits"] > 0 and pipeline["ahead_missed"] == 0, pipeline
 
 
 def test_needs_answered_early_change_no_token(store, tmp_path):

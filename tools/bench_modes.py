@@ -43,6 +43,7 @@ DELTAFIN_MODES = {
     "deltafin-next-leases": [],  # each partial layer's runner-up leased for the next token (the default since stop 58; kept for earlier commands)
     "deltafin-no-next-leases": [],  # the default without the next token's leases
     "deltafin-no-defer-needs": [],  # the default with a need's reads waited for before the rest of the pass is built
+    "deltafin-device-waits": [],  # the default with lookups on the device, which waits for a missing expert (MLX CUDA)
     "deltafin-no-fold-sends": [],  # the default with a message per lease and per fill's acknowledgement
     "deltafin-batch-copies": [],  # the driver's copies waited for once per acknowledgement (the default since stop 62; kept for earlier commands)
     "deltafin-no-batch-copies": [],  # the default with a wait per record for the driver's copies
@@ -80,6 +81,7 @@ DELTAFIN_MODE_CONFIG = {
     "deltafin-next-leases": {"bench": {"next_leases": True}},
     "deltafin-no-next-leases": {"bench": {"next_leases": False}},
     "deltafin-no-defer-needs": {"bench": {"defer_needs": False}},
+    "deltafin-device-waits": {"bench": {"device_waits": True}},
     "deltafin-no-fold-sends": {"bench": {"fold_sends": False}},
     "deltafin-batch-copies": {"bench": {"batch_copies": True}},
     "deltafin-no-batch-copies": {"bench": {"batch_copies": False}},

@@ -14,7 +14,7 @@ Nothing is computed twice, and the slots the device reads are the ones all-resid
 would use for those experts (`switch_glu` on the same pools): the same result, bit for bit.
 
 The page (int32 words): REQ names the last request, pass number x 256 + layer (an index into the
-tier's layers), written last; REQ+1 its expert count, REQ+2.. its experts (every expert the row
+tier's layers), written last; COUNT its expert count and IDS.. its experts (every expert the row
 chose, so the need pins the resident ones as well); ERR names a request that timed out; DONE the
 last pass whose end marker ran; TABLE.. the published expert -> slot map, -1 where missing.
 
@@ -32,14 +32,16 @@ import time
 import mlx.core as mx
 import numpy as np
 
-REQ, ERR, DONE, TABLE = 0, 8, 16, 64
+REQ, ERR, DONE, COUNT, IDS, TABLE = 0, 1, 2, 3, 4, 64
+MAX_K = TABLE - IDS  # the most experts a row may choose
 SEQ_WRAP = 1 << 22  # pass numbers 1..SEQ_WRAP, so number x 256 + layer fits an int32
-PAGE_BYTES = 1 << 16
 
 _HEADER = """
 #define REQ {REQ}
 #define ERR {ERR}
 #define DONE {DONE}
+#define COUNT {COUNT}
+#define IDS {IDS}
 #define TABLE {TABLE}
 __device__ inline unsigned long long df_now() {{
     unsigned long long t;
@@ -60,8 +62,8 @@ _LOOKUP = """
             int s = h[base + ids[i]];
             while (s < 0) {
                 if (!asked) {
-                    for (int j = 0; j < k; ++j) h[REQ + 2 + j] = ids[j];
-                    h[REQ + 1] = k;
+                    for (int j = 0; j < k; ++j) h[IDS + j] = ids[j];
+                    h[COUNT] = k;
                     __threadfence_system();
                     h[REQ] = seq * 256 + layer;
                     __threadfence_system();
@@ -102,22 +104,20 @@ class DeviceWaits:
     layers in `store.moe_layers` order, `index`)."""
 
     def __init__(self, cu, layers: list[int], n_experts: int, limit_s: float = 2.0):
-        need = (TABLE + len(layers) * n_experts) * 4
-        if need > PAGE_BYTES:
-            raise ValueError(f"device_waits: {len(layers)} layers x {n_experts} experts do not fit one page")
+        size = -(-(TABLE + len(layers) * n_experts) * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
         self.cu, self.limit_s = cu, float(limit_s)
         if len(layers) > 256:
             raise ValueError("device_waits: more than 256 MoE layers")
         self.layers = list(layers)
         self.index = {layer: i for i, layer in enumerate(layers)}
         self.n_experts = n_experts
-        self._buf = mmap.mmap(-1, PAGE_BYTES)
+        self._buf = mmap.mmap(-1, size)
         self.page = np.frombuffer(self._buf, dtype=np.int32)
         self.page[:] = 0
         self.table = self.page[TABLE:TABLE + len(layers) * n_experts].reshape(len(layers), n_experts)
         self.table[:] = -1
         cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        r = cu.cuMemHostRegister_v2(self.page.ctypes.data, PAGE_BYTES, 0x1 | 0x2)  # portable, mapped
+        r = cu.cuMemHostRegister_v2(self.page.ctypes.data, size, 0x1 | 0x2)  # portable, mapped
         if r != 0:
             raise OSError(f"cuMemHostRegister refused (CUresult {r})")
         self._registered = True
@@ -128,7 +128,7 @@ class DeviceWaits:
             self.close()
             raise OSError(f"cuMemHostGetDevicePointer refused (CUresult {r})")
         self.addr = mx.array(np.array([dptr.value], dtype=np.uint64))
-        header = _HEADER.format(REQ=REQ, ERR=ERR, DONE=DONE, TABLE=TABLE)
+        header = _HEADER.format(REQ=REQ, ERR=ERR, DONE=DONE, COUNT=COUNT, IDS=IDS, TABLE=TABLE)
         self._lookup = mx.fast.cuda_kernel(name="deltafin_lookup_wait", input_names=["ids", "addr", "meta"],
                                            output_names=["slots"], source=_LOOKUP, header=header)
         self._done = mx.fast.cuda_kernel(name="deltafin_pass_done", input_names=["y", "addr", "meta"],
@@ -138,10 +138,10 @@ class DeviceWaits:
         self.requests = self.timeouts = 0
 
     @classmethod
-    def open(cls, layers: list[int], n_experts: int, limit_s: float = 2.0) -> "DeviceWaits | None":
-        """On MLX CUDA with custom kernels; None elsewhere."""
+    def open(cls, layers: list[int], n_experts: int, top_k: int = 1, limit_s: float = 2.0) -> "DeviceWaits | None":
+        """On MLX CUDA with custom kernels, for rows of at most MAX_K experts; None elsewhere."""
         from deltafin.workers.resident import _cuda_driver, is_metal
-        if mx.default_device() != mx.gpu or is_metal() or not hasattr(mx.fast, "cuda_kernel"):
+        if mx.default_device() != mx.gpu or is_metal() or not hasattr(mx.fast, "cuda_kernel") or top_k > MAX_K:
             return None
         drv = _cuda_driver()
         return None if drv is None else cls(drv[0], layers, n_experts, limit_s)
@@ -184,8 +184,8 @@ class DeviceWaits:
         tag = int(self.page[REQ])
         if tag == self.served or tag // 256 != self.seq:
             return None
-        k = int(self.page[REQ + 1])
-        return self.layers[tag % 256], [int(e) for e in self.page[REQ + 2:REQ + 2 + k]]
+        k = int(self.page[COUNT])
+        return self.layers[tag % 256], [int(e) for e in self.page[IDS:IDS + k]]
 
     def answered(self) -> None:
         """The request seen last is answered (its experts resident, the table published)."""
@@ -208,6 +208,16 @@ class DeviceWaits:
     def drop(self, layer: int, expert: int) -> None:
         """An evicted expert, marked missing before anything is written into its slot."""
         self.table[self.index[layer], expert] = -1
+
+    def abandon(self) -> None:
+        """The host gives the pass up (an error while serving it): every missing entry points at
+        slot 0, so any lookup still waiting goes on (the pass's output is dropped), and its end
+        marker is waited for a little. The next pass publishes the true table again."""
+        self.table[self.table < 0] = 0
+        t_end = time.perf_counter() + 5.0
+        while int(self.page[DONE]) != self.seq and int(self.page[ERR]) // 256 != self.seq \
+                and time.perf_counter() < t_end:
+            time.sleep(0.001)
 
     def wait(self, serve, timeout_s: float) -> None:
         """Polls until the pass's end marker has run, answering each request with serve(layer,

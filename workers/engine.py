@@ -360,7 +360,8 @@ class Compute:
                 "pipeline": {**{k: int(e.counters.get(k)) for k in ("hits_first", "streamed_misses", "early_fills", "leases",
                                                                 "gate_syncs", "ran_ahead", "ahead_missed", "ahead_forgotten", "foreseen",
                                                                 "settles", "fills_unsettled", "next_leases", "next_used",
-                                                                "deferred_needs", "missed_passes")},
+                                                                "deferred_needs", "missed_passes", "device_waits",
+                                                                "device_waits_stale")},
                              # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead),
                              # and of it the time in each kind of wait
                              "miss_ms": round(e.counters.get("miss_s") * 1e3, 3),

@@ -87,6 +87,7 @@ class Pipeline:
     check_each: bool = False  # running ahead: each pending layer launched apart, checked once computed
     next_leases: bool = True  # running ahead: each partial layer's runner-up leased for the next token (bench.next_leases)
     defer_needs: bool = True  # running ahead a pass at once: the rest of the pass built while a need's reads land (bench.defer_needs)
+    device_waits: bool = False  # running ahead a pass at once (MLX CUDA): lookups on the device, which waits for a miss (bench.device_waits)
     cuda_graphs: str = ""  # MLX_USE_CUDA_GRAPHS in this process ("": unset, MLX's default: graphs on CUDA)
     device_copies: bool = False  # MLX CUDA: those pools in device memory instead, filled by the driver
     batch_copies: bool = False  # those copies waited for once per acknowledgement, not per record (bench.batch_copies)
@@ -114,9 +115,10 @@ class Pipeline:
         pieces = not gpu and bench.layer_pieces is not False
         host = not bench.device_pools
         copies = host and (gpu if bench.device_copies == "auto" else bool(bench.device_copies))
+        waits = bool(bench.device_waits and gpu and ahead and bench.ahead_launch == "pass")
         return cls(hits_first=pieces, stream_misses=pieces and bench.stream_misses, host_fills=host,
                    host_pools=host, early_fills=early, leases=bench.leases, run_ahead=ahead,
-                   device_copies=copies, batch_copies=copies and bench.batch_copies, **same)
+                   device_copies=copies, batch_copies=copies and bench.batch_copies, device_waits=waits, **same)
 
     def report(self) -> dict:
         return asdict(self)

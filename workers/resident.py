@@ -341,6 +341,9 @@ class ResidentTier:
         # before the record's staging slot is given back and before any graph reads the pools
         # (SlotExperts.attach: at the acknowledgement)
         self.defer_copies = False
+        # bench.device_waits: told of each expert dropped, before anything is written into its slot
+        # (the device's table marks it missing at once; workers/device_waits.py)
+        self.on_drop = None
 
     def _dtype(self, t: dict):
         return pool_dtype(t["dtype"], self.dtype)
@@ -506,6 +509,8 @@ class ResidentTier:
         if old is not None:
             self.held[g][slot] = None
             self.slot_of[old[0]][old[1]] = -1
+            if self.on_drop is not None:
+                self.on_drop(*old)
             self.n_full -= self.full(old[0])
             self.count[old[0]] -= 1
             self._tables.pop(old[0], None)

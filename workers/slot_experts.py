@@ -38,6 +38,7 @@ from deltafin.runtime.models.decoder import RunAheadMiss
 from deltafin.runtime.models.switch import in_token_order, pairs_of, run_pairs, switch_glu
 from deltafin.runtime.store import Store
 from deltafin.workers.passes import ExpertProvider
+from deltafin.workers.device_waits import DeviceWaits
 from deltafin.workers.pipeline import Pipeline, on_gpu
 from deltafin.workers.resident import ResidentTier
 from deltafin.workers.router_process import prefetch_setting
@@ -92,6 +93,12 @@ class SlotExperts(ExpertProvider):
         self._next_odds, self._next_probe = 1.0, 0  # next_leases: decayed share used, passes held back
         self._deferred: dict | None = None  # defer_needs: a need answered early, its fills still to land
         self._filling: tuple | None = None  # (layer, missing experts) while that need's own fills land
+        self.lookups: DeviceWaits | None = None  # bench.device_waits: the device's lookups (attach)
+        self._waiting_on = False  # this pass's streaming layers look their experts up on the device
+        self._served: dict[int, int] = {}  # layer -> experts it was missing, read while the device waited
+        self._last_y = None  # the latest output of a layer looked up on the device (the pass's end marker follows it)
+        self._serving = False  # a need sent while the device waits: its fills write without settles
+        self._served_s = 0.0  # this pass's time in `_serve`
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -117,6 +124,13 @@ class SlotExperts(ExpertProvider):
                 self.source.before_ack = self.tier.settle_copies
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
+        if self.pipe.device_waits and self.lookups is None and \
+                any(n < self.tier.group_experts[g] for g, n in self.tier.n_slots.items()):
+            limit = getattr(self.source, "timeout_s", 60.0) + 5.0  # the host's own need timeout comes first
+            self.lookups = DeviceWaits.open(list(self.store.moe_layers), self.store.n_experts, self.store.top_k,
+                                          limit_s=limit)
+        if self.lookups is not None:
+            self.tier.on_drop = self.lookups.drop
 
     def detach(self) -> None:
         """Lets the staging segment go before it is unmapped (the driver's pinning of it)."""
@@ -128,8 +142,8 @@ class SlotExperts(ExpertProvider):
     def wants_lookahead(self, layer: int) -> bool:
         """Whether the model should apply the next MoE layer's gate to this layer's input: only
         where the router prefetches and this layer reads its gate back anyway (not all resident)."""
-        if self._ahead_on and self.pipe.ahead_launch == "pass" and \
-                (self._redo is not None or self._goes_ahead(layer)):
+        if self._waiting_on or (self._ahead_on and self.pipe.ahead_launch == "pass" and
+                                (self._redo is not None or self._goes_ahead(layer))):
             return False  # read back at the pass's end, or its ids known: no lead to give
         return self.hints and not self.tier.full(layer) and not self.force_sync
 
@@ -284,7 +298,9 @@ class SlotExperts(ExpertProvider):
             if msg.slot in fly["slots"] or not in_place:
                 mx.eval(fly["pieces"])
                 fly["slots"].clear()
-        if in_place:
+        if in_place and self._serving:
+            self.counters.add("fills_unsettled")  # the device waits: nothing launched reads the slot
+        elif in_place:
             # A slot is read only by graphs of the layer whose expert it held, and slot 0 also by
             # a layer running ahead, for a missing expert's rows (never kept, but a read racing
             # the write is left to no cache): where no graph still open may read the slot, the
@@ -473,6 +489,8 @@ class SlotExperts(ExpertProvider):
         """The layer's experts' output [..., k, D] for x [..., D] and the gate's ids [..., k]."""
         ids = self.routing.choose(layer, inds)  # the gate's ids (on the device), or the trace's
         tier = self.tier
+        if self._waiting_on and tier.n_slots[tier.group_of[layer]] < tier.group_experts[tier.group_of[layer]]:
+            return self._run_waiting(layer, x, ids)
         if tier.full(layer) and not self.force_sync:
             return self._all_resident(layer, x, inds, ids)
         judged = False
@@ -528,6 +546,12 @@ class SlotExperts(ExpertProvider):
                               and not self.tier.all_full() and self.routing.mode == "gate"
                               and not self.force_sync and self.lossy.mode != "cache_aware"
                               and self.current is not None and self.current["n"] == 1)
+        self._waiting_on = self._ahead_on and self.lookups is not None
+        if self._waiting_on:
+            self._served, self._last_y = {}, None
+            self.tier.settle_copies()  # every fill applied so far is in its slot: published
+            self.lookups.publish(self.tier.slot_of)
+            self.lookups.begin()
         return self._ahead_on
 
     def end_ahead(self) -> None:
@@ -536,7 +560,10 @@ class SlotExperts(ExpertProvider):
         token's leases sent (`_lease_next`)."""
         layers = sorted(self._logits)
         scores = mx.stack([self._logits[layer].reshape(-1) for layer in layers]).astype(mx.float32) if layers else None
-        self._check_pending(also=() if scores is None else (scores,))
+        if self._waiting_on:
+            self._end_waiting(scores)
+        else:
+            self._check_pending(also=() if scores is None else (scores,))
         self._ahead_on = False
         if self._missed_from is not None:
             # what this pass's misses cost: from the first found to the pass checked whole (its
@@ -590,6 +617,80 @@ class SlotExperts(ExpertProvider):
         if leases:
             self.counters.add("next_leases", len(leases))
             self._notes_out(leases)
+
+    # -- the device's lookups (bench.device_waits) -------------------------------------------------
+    def _run_waiting(self, layer: int, x, ids):
+        """A layer of a streaming group in a pass run ahead with the device's lookups: its chosen
+        experts looked up on the device when it reaches the layer, which waits there for a missing
+        one (`_serve`). The same call as `_one_need`'s once its experts are resident: the same
+        slots, the same rows, the same kernel. Nothing of the pass is launched before its end
+        (`_end_waiting`), so the fills taken while it is built write slots no launched graph reads
+        (a dropped expert is marked missing in the table before its slot is written)."""
+        self.take_fills(layer, [])
+        tier, lookups = self.tier, self.lookups
+        tier.settle_copies()
+        lookups.publish(tier.slot_of)
+        y = switch_glu(x, lookups.slots(layer, ids), tier.weights(layer), tier.quant(layer))
+        self._ahead.append({"layer": layer, "ids": ids, "where": None, "look": None})
+        self.counters.add("ran_ahead")
+        self._last_y = y
+        return y
+
+    def _end_waiting(self, scores) -> None:
+        """The pass launched whole, with a marker behind its last looked-up layer; the host answers
+        the device's requests until the marker has run (`DeviceWaits.wait`), then reads the
+        pass's routing back (done by then) and notes its uses."""
+        lookups, recs = self.lookups, self._ahead
+        self._ahead = []
+        if self._last_y is None:
+            return
+        t0 = time.perf_counter()
+        mx.async_eval(lookups.marker(self._last_y), *[rec["ids"] for rec in recs], *(() if scores is None else (scores,)))
+        sync0 = self.t_sync
+        try:
+            lookups.wait(self._serve, timeout_s=lookups.limit_s + 5.0)
+        except BaseException:
+            lookups.abandon()  # the device's waits end (what it computes is dropped with the pass)
+            raise
+        # the time not spent in a need: the device's compute, waited for
+        self.t_sync = sync0 + (time.perf_counter() - t0) - self._served_s
+        self._served_s = 0.0
+        for rec in recs:
+            layer = rec["layer"]
+            flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
+            self.counters.add("gate_syncs")
+            n = len(set(flat.reshape(-1).tolist()))
+            missed = self._served.get(layer)
+            self.counters.add("uses", n)
+            self.counters.add("hits", n - (missed or 0))
+            # a layer served by a need was reported by it
+            self._note(layer, flat, report=missed is None, count=False)
+        self._notes_out(self._take_leases())
+
+    def _serve(self, layer: int, experts: list[int]) -> None:
+        """The device waits at `layer` for experts it found missing: the layer's need (its resident
+        experts pinned, the missing read), then the table published. Its fills write without
+        settling: while the device waits, every graph before the layer has run and none after it
+        has looked a slot up."""
+        t0, prep0 = time.perf_counter(), self.t_prepare
+        tier = self.tier
+        experts = sorted(set(experts))
+        missing = tier.missing(layer, experts)
+        if missing:
+            self.counters.add("device_waits")
+            self.counters.add("miss_bytes", len(missing) * self.store.layout(layer)["nbytes"])
+            self._serving = True
+            try:
+                granted = self.source.need(layer, experts, self.apply)
+            finally:
+                self._serving = False
+            tier.settle_copies()
+            self._granted(layer, granted, t0, prep0)
+            self._served[layer] = self._served.get(layer, 0) + len(missing)
+        else:  # made resident since the table was published
+            self.counters.add("device_waits_stale")
+        self.lookups.publish(tier.slot_of)
+        self._served_s += time.perf_counter() - t0
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
@@ -796,7 +897,7 @@ class SlotExperts(ExpertProvider):
             host = np.asarray(ids).reshape(inds.shape)
             slots = mx.array((host if ordered is not None else tier.slots(layer, host)).astype(np.uint32))
         y = switch_glu(x, slots, ordered or tier.weights(layer), tier.quant(layer))
-        if self.pipe.eager_layers and not tier.all_full() and self._deferred is None:
+        if self.pipe.eager_layers and not tier.all_full() and self._deferred is None and not self._waiting_on:
             # A later layer of this pass reads its routing back, which waits for everything
             # before it: launched now, this layer computes while the next ones are built.
             mx.async_eval(y)

@@ -28,6 +28,7 @@
 #   bash docs/probes/h200_partial.sh close28b # then the bench at 25% (+ early passes, no foresight), 50% and all resident
 #   bash docs/probes/h200_partial.sh foresight # bench.foresight on/off at 25%, real supervisors, 3 rounds
 #   bash docs/probes/h200_partial.sh missplit # 25%, real supervisors, after a warm-up: what a missed pass's time waits on (miss_split_ms)
+#   bash docs/probes/h200_partial.sh waits [SECONDS] # bench.device_waits: spin_wait.py, its GPU tests, the 25% bench beside the defaults
 #   bash docs/probes/h200_partial.sh spin     # docs/probes/spin_wait.py: a kernel waiting mid-pass for the host (a miss's read)
 #   bash docs/probes/h200_partial.sh each72   # bench.check_each on/off at 25% after a warm-up, 3 pairs: does finding a miss sooner pay now
 #   bash docs/probes/h200_partial.sh early    # bench.early_passes on/off at 25%, real supervisors, 3 rounds
@@ -292,6 +293,14 @@ case "${1:-split}" in
     python3 docs/probes/real_split.py /tmp/store 1 "warm:foresight = true:0.25" > "$out/missplit-warm.txt" 2>&1
     python3 docs/probes/real_split.py /tmp/store 2 "x:foresight = true:0.25" -v > "$out/missplit-0.25.txt" 2>&1
     grep "^r\|all same" "$out/missplit-0.25.txt" | grep -o "decode_tok_s[^,]*\|decode_ms_per_token=[^}]*}\|'ahead_missed'[^,]*\|'missed_passes.*" ;;
+  waits)  # [SECONDS]: bench.device_waits: the probe, its GPU tests, then the 25% bench beside the defaults in what is left
+    start=$SECONDS; budget=${2:-560}
+    timeout 150 python3 docs/probes/spin_wait.py 64 40 > "$out/spin.txt" 2>&1; tail -5 "$out/spin.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -x -k "device_wait" tests/test_run_ahead.py > "$out/waits-tests.txt" 2>&1
+    grep -E "passed|failed|Error|assert" "$out/waits-tests.txt" | tail -12
+    left=$((budget - (SECONDS - start)))
+    rounds=3; if [ "$left" -lt 300 ]; then rounds=2; fi
+    if [ "$left" -gt 150 ]; then timeout "$left" bash "$0" bench 0.25 "$rounds" deltafin,deltafin-device-waits,mlx-lm | tail -14; fi ;;
   spin)  # docs/probes/spin_wait.py: can a kernel wait mid-pass for the host to write a missing expert's slot
     timeout 200 python3 docs/probes/spin_wait.py 64 40 > "$out/spin.txt" 2>&1; cat "$out/spin.txt" | tail -20 ;;
   each72)  # bench.check_each against the defaults at 25% after a warm-up: 3 pairs of real supervisors, the miss split of each
