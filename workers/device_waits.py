@@ -136,6 +136,7 @@ class DeviceWaits:
         self.seq = 0  # the pass's number (the page's words hold the last seen)
         self.served = 0  # the last request answered
         self.requests = self.timeouts = 0
+        self.published = -1  # the tier's `changes` when last published
 
     @classmethod
     def open(cls, layers: list[int], n_experts: int, top_k: int = 1, limit_s: float = 2.0) -> "DeviceWaits | None":
@@ -199,11 +200,14 @@ class DeviceWaits:
             raise DeviceWaitTimeout(f"a layer's lookup waited more than {self.limit_s} s for the host")
         return int(self.page[DONE]) == self.seq
 
-    def publish(self, slot_of: dict[int, np.ndarray]) -> None:
-        """The table from the tier's residency map (after the copies of every fill applied are
-        done)."""
+    def publish(self, tier) -> None:
+        """The table from the tier's residency map (`ResidentTier.slot_of`), where it changed since
+        last published; the copies of every fill applied must be done."""
+        if tier.changes == self.published:
+            return
         for layer, i in self.index.items():
-            self.table[i] = slot_of[layer]
+            self.table[i] = tier.slot_of[layer]
+        self.published = tier.changes
 
     def drop(self, layer: int, expert: int) -> None:
         """An evicted expert, marked missing before anything is written into its slot."""
@@ -214,6 +218,7 @@ class DeviceWaits:
         slot 0, so any lookup still waiting goes on (the pass's output is dropped), and its end
         marker is waited for a little. The next pass publishes the true table again."""
         self.table[self.table < 0] = 0
+        self.published = -1  # published again before the next pass
         t_end = time.perf_counter() + 5.0
         while int(self.page[DONE]) != self.seq and int(self.page[ERR]) // 256 != self.seq \
                 and time.perf_counter() < t_end:

@@ -344,6 +344,7 @@ class ResidentTier:
         # bench.device_waits: told of each expert dropped, before anything is written into its slot
         # (the device's table marks it missing at once; workers/device_waits.py)
         self.on_drop = None
+        self.changes = 0  # fills and drops so far (what the residency map was published at, device_waits)
 
     def _dtype(self, t: dict):
         return pool_dtype(t["dtype"], self.dtype)
@@ -467,6 +468,7 @@ class ResidentTier:
         self.held[g][slot] = (layer, expert)
         self.last_layer[g][slot] = layer
         self.slot_of[layer][expert] = slot
+        self.changes += 1
         self.count[layer] += 1
         self.n_full += self.full(layer)
         self._tables.pop(layer, None)
@@ -509,6 +511,7 @@ class ResidentTier:
         if old is not None:
             self.held[g][slot] = None
             self.slot_of[old[0]][old[1]] = -1
+            self.changes += 1
             if self.on_drop is not None:
                 self.on_drop(*old)
             self.n_full -= self.full(old[0])

@@ -550,7 +550,7 @@ class SlotExperts(ExpertProvider):
         if self._waiting_on:
             self._served, self._last_y = {}, None
             self.tier.settle_copies()  # every fill applied so far is in its slot: published
-            self.lookups.publish(self.tier.slot_of)
+            self.lookups.publish(self.tier)
             self.lookups.begin()
         return self._ahead_on
 
@@ -629,7 +629,7 @@ class SlotExperts(ExpertProvider):
         self.take_fills(layer, [])
         tier, lookups = self.tier, self.lookups
         tier.settle_copies()
-        lookups.publish(tier.slot_of)
+        lookups.publish(tier)
         y = switch_glu(x, lookups.slots(layer, ids), tier.weights(layer), tier.quant(layer))
         self._ahead.append({"layer": layer, "ids": ids, "where": None, "look": None})
         self.counters.add("ran_ahead")
@@ -689,7 +689,7 @@ class SlotExperts(ExpertProvider):
             self._served[layer] = self._served.get(layer, 0) + len(missing)
         else:  # made resident since the table was published
             self.counters.add("device_waits_stale")
-        self.lookups.publish(tier.slot_of)
+        self.lookups.publish(tier)
         self._served_s += time.perf_counter() - t0
 
     def _goes_ahead(self, layer: int) -> bool:

@@ -61,7 +61,7 @@ def main() -> None:
         copies.place(list(w.values()))
     # every expert resident: layer l's expert e in slot l * E + e, the table in pinned memory
     table_np = (np.arange(LAYERS)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
-    dw.publish({layer: table_np[layer] for layer in range(LAYERS)})
+    dw.table[:] = table_np
     dev_tables = [mx.array(table_np[l].astype(np.uint32)) for l in range(LAYERS)]
 
     def moe(l, x, slots):
