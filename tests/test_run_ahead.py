@@ -338,18 +338,21 @@ def _generate_with(store, tmp_path, bench: str, n_slots: int):
     return tokens, workers["compute"]["pipeline"], workers["router"]
 
 
+def _off_and_on(store, tmp_path, setting: str, more: str = "", n_slots: int = 8):
+    """Real supervisors running ahead: every expert resident with `setting` on, then n_slots
+    without it and with it; (tokens, compute's pipeline stats, the router's stats) of each."""
+    def run(n: int, on: bool):
+        return _generate_with(store, tmp_path, f"run_ahead = true\n{more}{setting} = {str(on).lower()}\n", n)
+    return run(len(store.records), True), run(n_slots, False), run(n_slots, True)
+
+
 def test_next_token_leases_are_read_used_and_change_no_token(store, tmp_path):
     """bench.next_leases, real processes (leases need the router's process): at a pass's end each
     partial layer's runner-up, where missing, is leased for the next token. At 8 of the 32
     experts (2 of a layer's 8) some are read (more of the router's sure reads than without them),
     some used by the passes after, and every token equals that of all resident and of the same
     budget without them."""
-    def run(n_slots: int, on: bool):
-        return _generate_with(store, tmp_path, f"run_ahead = true\nnext_leases = {str(on).lower()}\n", n_slots)
-
-    ref, _, _ = run(len(store.records), True)
-    plain, _, plain_router = run(8, False)
-    got, pipeline, router = run(8, True)
+    (ref, _, _), (plain, _, plain_router), (got, pipeline, router) = _off_and_on(store, tmp_path, "next_leases")
     assert got == ref == plain
     assert pipeline["resolved"]["next_leases"] is True
     assert pipeline["next_leases"] > 0 and pipeline["next_used"] > 0, pipeline
@@ -362,12 +365,7 @@ def test_the_device_waiting_for_a_missing_expert_changes_no_token(store, tmp_pat
     """bench.device_waits with real processes (the device's requests answered by needs to the
     router's process, their fills copied by the driver while the device waits): at 8 of the 32
     experts every token equals that of all resident and of the same budget without it."""
-    def run(n_slots: int, on: bool):
-        return _generate_with(store, tmp_path, f"run_ahead = true\ndevice_waits = {str(on).lower()}\n", n_slots)
-
-    ref, _, _ = run(len(store.records), True)
-    plain, _, _ = run(8, False)
-    got, pipeline, _ = run(8, True)
+    (ref, _, _), (plain, _, _), (got, pipeline, _) = _off_and_on(store, tmp_path, "device_waits")
     assert got == ref == plain
     assert pipeline["resolved"]["device_waits"] is True
     assert pipeline["device_waits"] > 0 and pipeline["ahead_missed"] == 0, pipeline
@@ -379,13 +377,8 @@ def test_needs_answered_early_change_no_token(store, tmp_path):
     rest of the pass is built while they are read, and nothing is evaluated before they land. The
     GPU's one call per layer (layer_pieces false) on this CPU, at 8 of the 32 experts: needs are
     answered early, and every token equals that of all resident and of the same budget without."""
-    def run(n_slots: int, on: bool):
-        return _generate_with(store, tmp_path, f"run_ahead = true\nlayer_pieces = false\n"
-                                               f"defer_needs = {str(on).lower()}\n", n_slots)
-
-    ref, _, _ = run(len(store.records), True)
-    plain, plain_pipeline, plain_router = run(8, False)
-    got, pipeline, router = run(8, True)
+    (ref, _, _), (plain, plain_pipeline, plain_router), (got, pipeline, router) = \
+        _off_and_on(store, tmp_path, "defer_needs", "layer_pieces = false\n")
     assert got == ref == plain
     # what misses cost, in compute's stats: passes that missed and the time after their first miss
     assert 0 < pipeline["missed_passes"] <= pipeline["ahead_missed"] and pipeline["miss_ms"] > 0, pipeline
