@@ -180,17 +180,19 @@ class DeviceWaits:
         return self._done(inputs=[y.reshape(-1), self.addr, self._meta(0, 0)], output_shapes=[(1,)],
                           output_dtypes=[y.dtype], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
 
-    def request(self) -> tuple[int, list[int]] | None:
-        """The layer and experts of this pass's latest request, where not answered yet; else None."""
+    def request(self) -> tuple[int, int, list[int]] | None:
+        """This pass's latest request, where not answered yet: (its tag, the layer, the experts);
+        else None. Its words are written before its tag, and no other comes before it is answered."""
         tag = int(self.page[REQ])
         if tag == self.served or tag // 256 != self.seq:
             return None
         k = int(self.page[COUNT])
-        return self.layers[tag % 256], [int(e) for e in self.page[IDS:IDS + k]]
+        return tag, self.layers[tag % 256], [int(e) for e in self.page[IDS:IDS + k]]
 
-    def answered(self) -> None:
-        """The request seen last is answered (its experts resident, the table published)."""
-        self.served = int(self.page[REQ])
+    def answered(self, tag: int) -> None:
+        """The request `tag` is answered (its experts resident, the table published); the device
+        may have posted the next one already."""
+        self.served = tag
         self.requests += 1
 
     def finished(self) -> bool:
@@ -231,8 +233,8 @@ class DeviceWaits:
         while not self.finished():
             req = self.request()
             if req is not None:
-                serve(*req)
-                self.answered()
+                serve(req[1], req[2])
+                self.answered(req[0])
                 continue
             if time.perf_counter() > t_end:
                 raise DeviceWaitTimeout(f"the pass did not end within {timeout_s} s")
