@@ -365,6 +365,8 @@ class Compute:
                              # the time passes spent after their first run-ahead miss (SlotExperts.end_ahead),
                              # and of it the time in each kind of wait
                              "miss_ms": round(e.counters.get("miss_s") * 1e3, 3),
+                             # bench.device_waits: the time the host spent answering the device's requests
+                             "device_wait_ms": round(e.counters.get("device_wait_s") * 1e3, 3),
                              "miss_split_ms": {k: round(e.counters.get(f"miss_{k}_s") * 1e3, 3) for k in e.WAITS},
                              "resolved": self.pipeline.report()},
                 "messages": e.source.messages.snapshot(),

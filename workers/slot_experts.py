@@ -548,7 +548,7 @@ class SlotExperts(ExpertProvider):
                               and self.current is not None and self.current["n"] == 1)
         self._waiting_on = self._ahead_on and self.lookups is not None
         if self._waiting_on:
-            self._served, self._last_y = {}, None
+            self._served, self._last_y, self._served_s = {}, None, 0.0
             self.tier.settle_copies()  # every fill applied so far is in its slot: published
             self.lookups.publish(self.tier)
             self.lookups.begin()
@@ -690,7 +690,9 @@ class SlotExperts(ExpertProvider):
         else:  # made resident since the table was published
             self.counters.add("device_waits_stale")
         self.lookups.publish(tier)
-        self._served_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self._served_s += took
+        self.counters.add("device_wait_s", took)
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
