@@ -129,8 +129,9 @@ class SlotExperts(ExpertProvider):
             limit = getattr(self.source, "timeout_s", 60.0) + 5.0  # the host's own need timeout comes first
             self.lookups = DeviceWaits.open(list(self.store.moe_layers), self.store.n_experts, self.store.top_k,
                                           limit_s=limit)
-        if self.lookups is not None:
+        if self.lookups is not None:  # a new tier: published whole before its first pass
             self.tier.on_drop = self.lookups.drop
+            self.lookups.published = -1
 
     def detach(self) -> None:
         """Lets the staging segment go before it is unmapped (the driver's pinning of it)."""
