@@ -533,6 +533,12 @@ class SlotExperts(ExpertProvider):
         return self._one_need(layer, x, inds, flat, experts, flush_ahead=early and not missing)
 
     # -- running ahead ------------------------------------------------------------------------------
+    def begin_pass(self, n_tokens: int, rows: bool = True) -> int:
+        """As ExpertProvider's; nothing runs ahead or waits on the device unless the model asks
+        for it in this pass (`begin_ahead`), whatever a pass that failed left."""
+        self._ahead_on = self._waiting_on = False
+        return super().begin_pass(n_tokens, rows)
+
     def begin_ahead(self, rewinds: bool) -> bool:
         """Whether the model's pass should run its partially resident MoE layers ahead of their
         routing's read-back (the model's `_run_ahead`): where the pipeline does (`run_ahead`), the
@@ -565,7 +571,7 @@ class SlotExperts(ExpertProvider):
             self._end_waiting(scores)
         else:
             self._check_pending(also=() if scores is None else (scores,))
-        self._ahead_on = False
+        self._ahead_on = self._waiting_on = False
         if self._missed_from is not None:
             # what this pass's misses cost: from the first found to the pass checked whole (its
             # needs, the layers computed again and their drains), the time a kept pass never spends,
