@@ -99,86 +99,32 @@ class DeviceWaitTimeout(RuntimeError):
     own for a pass to end."""
 
 
-class DeviceWaits:
-    """The pinned page, its two kernels and the host's side of the handshake. One per tier (its
-    layers in `store.moe_layers` order, `index`)."""
+class RequestPage:
+    """The host's side of the handshake on a page of int32 words (module docstring): the table it
+    publishes, the requests it reads and answers, the end marker it waits for. The page is plain
+    host memory here; `DeviceWaits` registers it for the device and adds the kernels."""
 
-    def __init__(self, cu, layers: list[int], n_experts: int, limit_s: float = 2.0):
-        size = -(-(TABLE + len(layers) * n_experts) * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
-        self.cu, self.limit_s = cu, float(limit_s)
+    def __init__(self, layers: list[int], n_experts: int, limit_s: float = 2.0):
         if len(layers) > 256:
             raise ValueError("device_waits: more than 256 MoE layers")
+        self.size = -(-(TABLE + len(layers) * n_experts) * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.limit_s = float(limit_s)
         self.layers = list(layers)
         self.index = {layer: i for i, layer in enumerate(layers)}
         self.n_experts = n_experts
-        self._buf = mmap.mmap(-1, size)
+        self._buf = mmap.mmap(-1, self.size)
         self.page = np.frombuffer(self._buf, dtype=np.int32)
         self.page[:] = 0
         self.table = self.page[TABLE:TABLE + len(layers) * n_experts].reshape(len(layers), n_experts)
         self.table[:] = -1
-        cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        r = cu.cuMemHostRegister_v2(self.page.ctypes.data, size, 0x1 | 0x2)  # portable, mapped
-        if r != 0:
-            raise OSError(f"cuMemHostRegister refused (CUresult {r})")
-        self._registered = True
-        dptr = ctypes.c_uint64()
-        cu.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        r = cu.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), self.page.ctypes.data, 0)
-        if r != 0:
-            self.close()
-            raise OSError(f"cuMemHostGetDevicePointer refused (CUresult {r})")
-        self.addr = mx.array(np.array([dptr.value], dtype=np.uint64))
-        header = _HEADER.format(REQ=REQ, ERR=ERR, DONE=DONE, COUNT=COUNT, IDS=IDS, TABLE=TABLE)
-        self._lookup = mx.fast.cuda_kernel(name="deltafin_lookup_wait", input_names=["ids", "addr", "meta"],
-                                           output_names=["slots"], source=_LOOKUP, header=header)
-        self._done = mx.fast.cuda_kernel(name="deltafin_pass_done", input_names=["y", "addr", "meta"],
-                                         output_names=["out"], source=_DONE, header=header)
         self.seq = 0  # the pass's number (the page's words hold the last seen)
         self.served = 0  # the last request answered
         self.requests = self.timeouts = 0
         self.published = -1  # the tier's `changes` when last published
 
-    @classmethod
-    def open(cls, layers: list[int], n_experts: int, top_k: int = 1, limit_s: float = 2.0) -> "DeviceWaits | None":
-        """On MLX CUDA with custom kernels, for rows of at most MAX_K experts; None elsewhere."""
-        from deltafin.workers.resident import _cuda_driver, is_metal
-        if mx.default_device() != mx.gpu or is_metal() or not hasattr(mx.fast, "cuda_kernel") or top_k > MAX_K:
-            return None
-        drv = _cuda_driver()
-        return None if drv is None else cls(drv[0], layers, n_experts, limit_s)
-
-    def close(self) -> None:
-        if getattr(self, "_registered", False):
-            self.cu.cuMemHostUnregister(self.page.ctypes.data)
-            self._registered = False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def begin(self) -> None:
         """A new pass: its requests and end marker carry a new number."""
         self.seq = self.seq % SEQ_WRAP + 1
-
-    def _meta(self, layer_index: int, k: int) -> mx.array:
-        return mx.array(np.array([layer_index, self.seq, self.n_experts, k, max(1, int(self.limit_s * 1000))],
-                                 dtype=np.int32))
-
-    def slots(self, layer: int, ids) -> mx.array:
-        """ids [..., k] (one row's chosen experts) -> their slots, uint32, the same shape: looked
-        up when the device reaches the layer, waiting for the host where one is missing."""
-        k = ids.shape[-1]
-        out = self._lookup(inputs=[ids.reshape(-1).astype(mx.int32), self.addr, self._meta(self.index[layer], k)],
-                           output_shapes=[(k,)], output_dtypes=[mx.uint32], grid=(32, 1, 1),
-                           threadgroup=(32, 1, 1))[0]
-        return out.reshape(ids.shape)
-
-    def marker(self, y) -> mx.array:
-        """A tiny kernel behind y that writes the pass's number into the page once y is done."""
-        return self._done(inputs=[y.reshape(-1), self.addr, self._meta(0, 0)], output_shapes=[(1,)],
-                          output_dtypes=[y.dtype], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
 
     def request(self) -> tuple[int, int, list[int]] | None:
         """This pass's latest request, where not answered yet: (its tag, the layer, the experts);
@@ -239,3 +185,68 @@ class DeviceWaits:
             if time.perf_counter() > t_end:
                 raise DeviceWaitTimeout(f"the pass did not end within {timeout_s} s")
             time.sleep(0)
+
+
+class DeviceWaits(RequestPage):
+    """The page pinned and mapped for the device, and its two kernels. One per tier (its layers
+    in `store.moe_layers` order, `index`)."""
+
+    def __init__(self, cu, layers: list[int], n_experts: int, limit_s: float = 2.0):
+        super().__init__(layers, n_experts, limit_s)
+        self.cu = cu
+        size = self.size
+        cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        r = cu.cuMemHostRegister_v2(self.page.ctypes.data, size, 0x1 | 0x2)  # portable, mapped
+        if r != 0:
+            raise OSError(f"cuMemHostRegister refused (CUresult {r})")
+        self._registered = True
+        dptr = ctypes.c_uint64()
+        cu.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        r = cu.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), self.page.ctypes.data, 0)
+        if r != 0:
+            self.close()
+            raise OSError(f"cuMemHostGetDevicePointer refused (CUresult {r})")
+        self.addr = mx.array(np.array([dptr.value], dtype=np.uint64))
+        header = _HEADER.format(REQ=REQ, ERR=ERR, DONE=DONE, COUNT=COUNT, IDS=IDS, TABLE=TABLE)
+        self._lookup = mx.fast.cuda_kernel(name="deltafin_lookup_wait", input_names=["ids", "addr", "meta"],
+                                           output_names=["slots"], source=_LOOKUP, header=header)
+        self._done = mx.fast.cuda_kernel(name="deltafin_pass_done", input_names=["y", "addr", "meta"],
+                                         output_names=["out"], source=_DONE, header=header)
+
+    @classmethod
+    def open(cls, layers: list[int], n_experts: int, top_k: int = 1, limit_s: float = 2.0) -> "DeviceWaits | None":
+        """On MLX CUDA with custom kernels, for rows of at most MAX_K experts; None elsewhere."""
+        from deltafin.workers.resident import _cuda_driver, is_metal
+        if mx.default_device() != mx.gpu or is_metal() or not hasattr(mx.fast, "cuda_kernel") or top_k > MAX_K:
+            return None
+        drv = _cuda_driver()
+        return None if drv is None else cls(drv[0], layers, n_experts, limit_s)
+
+    def close(self) -> None:
+        if getattr(self, "_registered", False):
+            self.cu.cuMemHostUnregister(self.page.ctypes.data)
+            self._registered = False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _meta(self, layer_index: int, k: int) -> mx.array:
+        return mx.array(np.array([layer_index, self.seq, self.n_experts, k, max(1, int(self.limit_s * 1000))],
+                                 dtype=np.int32))
+
+    def slots(self, layer: int, ids) -> mx.array:
+        """ids [..., k] (one row's chosen experts) -> their slots, uint32, the same shape: looked
+        up when the device reaches the layer, waiting for the host where one is missing."""
+        k = ids.shape[-1]
+        out = self._lookup(inputs=[ids.reshape(-1).astype(mx.int32), self.addr, self._meta(self.index[layer], k)],
+                           output_shapes=[(k,)], output_dtypes=[mx.uint32], grid=(32, 1, 1),
+                           threadgroup=(32, 1, 1))[0]
+        return out.reshape(ids.shape)
+
+    def marker(self, y) -> mx.array:
+        """A tiny kernel behind y that writes the pass's number into the page once y is done."""
+        return self._done(inputs=[y.reshape(-1), self.addr, self._meta(0, 0)], output_shapes=[(1,)],
+                          output_dtypes=[y.dtype], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
