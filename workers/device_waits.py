@@ -53,8 +53,8 @@ __device__ inline unsigned long long df_now() {{
 _LOOKUP = """
     if (threadIdx.x == 0) {
         volatile int* h = reinterpret_cast<volatile int*>(addr[0]);
-        const int layer = meta[0], seq = meta[1], n_experts = meta[2], k = meta[3];
-        const unsigned long long limit = (unsigned long long)meta[4] * 1000000ULL;
+        const int layer = meta[0], n_experts = meta[1], k = meta[2], seq = pass_no[0];
+        const unsigned long long limit = (unsigned long long)meta[3] * 1000000ULL;
         const int base = TABLE + layer * n_experts;
         const unsigned long long t0 = df_now();
         int asked = 0;
@@ -88,7 +88,7 @@ _DONE = """
         volatile int* h = reinterpret_cast<volatile int*>(addr[0]);
         out[0] = y[0];
         __threadfence_system();
-        h[DONE] = meta[1];
+        h[DONE] = pass_no[0];
         __threadfence_system();
     }
 """
@@ -208,10 +208,12 @@ class DeviceWaits(RequestPage):
             raise OSError(f"cuMemHostGetDevicePointer refused (CUresult {r})")
         self.addr = mx.array(np.array([dptr.value], dtype=np.uint64))
         header = _HEADER.format(REQ=REQ, ERR=ERR, DONE=DONE, COUNT=COUNT, IDS=IDS, TABLE=TABLE)
-        self._lookup = mx.fast.cuda_kernel(name="deltafin_lookup_wait", input_names=["ids", "addr", "meta"],
+        self._lookup = mx.fast.cuda_kernel(name="deltafin_lookup_wait", input_names=["ids", "addr", "meta", "pass_no"],
                                            output_names=["slots"], source=_LOOKUP, header=header)
-        self._done = mx.fast.cuda_kernel(name="deltafin_pass_done", input_names=["y", "addr", "meta"],
+        self._done = mx.fast.cuda_kernel(name="deltafin_pass_done", input_names=["y", "addr", "pass_no"],
                                          output_names=["out"], source=_DONE, header=header)
+        self._metas: dict[tuple, mx.array] = {}  # (layer, k, limit_s) -> the lookup's fixed arguments
+        self._pass_no = mx.array(np.zeros(1, dtype=np.int32))
 
     @classmethod
     def open(cls, layers: list[int], n_experts: int, top_k: int = 1, limit_s: float = 2.0) -> "DeviceWaits | None":
@@ -233,20 +235,30 @@ class DeviceWaits(RequestPage):
         except Exception:
             pass
 
-    def _meta(self, layer_index: int, k: int) -> mx.array:
-        return mx.array(np.array([layer_index, self.seq, self.n_experts, k, max(1, int(self.limit_s * 1000))],
-                                 dtype=np.int32))
+    def begin(self) -> None:
+        """A new pass: its number, also as the one small array its kernels read."""
+        super().begin()
+        self._pass_no = mx.array(np.array([self.seq], dtype=np.int32))
+
+    def _meta(self, layer: int, k: int) -> mx.array:
+        """The layer's fixed arguments (its index, the experts per layer, k, the limit in ms), made once."""
+        key = (layer, k, self.limit_s)
+        made = self._metas.get(key)
+        if made is None:
+            made = self._metas[key] = mx.array(np.array(
+                [self.index[layer], self.n_experts, k, max(1, int(self.limit_s * 1000))], dtype=np.int32))
+        return made
 
     def slots(self, layer: int, ids) -> mx.array:
         """ids [..., k] (one row's chosen experts) -> their slots, uint32, the same shape: looked
         up when the device reaches the layer, waiting for the host where one is missing."""
         k = ids.shape[-1]
-        out = self._lookup(inputs=[ids.reshape(-1).astype(mx.int32), self.addr, self._meta(self.index[layer], k)],
+        out = self._lookup(inputs=[ids.reshape(-1).astype(mx.int32), self.addr, self._meta(layer, k), self._pass_no],
                            output_shapes=[(k,)], output_dtypes=[mx.uint32], grid=(32, 1, 1),
                            threadgroup=(32, 1, 1))[0]
         return out.reshape(ids.shape)
 
     def marker(self, y) -> mx.array:
         """A tiny kernel behind y that writes the pass's number into the page once y is done."""
-        return self._done(inputs=[y.reshape(-1), self.addr, self._meta(0, 0)], output_shapes=[(1,)],
+        return self._done(inputs=[y.reshape(-1), self.addr, self._pass_no], output_shapes=[(1,)],
                           output_dtypes=[y.dtype], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]

@@ -294,7 +294,7 @@ class ResidentTier:
         # on_host: where fills write in place and experts stream, the pools live in host memory
         # (place_on_host; MLX CUDA only, a no-op elsewhere)
         hosted = [g for g in self.n_slots if on_host is True or
-                  (on_host == "streaming" and self.n_slots[g] < self.group_experts[g])]
+                  (on_host == "streaming" and self.streams(g))]
         self.placement = {"placed": False, "why": "not asked"}
         self.copies: DriverCopies | None = None  # where the driver fills the pools (`copied` groups)
         self.copied: set[str] = set()
@@ -345,6 +345,10 @@ class ResidentTier:
         # (the device's table marks it missing at once; workers/device_waits.py)
         self.on_drop = None
         self.changes = 0  # fills and drops so far (what the residency map was published at, device_waits)
+
+    def streams(self, g: str) -> bool:
+        """Whether group g has fewer resident slots than experts (its experts come and go)."""
+        return self.n_slots[g] < self.group_experts[g]
 
     def _dtype(self, t: dict):
         return pool_dtype(t["dtype"], self.dtype)

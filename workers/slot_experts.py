@@ -98,7 +98,6 @@ class SlotExperts(ExpertProvider):
         self._served: dict[int, int] = {}  # layer -> experts it was missing, read while the device waited
         self._last_y = None  # the latest output of a layer looked up on the device (the pass's end marker follows it)
         self._serving = False  # a need sent while the device waits: its fills write without settles
-        self._served_s = 0.0  # this pass's time in `_serve`
 
     def attach(self, staging_buf, slot_bytes: int, resident: dict) -> None:
         """The staging segment and the resident slots per group (the process: at attach_pool)."""
@@ -125,7 +124,7 @@ class SlotExperts(ExpertProvider):
         self.hints = (self.routing.mode == "gate" and
                       prefetch_setting(self.cache_config, sum(self.tier.n_slots.values()), n_keys) is not False)
         if self.pipe.device_waits and self.lookups is None and \
-                any(n < self.tier.group_experts[g] for g, n in self.tier.n_slots.items()):
+                any(self.tier.streams(g) for g in self.tier.n_slots):
             limit = getattr(self.source, "timeout_s", 60.0) + 5.0  # the host's own need timeout comes first
             self.lookups = DeviceWaits.open(list(self.store.moe_layers), self.store.n_experts, self.store.top_k,
                                           limit_s=limit)
@@ -438,7 +437,7 @@ class SlotExperts(ExpertProvider):
             return False
         for layer in self.store.moe_layers:
             g = self.tier.group_of[layer]
-            if self.tier.n_slots[g] < self.tier.group_experts[g] or self.tier.full(layer):
+            if self.tier.streams(g) or self.tier.full(layer):
                 continue
             experts = list(range(self.store.n_experts))
             self.counters.add("preloaded", len(self.tier.missing(layer, experts)))
@@ -490,7 +489,7 @@ class SlotExperts(ExpertProvider):
         """The layer's experts' output [..., k, D] for x [..., D] and the gate's ids [..., k]."""
         ids = self.routing.choose(layer, inds)  # the gate's ids (on the device), or the trace's
         tier = self.tier
-        if self._waiting_on and tier.n_slots[tier.group_of[layer]] < tier.group_experts[tier.group_of[layer]]:
+        if self._waiting_on and tier.streams(tier.group_of[layer]):
             return self._run_waiting(layer, x, ids)
         if tier.full(layer) and not self.force_sync:
             return self._all_resident(layer, x, inds, ids)
@@ -555,7 +554,7 @@ class SlotExperts(ExpertProvider):
                               and self.current is not None and self.current["n"] == 1)
         self._waiting_on = self._ahead_on and self.lookups is not None
         if self._waiting_on:
-            self._served, self._last_y, self._served_s = {}, None, 0.0
+            self._served, self._last_y = {}, None
             self.tier.settle_copies()  # every fill applied so far is in its slot: published
             self.lookups.publish(self.tier)
             self.lookups.begin()
@@ -638,7 +637,7 @@ class SlotExperts(ExpertProvider):
         tier.settle_copies()
         lookups.publish(tier)
         y = switch_glu(x, lookups.slots(layer, ids), tier.weights(layer), tier.quant(layer))
-        self._ahead.append({"layer": layer, "ids": ids, "where": None, "look": None})
+        self._ahead.append({"layer": layer, "ids": ids})
         self.counters.add("ran_ahead")
         self._last_y = y
         return y
@@ -653,26 +652,28 @@ class SlotExperts(ExpertProvider):
             return
         t0 = time.perf_counter()
         mx.async_eval(lookups.marker(self._last_y), *[rec["ids"] for rec in recs], *(() if scores is None else (scores,)))
-        sync0 = self.t_sync
+        sync0, served0 = self.t_sync, self.counters.get("device_wait_s")
         try:
             lookups.wait(self._serve, timeout_s=lookups.limit_s + 5.0)
         except BaseException:
             lookups.abandon()  # the device's waits end (what it computes is dropped with the pass)
             raise
         # the time not spent in a need: the device's compute, waited for
-        self.t_sync = sync0 + (time.perf_counter() - t0) - self._served_s
-        self._served_s = 0.0
+        self.t_sync = sync0 + (time.perf_counter() - t0) - (self.counters.get("device_wait_s") - served0)
         for rec in recs:
-            layer = rec["layer"]
-            flat = self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1])
             self.counters.add("gate_syncs")
-            n = len(set(flat.reshape(-1).tolist()))
-            missed = self._served.get(layer)
-            self.counters.add("uses", n)
-            self.counters.add("hits", n - (missed or 0))
-            # a layer served by a need was reported by it
-            self._note(layer, flat, report=missed is None, count=False)
+            self._note_checked(rec["layer"], self._host(rec["ids"]).reshape(-1, rec["ids"].shape[-1]),
+                               self._served.get(rec["layer"]))
         self._notes_out(self._take_leases())
+
+    def _note_checked(self, layer: int, flat: np.ndarray, missed: int | None = None) -> None:
+        """A layer's routing read back once it computed: its uses counted, all hits but the
+        `missed` experts read while the device waited (whose need reported the layer's uses),
+        noted for the router where no need did."""
+        n = len(set(flat.reshape(-1).tolist()))
+        self.counters.add("uses", n)
+        self.counters.add("hits", n - (missed or 0))
+        self._note(layer, flat, report=missed is None, count=False)
 
     def _serve(self, layer: int, experts: list[int]) -> None:
         """The device waits at `layer` for experts it found missing: the layer's need (its resident
@@ -697,9 +698,7 @@ class SlotExperts(ExpertProvider):
         else:  # made resident since the table was published
             self.counters.add("device_waits_stale")
         self.lookups.publish(tier)
-        took = time.perf_counter() - t0
-        self._served_s += took
-        self.counters.add("device_wait_s", took)
+        self.counters.add("device_wait_s", time.perf_counter() - t0)
 
     def _goes_ahead(self, layer: int) -> bool:
         """Whether a partially resident layer runs ahead now, by its odds (`_judge`); never one
@@ -776,10 +775,7 @@ class SlotExperts(ExpertProvider):
         kept = bool((rec["where"][flat] >= 0).all())
         self._judge(layer, kept)
         if kept:
-            n = len(set(flat.reshape(-1).tolist()))
-            self.counters.add("uses", n)
-            self.counters.add("hits", n)
-            self._note(layer, flat, report=True, count=False)
+            self._note_checked(layer, flat)
             self._notes_out(self._take_leases())
             return
         self.counters.add("ahead_missed")

@@ -30,9 +30,10 @@ def main() -> int:
     lib = ctypes.CDLL(sys.argv[1])
     arch = sys.argv[2] if len(sys.argv) > 2 else "compute_90"
     kernels = {
-        "deltafin_lookup_wait": ("const int32_t* ids, const uint64_t* addr, const int32_t* meta, uint32_t* slots",
+        "deltafin_lookup_wait": ("const int32_t* ids, const uint64_t* addr, const int32_t* meta, const int32_t* pass_no, "
+                                 "uint32_t* slots",
                                  D._LOOKUP),
-        "deltafin_pass_done": ("const __nv_bfloat16* y, const uint64_t* addr, const int32_t* meta, "
+        "deltafin_pass_done": ("const __nv_bfloat16* y, const uint64_t* addr, const int32_t* pass_no, "
                                "__nv_bfloat16* out", D._DONE),
     }
     failed = 0
